@@ -1,0 +1,255 @@
+"""``PackedSeqParams``: the one packing-metadata type every path of ssm-pack takes.
+
+    N = documents, T = tokens of the physical (padded) packed row
+
+Fields and behaviour follow Megatron-core's ``PackedSeqParams`` so code written against it runs
+unchanged: boundaries for attention (``cu_seqlens_q/kv``), the physical layout with
+per-document padding (``cu_seqlens_*_padded``), the per-microbatch parallel topology
+(``local_cp_size``, ``cp_group``, ``tp_cp_group``; MCore-only, never forwarded to Transformer
+Engine) and ``seq_idx``, precomputed at construction when ``total_tokens`` is known.
+
+ssm-pack adds two fields: ``doc_ids`` (the NeMo AutoModel ``[B, S]`` document map, kept for
+losses and context-parallel consumers) and ``validate`` (``False`` skips the value checks,
+which read tensor values and therefore synchronise when the boundaries live on a GPU, e.g.
+under CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from ._checks import check_boundaries, check_int, check_tensor, describe
+from .seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens
+
+_QKV_FORMATS = (None, "thd", "sbhd", "bshd")
+# Fields Transformer Engine's DotProductAttention.forward accepts; everything else is MCore's.
+_TE_FIELDS = ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
+              "cu_seqlens_kv_padded", "max_seqlen_q", "max_seqlen_kv", "pad_between_seqs")
+
+
+@dataclass(eq=False)
+class PackedSeqParams:
+    """Packed-sequence boundaries and the microbatch's parallel topology.
+
+    Build one with a classmethod (``from_lengths``, ``from_cu_seqlens``, ``from_doc_ids``,
+    ``from_position_ids``, ``from_attention_mask``, ``from_hf_batch``) or directly with
+    Megatron-core's keyword arguments. Bad boundaries raise ``ValueError`` here, at
+    construction, rather than as a silent leak later.
+    """
+
+    qkv_format: str | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_kv: torch.Tensor | None = None
+    cu_seqlens_q_padded: torch.Tensor | None = None
+    cu_seqlens_kv_padded: torch.Tensor | None = None
+    max_seqlen_q: int | None = None
+    max_seqlen_kv: int | None = None
+    local_cp_size: int | None = None
+    cp_group: Any = None
+    tp_cp_group: Any = None
+    total_tokens: int | None = None
+    seq_idx: torch.Tensor | None = None
+    tokens_per_sample: int | None = None
+    pad_between_seqs: bool | None = None
+    cp_scatter_cache: object = None
+    doc_ids: torch.Tensor | None = None
+    validate: bool = field(default=True, repr=False)
+
+    def __post_init__(self):
+        if self.validate:
+            self._check()
+        if self.seq_idx is None and self.total_tokens is not None and self.cu_seqlens_q is not None:
+            self.seq_idx = seq_idx_from_cu_seqlens(get_cu_seqlens(self), self.total_tokens)
+
+    # ----------------------------------------------------------------- validation
+    def _check(self) -> None:
+        if self.qkv_format not in _QKV_FORMATS:
+            raise ValueError(f"qkv_format must be one of {_QKV_FORMATS}, got {self.qkv_format!r}")
+        if self.qkv_format == "thd" and self.cu_seqlens_q is None:
+            raise ValueError("qkv_format='thd' needs cu_seqlens_q; build the params with "
+                             "PackedSeqParams.from_lengths(...) or from_cu_seqlens(...)")
+        for side in ("q", "kv"):
+            self._check_side(side)
+        if self.cu_seqlens_q is not None and self.cu_seqlens_kv is not None:
+            if self.cu_seqlens_q.numel() != self.cu_seqlens_kv.numel():
+                raise ValueError(f"cu_seqlens_q and cu_seqlens_kv must describe the same number of "
+                                 f"documents, got {self.cu_seqlens_q.numel() - 1} and "
+                                 f"{self.cu_seqlens_kv.numel() - 1}")
+        for name in ("max_seqlen_q", "max_seqlen_kv", "tokens_per_sample"):
+            check_int(name, getattr(self, name), minimum=0, allow_none=True)
+        check_int("total_tokens", self.total_tokens, minimum=0, allow_none=True)
+        self._check_total_tokens()
+        self._check_cp()
+        if self.seq_idx is not None:
+            check_tensor("seq_idx", self.seq_idx, ndim=2, integer=True)
+            if self.total_tokens is not None and self.seq_idx.shape != (1, self.total_tokens):
+                raise ValueError(f"seq_idx must be [1, total_tokens] = [1, {self.total_tokens}], "
+                                 f"got {tuple(self.seq_idx.shape)}")
+        if self.doc_ids is not None:
+            check_tensor("doc_ids", self.doc_ids, ndim=2, integer=True)
+
+    def _check_side(self, side: str) -> None:
+        real = getattr(self, f"cu_seqlens_{side}")
+        padded = getattr(self, f"cu_seqlens_{side}_padded")
+        for name, cu in ((f"cu_seqlens_{side}", real), (f"cu_seqlens_{side}_padded", padded)):
+            if cu is not None:
+                check_boundaries(name, cu)
+        limit = getattr(self, f"max_seqlen_{side}")
+        if real is not None and real.numel() > 1 and isinstance(limit, int) and not isinstance(limit, bool):
+            longest = int((real[1:] - real[:-1]).max())
+            if longest > limit:
+                raise ValueError(f"max_seqlen_{side}={limit} is smaller than the longest document "
+                                 f"({longest} tokens); attention kernels would truncate it")
+        if padded is None:
+            return
+        if real is None:
+            raise ValueError(f"cu_seqlens_{side}_padded is set but cu_seqlens_{side} is None; "
+                             f"give the real boundaries too (equal to the padded ones if there is no padding)")
+        if padded.numel() != real.numel():
+            raise ValueError(f"cu_seqlens_{side}_padded describes {padded.numel() - 1} documents but "
+                             f"cu_seqlens_{side} describes {real.numel() - 1}; they must match")
+        slack = (padded[1:] - padded[:-1]) - (real[1:] - real[:-1])
+        if slack.numel() and bool((slack < 0).any()):
+            i = int(torch.nonzero(slack < 0)[0, 0])
+            raise ValueError(f"document {i} is longer than its padded slot: length "
+                             f"{int(real[i + 1] - real[i])} > padded length "
+                             f"{int(padded[i + 1] - padded[i])} (cu_seqlens_{side}_padded)")
+
+    def _check_total_tokens(self) -> None:
+        if self.total_tokens is None or self.cu_seqlens_q is None:
+            return
+        last = int(get_cu_seqlens(self)[-1])
+        if self.total_tokens < last:
+            raise ValueError(f"total_tokens={self.total_tokens} is smaller than the last physical "
+                             f"boundary {last}; it must count every token the kernel sees")
+
+    def _check_cp(self) -> None:
+        if self.local_cp_size is None:
+            return
+        check_int("local_cp_size", self.local_cp_size, minimum=1)
+        if self.cp_group is None:
+            raise ValueError(f"local_cp_size={self.local_cp_size} needs the matching cp_group "
+                             "(a singleton group when CP is off for this microbatch)")
+        size = self.cp_group.size()
+        if size != self.local_cp_size:
+            raise ValueError(f"cp_group has size {size} but local_cp_size={self.local_cp_size}; "
+                             "they must match")
+
+    # ----------------------------------------------------------------- accessors
+    @property
+    def num_docs(self) -> int:
+        """Number of documents described by ``cu_seqlens_q`` (empty ones included)."""
+        if self.cu_seqlens_q is None:
+            raise ValueError("num_docs needs cu_seqlens_q, which is None")
+        return self.cu_seqlens_q.numel() - 1
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """The physical boundaries kernels use (padded when set), see :func:`get_cu_seqlens`."""
+        return get_cu_seqlens(self)
+
+    def lengths(self) -> torch.Tensor:
+        """``[N]`` real length of each document."""
+        return self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]
+
+    def to_te_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for Transformer Engine attention: MCore-only fields filtered out.
+
+        ``cp_group``, ``local_cp_size``, ``tp_cp_group``, ``total_tokens``, ``seq_idx``,
+        ``tokens_per_sample``, ``cp_scatter_cache`` and ssm-pack's ``doc_ids`` / ``validate``
+        are dropped, as are fields left at ``None``.
+        """
+        return {name: getattr(self, name) for name in _TE_FIELDS if getattr(self, name) is not None}
+
+    def replace(self, **changes) -> PackedSeqParams:
+        """A copy with ``changes`` applied; ``seq_idx`` is rebuilt unless given."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if "seq_idx" not in changes:
+            values["seq_idx"] = None
+        values.update(changes)
+        return PackedSeqParams(**values)
+
+    # ----------------------------------------------------------------- builders
+    @classmethod
+    def from_lengths(cls, lengths, *, pad_to_multiple_of: int = 1, total_tokens: int | None = None,
+                     device=None) -> PackedSeqParams:
+        """Documents of ``lengths`` laid out back to back.
+
+        ``pad_to_multiple_of > 1`` pads every document up to a multiple (context parallelism
+        needs ``2 * cp_size``; block-sparse attention its block size); the padded layout goes
+        to ``cu_seqlens_*_padded`` and ``pad_between_seqs`` is set. ``total_tokens`` defaults
+        to the physical length; a larger value adds a tail that ``seq_idx`` treats as one
+        extra document.
+        """
+        from .convert import lengths_to_cu_seqlens, round_up_lengths
+        real = lengths_to_cu_seqlens(lengths, device=device)
+        padded_lengths = round_up_lengths(real[1:] - real[:-1], pad_to_multiple_of)
+        padded = lengths_to_cu_seqlens(padded_lengths)
+        has_pad = not torch.equal(padded, real)
+        return cls._from_boundaries(real, padded if has_pad else None, total_tokens)
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens, *, cu_seqlens_padded=None,
+                        total_tokens: int | None = None) -> PackedSeqParams:
+        """From offsets (a tensor or a list), optionally with a padded physical layout."""
+        from .convert import as_cu_seqlens
+        real = as_cu_seqlens("cu_seqlens", cu_seqlens)
+        padded = None if cu_seqlens_padded is None else as_cu_seqlens("cu_seqlens_padded",
+                                                                      cu_seqlens_padded)
+        return cls._from_boundaries(real, padded, total_tokens)
+
+    @classmethod
+    def _from_boundaries(cls, real, padded, total_tokens) -> PackedSeqParams:
+        physical = real if padded is None else padded
+        total = int(physical[-1]) if total_tokens is None else total_tokens
+        longest = int((physical[1:] - physical[:-1]).max()) if physical.numel() > 1 else 0
+        return cls(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
+                   cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                   max_seqlen_q=longest, max_seqlen_kv=longest, total_tokens=total,
+                   pad_between_seqs=padded is not None)
+
+    @classmethod
+    def from_doc_ids(cls, doc_ids: torch.Tensor) -> PackedSeqParams:
+        """NeMo AutoModel neat packing: see :func:`ssm_pack.packed_seq_params_from_doc_ids`."""
+        from .neat import packed_seq_params_from_doc_ids
+        return packed_seq_params_from_doc_ids(doc_ids)
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor) -> PackedSeqParams:
+        """Documents start wherever ``position_ids`` restarts at 0 (and at every row start).
+
+        ``[B, S]`` rows are flattened in order, so ``total_tokens == B * S``; MRoPE
+        ``[3, B, S]`` positions use their temporal plane.
+        """
+        from .convert import cu_seqlens_from_position_ids
+        return cls._from_boundaries(cu_seqlens_from_position_ids(position_ids), None, None)
+
+    @classmethod
+    def from_attention_mask(cls, attention_mask: torch.Tensor, *,
+                            pad_to_multiple_of: int = 1) -> PackedSeqParams:
+        """The real tokens of a right-padded ``[B, S]`` batch packed back to back.
+
+        Pack the tensors themselves with :func:`ssm_pack.pack_padded`.
+        """
+        from .convert import lengths_from_attention_mask
+        return cls.from_lengths(lengths_from_attention_mask(attention_mask),
+                                pad_to_multiple_of=pad_to_multiple_of)
+
+    @classmethod
+    def from_hf_batch(cls, batch) -> PackedSeqParams:
+        """From a Hugging Face ``DataCollatorWithFlattening`` batch, see :mod:`ssm_pack.hf`."""
+        from .hf import packed_seq_params_from_hf_batch
+        return packed_seq_params_from_hf_batch(batch)
+
+    def __repr__(self) -> str:
+        parts = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None or f.name == "validate":
+                continue
+            shown = describe(value) if isinstance(value, torch.Tensor) else repr(value)
+            parts.append(f"{f.name}={shown}")
+        return f"PackedSeqParams({', '.join(parts)})"

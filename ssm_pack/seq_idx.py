@@ -1,0 +1,99 @@
+"""Per-token document index (``seq_idx``) from document boundaries, Megatron-core semantics.
+
+    T = total tokens the kernel sees, N = documents
+
+``seq_idx`` is what ``causal_conv1d_fn(seq_idx=...)`` and Mamba's SSD scan consume: an int32
+``[1, T]`` tensor holding, for each token of the physical (padded) layout, the index of its
+document. Tokens after the last boundary form one extra document (index N), so every token is
+covered; when ``cu_seqlens[-1] == T`` there is no extra index. Empty documents (equal
+neighbouring offsets) occupy no token, so the index simply skips them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # optional: numpy's repeat is the fastest CPU fill; the torch path below is equivalent
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy-less installs
+    _np = None
+
+from ._checks import check_boundaries, check_int, describe
+
+
+def get_cu_seqlens(packed_seq_params) -> torch.Tensor:
+    """The boundaries a kernel must use: ``cu_seqlens_q_padded`` when set, else ``cu_seqlens_q``.
+
+    Kernels index the physical layout, and with per-document padding (context parallelism,
+    block alignment) that layout is described by the padded offsets.
+    """
+    padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    if padded is not None:
+        return padded
+    plain = getattr(packed_seq_params, "cu_seqlens_q", None)
+    if plain is None:
+        raise ValueError("packed_seq_params has neither cu_seqlens_q_padded nor cu_seqlens_q; "
+                         "build it with PackedSeqParams.from_lengths(...) or from_cu_seqlens(...)")
+    return plain
+
+
+def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """``[1, total_tokens]`` int32 document index per token for boundaries ``cu_seqlens``.
+
+    One write pass, no loop over documents and no host synchronisation: every document index
+    (plus one for the tail) is repeated by its length, with the output size known up front.
+    Requires ``cu_seqlens[-1] <= total_tokens`` (checked on CPU; on an accelerator an
+    asynchronous device assertion guards it).
+    """
+    total_tokens = check_int("total_tokens", total_tokens, minimum=0)
+    check_boundaries("cu_seqlens", cu_seqlens, values=cu_seqlens.device.type == "cpu")
+    if cu_seqlens.device.type == "cpu":
+        last = int(cu_seqlens[-1])
+        if last > total_tokens:
+            raise ValueError(f"total_tokens={total_tokens} is smaller than the last boundary "
+                             f"cu_seqlens[-1]={last}; pass the length the kernel really sees")
+    else:  # pragma: no cover - accelerator only
+        torch._assert_async(cu_seqlens[-1] <= total_tokens, "cu_seqlens[-1] > total_tokens")
+    if cu_seqlens.device.type == "cpu" and _np is not None:
+        return _seq_idx_numpy(cu_seqlens, total_tokens)
+    marks = torch.zeros(total_tokens + 1, dtype=torch.int32, device=cu_seqlens.device)
+    ends = cu_seqlens[1:].to(torch.int64)
+    marks.index_add_(0, ends, torch.ones_like(ends, dtype=torch.int32))  # +1 after every document
+    return marks[:total_tokens].cumsum_(0).unsqueeze(0)
+
+
+def _seq_idx_numpy(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """CPU fast path: one ``numpy.repeat`` (a fill per document, no scan over the tokens)."""
+    bounds = _np.append(cu_seqlens.numpy().astype(_np.int64), total_tokens)
+    index = _np.arange(bounds.size - 1, dtype=_np.int32)
+    return torch.from_numpy(_np.repeat(index, _np.diff(bounds))).unsqueeze(0)
+
+
+def build_packed_seq_idx(packed_seq_params, total_tokens: int) -> torch.Tensor:
+    """Per-token sequence index ``[1, total_tokens]`` (int32) for the varlen kernels.
+
+    Args:
+        packed_seq_params: a :class:`~ssm_pack.PackedSeqParams` (its padded boundaries are
+            preferred, see :func:`get_cu_seqlens`) or a 1-D ``cu_seqlens`` tensor.
+        total_tokens: the sequence length the kernel really consumes, i.e. measured after any
+            sequence-parallel all-gather or context-parallel all-to-all, not the sharded
+            ``hidden_states.shape``.
+
+    ``[0, 5, 7, 11]`` with ``total_tokens=16`` gives
+    ``[[0,0,0,0,0, 1,1, 2,2,2,2, 3,3,3,3,3]]``: the 5 tokens after offset 11 are one extra
+    document.
+    """
+    if isinstance(packed_seq_params, torch.Tensor):
+        cu = packed_seq_params
+    elif packed_seq_params is None:
+        raise TypeError("packed_seq_params must be a PackedSeqParams or a cu_seqlens tensor, got None")
+    else:
+        if not hasattr(packed_seq_params, "cu_seqlens_q"):
+            raise TypeError("packed_seq_params must be a PackedSeqParams or a cu_seqlens tensor, "
+                            f"got {describe(packed_seq_params)}")
+        cu = get_cu_seqlens(packed_seq_params)
+        cached = getattr(packed_seq_params, "seq_idx", None)
+        if (cached is not None and getattr(packed_seq_params, "total_tokens", None) == total_tokens
+                and cached.shape == (1, total_tokens)):
+            return cached
+    return seq_idx_from_cu_seqlens(cu, total_tokens)
