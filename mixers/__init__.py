@@ -1,0 +1,1 @@
+"""Mixer ops and layers for packed hybrid models (see README)."""
