@@ -1,0 +1,1 @@
+"""Benchmarks: one script per question, each printing ratios measured side by side in one run."""

@@ -1,0 +1,57 @@
+"""Timing and table helpers shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def measure(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1, min_time: float = 0.0) -> float:
+    """Median wall time of ``fn()`` in seconds (CUDA synchronised when available)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    start_all = time.perf_counter()
+    while len(times) < repeat or time.perf_counter() - start_all < min_time:
+        gc.collect()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+        if len(times) >= 50:
+            break
+    return statistics.median(times)
+
+
+def matmul_flops_per_s(n: int = 1024, dtype=torch.float32, device="cpu") -> float:
+    """Achieved FLOP/s of a plain square ``torch.matmul``, the roofline yardstick."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    seconds = measure(lambda: a @ b, repeat=5)
+    return 2 * n**3 / seconds
+
+
+def table(headers: list[str], rows: list[list[object]]) -> str:
+    """A GitHub-flavoured markdown table."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = lambda items: "| " + " | ".join(s.ljust(w) for s, w in zip(items, widths)) + " |"  # noqa: E731
+    out = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+def verdict(value: float, target: float, *, higher_is_better: bool) -> str:
+    ok = value >= target if higher_is_better else value <= target
+    sign = ">=" if higher_is_better else "<="
+    return f"{'PASS' if ok else 'MISS'} (target {sign} {target:g})"
+
+
+def fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"

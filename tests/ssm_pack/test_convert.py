@@ -1,0 +1,83 @@
+"""Every conversion round-trips (property tests)."""
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ssm_pack as sp
+
+lengths_st = st.lists(st.integers(0, 12), min_size=1, max_size=30)
+nonempty_st = st.lists(st.integers(1, 12), min_size=1, max_size=30)
+
+
+@given(lengths_st)
+def test_lengths_cu_seqlens_round_trip(lengths):
+    cu = sp.lengths_to_cu_seqlens(lengths)
+    assert cu.dtype == torch.int32 and cu[0] == 0
+    assert sp.cu_seqlens_to_lengths(cu).tolist() == lengths
+
+
+@given(lengths_st, st.integers(1, 8))
+def test_padded_cu_seqlens_round_trip(lengths, multiple):
+    params = sp.PackedSeqParams.from_lengths(lengths, pad_to_multiple_of=multiple)
+    assert params.lengths().tolist() == lengths
+    physical = sp.cu_seqlens_to_lengths(sp.get_cu_seqlens(params))
+    assert all(p % multiple == 0 and p >= n and p - n < multiple for p, n in zip(physical.tolist(), lengths))
+    # the per-token index of the physical layout gives the padded lengths back
+    assert sp.cu_seqlens_from_seq_idx(params.seq_idx, num_docs=len(lengths)).tolist() == \
+        sp.get_cu_seqlens(params).tolist()
+
+
+@given(lengths_st, st.integers(0, 5))
+def test_cu_seqlens_seq_idx_round_trip(lengths, tail):
+    cu = sp.lengths_to_cu_seqlens(lengths)
+    total = int(cu[-1]) + tail
+    seq_idx = sp.seq_idx_from_cu_seqlens(cu, total)
+    back = sp.cu_seqlens_from_seq_idx(seq_idx, num_docs=len(lengths) + (1 if tail else 0))
+    expected = cu.tolist() + ([total] if tail else [])
+    assert back.tolist() == expected
+
+
+@given(nonempty_st)
+def test_cu_seqlens_position_ids_round_trip(lengths):
+    cu = sp.lengths_to_cu_seqlens(lengths)
+    pos = sp.position_ids_from_cu_seqlens(cu)
+    assert pos.shape == (1, sum(lengths)) and pos.dtype == torch.int64
+    assert sp.cu_seqlens_from_position_ids(pos).tolist() == cu.tolist()
+    assert sp.PackedSeqParams.from_position_ids(pos).cu_seqlens_q.tolist() == cu.tolist()
+
+
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=8), st.integers(0, 3))
+def test_attention_mask_round_trip(lengths, extra):
+    mask = sp.attention_mask_from_lengths(lengths, max(lengths) + extra)
+    assert sp.lengths_from_attention_mask(mask).tolist() == lengths
+    assert sp.lengths_from_attention_mask(mask.to(torch.int64)).tolist() == lengths
+    params = sp.PackedSeqParams.from_attention_mask(mask)
+    assert params.lengths().tolist() == lengths
+
+
+@given(st.lists(st.integers(0, 7), min_size=1, max_size=6), st.integers(0, 2))
+def test_pack_padded_round_trip(lengths, extra):
+    width = max(lengths) + extra
+    x = torch.randn(len(lengths), width, 3)
+    packed = sp.pack_padded(x, lengths)
+    assert packed.shape == (1, sum(lengths), 3)
+    cu = sp.lengths_to_cu_seqlens(lengths)
+    back = sp.unpack_to_padded(packed, cu, width)
+    mask = sp.attention_mask_from_lengths(lengths, width)
+    assert torch.equal(back[mask], x[mask]) and bool((back[~mask] == 0).all())
+
+
+def test_position_ids_of_rows_force_a_boundary_per_row():
+    pos = torch.tensor([[0, 1, 2, 3], [4, 5, 0, 1]])  # row 2 continues a document: still a boundary
+    assert sp.cu_seqlens_from_position_ids(pos).tolist() == [0, 4, 6, 8]
+
+
+def test_mrope_positions_use_the_temporal_plane():
+    pos = torch.stack([torch.tensor([[0, 1, 2, 0, 1]]), torch.tensor([[0, 0, 1, 0, 0]]),
+                       torch.tensor([[0, 1, 1, 0, 1]])])
+    assert sp.cu_seqlens_from_position_ids(pos).tolist() == [0, 3, 5]
+
+
+def test_seq_idx_keeps_empty_documents():
+    assert sp.cu_seqlens_from_seq_idx(torch.tensor([[0, 0, 2, 2, 2]])).tolist() == [0, 2, 2, 5]

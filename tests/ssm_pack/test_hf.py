@@ -1,0 +1,54 @@
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ssm_pack as sp
+
+
+def collator_batch(lengths, *, flash=True, seq_idx=True):
+    """What transformers' DataCollatorWithFlattening emits for examples of ``lengths``."""
+    cu = sp.lengths_to_cu_seqlens(lengths)
+    batch = {"input_ids": torch.arange(sum(lengths)).unsqueeze(0),
+             "position_ids": torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)}
+    if flash:
+        batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
+    if seq_idx:
+        batch["seq_idx"] = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[None]
+    return batch
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=12), st.booleans(), st.booleans())
+def test_hf_batch_round_trip(lengths, flash, with_seq_idx):
+    params = sp.PackedSeqParams.from_hf_batch(collator_batch(lengths, flash=flash, seq_idx=with_seq_idx))
+    assert params.lengths().tolist() == lengths and params.total_tokens == sum(lengths)
+    back = sp.hf_batch_from_packed_seq_params(params)
+    ref = collator_batch(lengths)
+    for key in ("position_ids", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k"):
+        assert back[key].tolist() == ref[key].tolist(), key
+    assert back["max_length_q"] == max(lengths)
+
+
+def test_explicit_boundaries_win_over_position_ids():
+    batch = collator_batch([2, 3])
+    batch["position_ids"] = torch.arange(5)[None]  # positions say one document
+    assert sp.packed_seq_params_from_hf_batch(batch).cu_seqlens_q.tolist() == [0, 2, 5]
+    del batch["cu_seq_lens_q"]
+    assert sp.packed_seq_params_from_hf_batch(batch).cu_seqlens_q.tolist() == [0, 2, 5]  # seq_idx next
+    del batch["seq_idx"]
+    assert sp.packed_seq_params_from_hf_batch(batch).cu_seqlens_q.tolist() == [0, 5]
+
+
+def test_hf_batch_with_empty_documents_through_cu_seq_lens():
+    batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "cu_seq_lens_q": torch.tensor([0, 2, 2, 4])}
+    assert sp.packed_seq_params_from_hf_batch(batch).lengths().tolist() == [2, 0, 2]
+
+
+def test_hf_batch_errors():
+    with pytest.raises(ValueError, match="no boundaries"):
+        sp.packed_seq_params_from_hf_batch({"input_ids": torch.zeros(1, 3, dtype=torch.long)})
+    with pytest.raises(ValueError, match=r"one packed row \[1, T\]"):
+        sp.packed_seq_params_from_hf_batch({"input_ids": torch.zeros(2, 3, dtype=torch.long),
+                                            "position_ids": torch.zeros(2, 3, dtype=torch.long)})
+    with pytest.raises(ValueError, match="max_length_q.*smaller than the longest"):
+        sp.packed_seq_params_from_hf_batch({"cu_seq_lens_q": torch.tensor([0, 4]), "max_length_q": 2})
