@@ -16,8 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from ._checks import check_tensor, describe
-from .convert import (as_cu_seqlens, cu_seqlens_from_position_ids, cu_seqlens_from_seq_idx,
-                      position_ids_from_cu_seqlens)
+from .convert import as_cu_seqlens, cu_seqlens_from_position_ids, cu_seqlens_from_seq_idx, position_ids_from_cu_seqlens
 from .params import PackedSeqParams
 from .seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens
 

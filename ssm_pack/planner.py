@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ._checks import as_index_tensor, check_int, check_lengths
 from .params import PackedSeqParams
 

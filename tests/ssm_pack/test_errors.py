@@ -31,9 +31,11 @@ CASES = [
      ValueError, r"cu_seqlens_q must be non-decreasing, got 5 then 4"),
     ("negative offset", lambda: sp.PackedSeqParams(cu_seqlens_q=torch.tensor([0, -2])),
      ValueError, r"cu_seqlens_q must be non-decreasing, got 0 then -2"),
-    ("decreasing kv", lambda: sp.PackedSeqParams(cu_seqlens_q=torch.tensor([0, 2]), cu_seqlens_kv=torch.tensor([0, 3, 1])),
+    ("decreasing kv", lambda: sp.PackedSeqParams(cu_seqlens_q=torch.tensor([0, 2]),
+                                                 cu_seqlens_kv=torch.tensor([0, 3, 1])),
      ValueError, r"cu_seqlens_kv must be non-decreasing, got 3 then 1"),
-    ("q/kv doc counts", lambda: sp.PackedSeqParams(cu_seqlens_q=torch.tensor([0, 2]), cu_seqlens_kv=torch.tensor([0, 1, 2])),
+    ("q/kv doc counts", lambda: sp.PackedSeqParams(cu_seqlens_q=torch.tensor([0, 2]),
+                                                   cu_seqlens_kv=torch.tensor([0, 1, 2])),
      ValueError, r"same number of documents, got 1 and 2"),
     ("padded count mismatch", lambda: sp.PackedSeqParams(cu_seqlens_q=torch.tensor([0, 2, 4]),
                                                          cu_seqlens_q_padded=torch.tensor([0, 4])),
@@ -112,7 +114,8 @@ CASES = [
     ("block size zero", lambda: sp.check_block_alignment(torch.tensor([[0, 1]]), 0),
      ValueError, r"block_size must be >= 1, got 0"),
     ("segment attention heads", lambda: sp.segment_attention(torch.zeros(1, 3, 4, 2), torch.zeros(1, 2, 4, 2),
-                                                             torch.zeros(1, 2, 4, 2), torch.zeros(1, 4, dtype=torch.long)),
+                                                             torch.zeros(1, 2, 4, 2),
+                                                             torch.zeros(1, 4, dtype=torch.long)),
      ValueError, r"q heads \(3\) must be a multiple of k/v heads \(2\)"),
 ]
 

@@ -1,0 +1,74 @@
+"""Backend choice for every op: one small pure function, an explicit ``backend=`` wins.
+
+``"reference"`` always runs ssm-pack's PyTorch path. ``"kernel"`` runs the upstream CUDA kernel
+or raises (never a silent fallback when a kernel was asked for). ``"auto"`` takes the kernel
+when the tensors are on CUDA, the support check passes and the kernel can do every requested
+feature; otherwise the reference, which is exact, so "auto" never runs an unpacked kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import ssm_pack.support as support
+
+BACKENDS = ("auto", "kernel", "reference")
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def select_backend(op: str, backend: str, *, on_cuda: bool,
+                   support_state: Callable[[], tuple[bool, str | None]],
+                   missing_feature: str | None = None) -> str:
+    """``"kernel"`` or ``"reference"`` for one call of ``op``.
+
+    Args:
+        backend: the user's choice (``"auto"``, ``"kernel"``, ``"reference"``).
+        on_cuda: whether the inputs live on a CUDA device.
+        support_state: returns ``(ok, reason)`` for the upstream package (called only when a
+            kernel is still possible, so CPU calls never read package metadata).
+        missing_feature: a requested feature upstream cannot do (e.g. "per-document initial
+            states"), or ``None``.
+    """
+    check_backend(backend)
+    if backend == "reference":
+        return "reference"
+    if backend == "kernel":
+        if missing_feature is not None:
+            raise ValueError(f"{op}: the upstream kernel cannot do {missing_feature}; use "
+                             "backend='reference' (or 'auto', which picks it)")
+        if not on_cuda:
+            raise ValueError(f"{op}: backend='kernel' needs CUDA tensors; use backend='reference' on CPU")
+        ok, reason = support_state()
+        if not ok:
+            raise RuntimeError(f"{op}: backend='kernel' is unavailable: {reason}")
+        return "kernel"
+    if not on_cuda or missing_feature is not None:
+        return "reference"
+    return "kernel" if support_state()[0] else "reference"
+
+
+def is_cuda(t) -> bool:
+    """Whether ``t`` lives on a CUDA device (one place, so kernel-contract tests can pretend)."""
+    return t.is_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def cached_support(name: str, features: tuple[str, ...] = ()) -> tuple[bool, str | None]:
+    """Support state of an upstream package, read once per process (``cache_clear()`` resets).
+
+    ``features`` are causal-conv1d feature names (see ``ssm_pack.support.CAUSAL_CONV1D_FEATURES``).
+    """
+    if name == "causal_conv1d":
+        return support.check_causal_conv1d_support(features)
+    checks = {
+        "mamba_ssm": lambda: support.check_mamba_sequence_packing_support(False),
+        "fla": support.check_fla_sequence_packing_support,
+        "flash_attn": support.check_flash_attn_support,
+    }
+    return checks[name]()

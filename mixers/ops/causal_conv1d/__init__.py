@@ -1,0 +1,130 @@
+"""``causal_conv1d_fn``: varlen causal depthwise convolution with upstream's signature.
+
+    B = rows, D = channels, T = tokens, W = width, J = W - 1, N = documents
+
+Mirrors ``causal_conv1d.causal_conv1d_fn(x [B, D, T], weight [D, W], bias, seq_idx,
+initial_states, return_final_states, final_states_out, activation)``: ``seq_idx`` boundaries are
+changes of value, negative ``seq_idx`` marks padding whose output is zero, per-row
+``initial_states`` ``[B, D, J]`` feed the first segment of each row.
+
+Beyond upstream (keyword-only): ``cu_seqlens`` (``B == 1``) gives per-document
+``initial_states`` ``[N, D, J]`` and per-document final states ``[N, D, J]`` (the last J inputs
+of each document, reaching into its initial state when it is shorter), differentiable; final
+states are also returned together with ``seq_idx``, which upstream refuses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ssm_pack.seq_idx import seq_idx_from_cu_seqlens
+
+from .. import _dispatch
+from .._segments import Segments, segments_from_cu_seqlens, segments_from_seq_idx
+from ._validate import check_conv_inputs
+from .kernel import causal_conv1d_kernel, unsupported_shape, varlen_states_kernel
+from .reference import causal_conv1d_reference, gather_final_slots
+
+__all__ = ["causal_conv1d_fn"]
+
+
+def _initial_slots(initial_states, segs: Segments, per_doc: bool) -> torch.Tensor | None:
+    """Initial state of every segment: per document, or the row's state for its first segment."""
+    if initial_states is None:
+        return None
+    zeros = initial_states.new_zeros(segs.count, *initial_states.shape[1:])
+    if per_doc:
+        docs = torch.nonzero(segs.doc_segment >= 0).reshape(-1)
+        return zeros.index_copy(0, segs.doc_segment[docs], initial_states[docs])
+    rows = segs.starts // max(segs.seg_id.shape[1], 1)
+    first = torch.nonzero(segs.first_in_row).reshape(-1)
+    return zeros.index_copy(0, first, initial_states[rows[first]])
+
+
+def _final_states(final_slots, segs: Segments, per_doc: bool, initial_states, shape):
+    """Final slots of the segments -> per-document ``[N, D, J]`` or per-row ``[B, D, J]``."""
+    if per_doc:
+        has = segs.doc_segment >= 0
+        if segs.count == 0:  # no token at all: every document keeps its initial state
+            picked = final_slots.new_zeros(has.numel(), *final_slots.shape[1:])
+        else:
+            picked = final_slots.index_select(0, segs.doc_segment.clamp(min=0))
+        empty = initial_states if initial_states is not None else torch.zeros_like(picked)
+        return torch.where(has[:, None, None], picked, empty.to(picked.dtype))
+    last = segs.last_in_row(*shape)
+    return final_slots.index_select(0, last)
+
+
+def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                     final_states_out=None, activation=None, *, cu_seqlens=None, backend="auto"):
+    """Causal depthwise conv1d over packed rows, resetting at every document boundary.
+
+    Args:
+        x: ``[B, D, T]`` (any layout; channel-last is what the CUDA kernel wants).
+        weight: ``[D, W]``; bias: ``[D]``.
+        seq_idx: ``[B, T]`` int per-token document index; negative marks padding (output 0).
+        initial_states: ``[B, D, J]`` per row, or ``[N, D, J]`` per document with ``cu_seqlens``.
+        return_final_states: also return the final states (per row, or per document with
+            ``cu_seqlens``); ``final_states_out`` receives them in place when given.
+        activation: ``None``, ``"silu"`` or ``"swish"``.
+        cu_seqlens: keyword-only ``[N+1]`` document boundaries of the single row (``B == 1``);
+            ``seq_idx`` is derived from it when not given.
+        backend: ``"auto"``, ``"kernel"`` (causal-conv1d, CUDA) or ``"reference"``.
+
+    Returns:
+        ``out`` ``[B, D, T]``, or ``(out, final_states)``.
+    """
+    init_per_doc = check_conv_inputs(x, weight, bias, seq_idx, initial_states, return_final_states,
+                                     final_states_out, activation, cu_seqlens)
+    batch, dim, length = x.shape
+    state_len = weight.shape[1] - 1
+    user_seq_idx = seq_idx is not None
+    if cu_seqlens is not None:
+        derived = seq_idx_from_cu_seqlens(cu_seqlens, length)
+        seq_idx = derived if seq_idx is None else seq_idx
+        segs = segments_from_cu_seqlens(cu_seqlens, length)
+    else:
+        seq_idx = seq_idx if seq_idx is not None else torch.zeros(batch, length, dtype=torch.int32,
+                                                                   device=x.device)
+        segs = segments_from_seq_idx(seq_idx)
+    slots = _initial_slots(initial_states, segs, init_per_doc)
+    doc_init = initial_states if init_per_doc else None
+    choice = _choose(x, weight, initial_states, init_per_doc, backend, seq_idx, user_seq_idx)
+    if choice == "kernel":
+        out = causal_conv1d_kernel(x, weight, bias, seq_idx, initial_states, activation)
+    else:
+        out = causal_conv1d_reference(x, weight, bias, segs, slots, activation,
+                                      pad_mask=seq_idx < 0 if user_seq_idx else None)
+    if not return_final_states:
+        return out
+    final = _gather_final_states(x, cu_seqlens, segs, slots, state_len, doc_init, choice == "kernel")
+    if final_states_out is not None:
+        final_states_out.copy_(final)
+        final = final_states_out
+    return out, final
+
+
+def _choose(x, weight, initial_states, init_per_doc, backend, seq_idx, user_seq_idx) -> str:
+    on_cuda = _dispatch.is_cuda(x)
+    if init_per_doc:
+        missing = "per-document initial states"
+    else:
+        missing = unsupported_shape(x, weight) if on_cuda else None
+    features = ("seq_idx",) + (("initial_states_with_seq_idx",) if initial_states is not None else ())
+
+    def support_state():
+        padded = user_seq_idx and bool((seq_idx < 0).any())       # one device sync, kernel path only
+        return _dispatch.cached_support("causal_conv1d", features + (("padding_seq_idx",) if padded else ()))
+
+    return _dispatch.select_backend("causal_conv1d_fn", backend, on_cuda=on_cuda, support_state=support_state,
+                                    missing_feature=missing)
+
+
+def _gather_final_states(x, cu_seqlens, segs, slots, state_len, doc_init, kernel):
+    per_doc = cu_seqlens is not None
+    if kernel and per_doc and slots is None and not (torch.is_grad_enabled() and x.requires_grad):
+        states = varlen_states_kernel(x, cu_seqlens, state_len)
+        if states is not None:
+            return states
+    final_slots = gather_final_slots(x, segs, state_len, slots)
+    return _final_states(final_slots, segs, per_doc, doc_init, (x.shape[0], x.shape[2]))

@@ -1,0 +1,55 @@
+"""Argument checks of ``causal_conv1d_fn`` (shapes in the module docstring)."""
+
+from __future__ import annotations
+
+from ssm_pack._checks import check_tensor
+
+from .._checks import check_cu_seqlens
+
+ACTIVATIONS = (None, "silu", "swish")
+
+
+def _check_states(name, states, rows, dim, state_len, what):
+    check_tensor(name, states, ndim=3)
+    if tuple(states.shape) != (rows, dim, state_len):
+        raise ValueError(f"{name} must be [{what}, D, W-1] = [{rows}, {dim}, {state_len}], "
+                         f"got {tuple(states.shape)}")
+
+
+def check_conv_inputs(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
+                      activation, cu_seqlens) -> bool:
+    """Validate; return whether ``initial_states`` are per document (``cu_seqlens``, ``N`` rows)."""
+    check_tensor("x", x, ndim=3)
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+    batch, dim, length = x.shape
+    check_tensor("weight", weight, ndim=2)
+    if weight.shape[0] != dim or weight.shape[1] < 1:
+        raise ValueError(f"weight must be [D, W] = [{dim}, W>=1], got {tuple(weight.shape)}")
+    if bias is not None and tuple(check_tensor("bias", bias, ndim=1).shape) != (dim,):
+        raise ValueError(f"bias must be [D] = [{dim}], got {tuple(bias.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    if seq_idx is not None:
+        check_tensor("seq_idx", seq_idx, ndim=2, integer=True)
+        if tuple(seq_idx.shape) != (batch, length):
+            raise ValueError(f"seq_idx must be [B, T] = [{batch}, {length}], got {tuple(seq_idx.shape)}")
+    state_len = weight.shape[1] - 1
+    per_doc = False
+    rows, what = batch, "B"
+    if cu_seqlens is not None:
+        docs = check_cu_seqlens(cu_seqlens, batch, length, seq_idx)
+        if initial_states is not None and initial_states.shape[0] == docs:
+            per_doc, rows, what = True, docs, "N"
+        elif initial_states is not None and initial_states.shape[0] != batch:
+            raise ValueError(f"initial_states must have one row per document (N={docs}) or per packed "
+                             f"row (B={batch}), got {initial_states.shape[0]} rows")
+    if initial_states is not None:
+        _check_states("initial_states", initial_states, rows, dim, state_len, what)
+    if final_states_out is not None:
+        if not return_final_states:
+            raise ValueError("final_states_out is given but return_final_states=False; set it to True")
+        out_rows = cu_seqlens.numel() - 1 if cu_seqlens is not None else batch
+        _check_states("final_states_out", final_states_out, out_rows, dim, state_len,
+                      "N" if cu_seqlens is not None else "B")
+    return per_doc

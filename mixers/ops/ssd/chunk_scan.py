@@ -1,0 +1,169 @@
+"""The SSD chunk scan as one autograd function with a hand-written backward.
+
+    Q = B * C chunks (rows x chunks, flattened), L = chunk length, H = heads, P = head dim,
+    G = groups, R = H // G, N = state size, K = chunks in one block
+
+Math (per chunk, tokens l, s; masks from the segment ids, see :mod:`.reference`):
+
+    xdt[s]   = x[s] * dt[s]
+    y[l]     = sum_s keep[l,s] exp(a[l] - a[s]) (C_l . B_s) xdt[s]          (intra-chunk)
+             + reads[l] exp(a[l]) C_l . h_enter                             (entering state)
+    u        = sum_s last[s] exp(a[L-1] - a[s]) xdt[s] B_s^T (+ extra_u)    (chunk state)
+    h_enter[c+1] = keep_state[c] exp(a[L-1]) h_enter[c] + u[c]
+    out      = (y + D x) * silu(z)
+
+Autograd through these steps allocates many ``[Q, H, L, L]`` and ``[T, H, P]`` tensors; on a
+CPU the page faults of those allocations cost more than the arithmetic. Here every step runs
+over blocks of K chunks in buffers that stay in cache, nothing ``L x L`` is kept for backward
+(it is recomputed), and the state passing runs in place. Masks multiply exact zeros into every
+cross-document term (all values are finite), so documents stay bitwise independent.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_BLOCK_ELEMENTS = 1 << 20  # ~4 MB of fp32 per L x L buffer: stays in cache between steps
+
+
+def exp_floor(dtype: torch.dtype) -> float:
+    """Lowest exponent kept: ``exp`` below it is slow on CPUs (denormals) and the value < 1e-26."""
+    return -60.0 if dtype in (torch.float32, torch.float16, torch.bfloat16) else -600.0
+
+
+def _blocks(q: int, per_chunk: int):
+    step = max(1, _BLOCK_ELEMENTS // max(per_chunk, 1))
+    for q0 in range(0, q, step):
+        yield q0, min(q0 + step, q)
+
+
+def _group_major(t: torch.Tensor) -> torch.Tensor:
+    """``[K, L, G, X]`` -> ``[K, G, L, X]`` contiguous."""
+    return t.transpose(1, 2).contiguous()
+
+
+def _heads_to_cols(t: torch.Tensor, g: int) -> torch.Tensor:
+    """``[K, L, H, P]`` -> ``[K, G, L, R*P]`` (the heads of a group side by side)."""
+    k, L, h, p = t.shape
+    return t.reshape(k, L, g, (h // g) * p).transpose(1, 2).contiguous()
+
+
+def _cols_to_heads(t: torch.Tensor, h: int) -> torch.Tensor:
+    """``[K, G, L, R*P]`` -> ``[K, L, H, P]``."""
+    k, g, L, rp = t.shape
+    return t.transpose(1, 2).reshape(k, L, h, rp * g // h)
+
+
+def _state_to_cols(s: torch.Tensor, g: int) -> torch.Tensor:
+    """``[K, H, P, N]`` -> ``[K, G, N, R*P]``."""
+    k, h, p, n = s.shape
+    return s.reshape(k, g, (h // g), p, n).permute(0, 1, 4, 2, 3).reshape(k, g, n, (h // g) * p)
+
+
+def _cols_to_state(t: torch.Tensor, h: int) -> torch.Tensor:
+    """``[K, G, N, R*P]`` -> ``[K, H, P, N]``."""
+    k, g, n, rp = t.shape
+    return t.reshape(k, g, n, h // g, rp * g // h).permute(0, 1, 3, 4, 2).reshape(k, h, rp * g // h, n)
+
+
+def _decay(a_hm: torch.Tensor, keepf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``[K, H, L, L]`` ``exp(a[l] - a[s])`` on kept pairs, exactly 0 elsewhere.
+
+    Masked exponents are zeroed before ``exp`` and the results after (so no ``-inf`` reaches
+    ``exp``'s slow path); exponents below :func:`exp_floor` are raised to it (an absolute change
+    under 1e-26 of an already negligible decay).
+    """
+    torch.sub(a_hm.unsqueeze(-1), a_hm.unsqueeze(-2), out=out)
+    out.mul_(keepf).clamp_(min=exp_floor(out.dtype)).exp_()
+    return out.mul_(keepf)
+
+
+def state_weights(a, last):
+    """``[K, L, H]`` ``exp(a[L-1] - a[s])`` for the tokens of each chunk's last segment, else 0."""
+    return torch.exp((a[:, -1:] - a).mul_(last).clamp_(min=exp_floor(a.dtype))).mul_(last)
+
+
+def read_weights(a, reads):
+    """``[K, L, H]`` ``exp(a[l])`` for the tokens that read the entering state, else 0."""
+    return torch.exp((a * reads).clamp_(min=exp_floor(a.dtype))).mul_(reads)
+
+
+class SSDChunkScan(torch.autograd.Function):
+    """``(out [B,T,H,P], h_enter [B,C,H,P,N], h_final [B,H,P,N])``; inputs padded to ``C * L``.
+
+    Args (forward): x ``[B,T,H,P]``, dt ``[B,T,H]``, a ``[B,T,H]`` (segmented cumulative
+    log-decay), Bm / Cm ``[B,T,G,N]``, keep ``[Q,L,L]`` bool, last / reads ``[Q,L]`` bool,
+    keep_state ``[B,C]`` bool, h0 ``[B,H,P,N]``, extra_u ``[B,C,H,P,N]`` or None, D ``[H]`` /
+    ``[H,P]`` or None, z ``[B,T,H,P]`` or None, chunk (int).
+    """
+
+    @staticmethod
+    def forward(ctx, x, dt, a, Bm, Cm, keep, last, reads, keep_state, h0, extra_u, D, z, chunk):
+        b, t, h, p = x.shape
+        g, n = Bm.shape[2:]
+        c, L = t // chunk, chunk
+        q = b * c
+        xq, dtq, aq = x.reshape(q, L, h, p), dt.reshape(q, L, h), a.reshape(q, L, h)
+        bq, cq = Bm.reshape(q, L, g, n), Cm.reshape(q, L, g, n)
+        keepf = keep.to(x.dtype).unsqueeze(1)                                    # [Q, 1, L, L]
+        lastf, readf = last.to(x.dtype).unsqueeze(-1), reads.to(x.dtype).unsqueeze(-1)
+        out = torch.empty(q, L, h, p, dtype=x.dtype, device=x.device)
+        u = torch.empty(q, h, p, n, dtype=x.dtype, device=x.device)
+        buf = xdt_hm = None
+        for q0, q1 in _blocks(q, h * L * L):
+            k = q1 - q0
+            if buf is None:
+                buf, xdt_hm = x.new_empty(k, h, L, L), x.new_empty(k, h, L, p)
+            x_hm = xq[q0:q1].transpose(1, 2)
+            xdt = torch.mul(x_hm, dtq[q0:q1].transpose(1, 2).unsqueeze(-1), out=xdt_hm[:k])  # [K, H, L, P]
+            bg, cg = _group_major(bq[q0:q1]), _group_major(cq[q0:q1])
+            scores = _decay(aq[q0:q1].transpose(1, 2), keepf[q0:q1], buf[:k])
+            scores.view(k, g, h // g, L, L).mul_((cg @ bg.transpose(-1, -2)).unsqueeze(2))
+            out[q0:q1] = (scores @ xdt).transpose(1, 2)
+            w_state = state_weights(aq[q0:q1], lastf[q0:q1])
+            xw = xq[q0:q1] * (dtq[q0:q1] * w_state).unsqueeze(-1)                  # [K, L, H, P]
+            u[q0:q1] = _cols_to_state(bg.transpose(-1, -2) @ _heads_to_cols(xw, g), h)
+        u = u.reshape(b, c, h, p, n)
+        if extra_u is not None:
+            u += extra_u
+        decay = torch.exp(a.reshape(b, c, L, h)[:, :, -1])                       # [B, C, H]
+        h_enter, h_final = _pass_states(u, decay, keep_state, h0)
+        hq = h_enter.reshape(q, h, p, n)
+        # the entering-state read is kept for backward (it gives the gradient of its decay)
+        y_off = torch.empty_like(out) if any(ctx.needs_input_grad) else None
+        for q0, q1 in _blocks(q, h * L * L):
+            cg = _group_major(cq[q0:q1])
+            w_off = read_weights(aq[q0:q1], readf[q0:q1])
+            read = _cols_to_heads(cg @ _state_to_cols(hq[q0:q1], g), h).mul_(w_off.unsqueeze(-1))
+            out[q0:q1] += read
+            if y_off is not None:
+                y_off[q0:q1] = read
+        out = out.reshape(b, t, h, p)
+        if D is not None:
+            out.add_(x * (D.unsqueeze(-1) if D.dim() == 1 else D))
+        pre_gate = None
+        if z is not None:
+            pre_gate = out
+            out = out * F.silu(z)
+        ctx.save_for_backward(x, dt, a, Bm, Cm, keep, last, reads, keep_state, h_enter, h_final, D, z, pre_gate,
+                              y_off)
+        ctx.chunk = chunk
+        return out, h_enter, h_final
+
+    @staticmethod
+    def backward(ctx, g_out, g_enter, g_final):
+        from .chunk_scan_backward import chunk_scan_backward
+        return chunk_scan_backward(ctx, g_out, g_enter, g_final)
+
+
+def _pass_states(u, decay, keep_state, h0):
+    """``h_enter[c+1] = keep * decay * h_enter[c] + u[c]``, in place over one buffer."""
+    b, c = u.shape[:2]
+    h_enter = torch.empty_like(u)
+    factor = (decay * keep_state.unsqueeze(-1)).reshape(b, c, -1, 1, 1)
+    state = h0.clone()
+    for ci in range(c):
+        h_enter[:, ci] = state
+        torch.addcmul(u[:, ci], state, factor[:, ci], out=state)
+    return h_enter, state

@@ -1,0 +1,128 @@
+"""Backward of :class:`.chunk_scan.SSDChunkScan` (same notation and shapes).
+
+Reverse of the forward, in three passes: (1) the entering-state read ``y_off`` per block,
+(2) the state passing, backwards over chunks, (3) the chunk states and the intra-chunk term per
+block, recomputing the ``L x L`` decay instead of storing it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .chunk_scan import (
+    _blocks,
+    _cols_to_heads,
+    _cols_to_state,
+    _decay,
+    _group_major,
+    _heads_to_cols,
+    _state_to_cols,
+    read_weights,
+    state_weights,
+)
+
+
+def _gate(g_out, x, D, z, pre_gate):
+    """Gradients through ``out = (y + D x) * silu(z)``: returns ``(g_y, g_x, g_D, g_z)``."""
+    g_z = None
+    if z is not None:
+        sig = torch.sigmoid(z)
+        g_z = g_out * pre_gate * sig * (1 + z * (1 - sig))
+        g_out = g_out * (z * sig)
+    g_x = g_D = None
+    if D is not None:
+        Dv = D.unsqueeze(-1) if D.dim() == 1 else D
+        g_x = g_out * Dv
+        g_D = (g_out * x).sum((0, 1))
+        g_D = g_D.sum(-1) if D.dim() == 1 else g_D
+    return g_out.contiguous(), g_x, g_D, g_z
+
+
+def _unpass_states(g_enter, g_final, h_enter, decay, keep_state):
+    """Backward of ``h_enter[c+1] = keep * decay * h_enter[c] + u[c]``: ``(g_u, g_decay, g_h0)``."""
+    b, c = h_enter.shape[:2]
+    factor = (decay * keep_state.unsqueeze(-1)).reshape(b, c, -1, 1, 1)
+    g_u = torch.empty_like(h_enter)
+    g_factor = torch.empty_like(decay)
+    g = g_final.clone()
+    for ci in range(c - 1, -1, -1):
+        g_u[:, ci] = g
+        g_factor[:, ci] = (g * h_enter[:, ci]).sum((-1, -2))
+        g.mul_(factor[:, ci]).add_(g_enter[:, ci])
+    return g_u, g_factor * keep_state.unsqueeze(-1), g
+
+
+def chunk_scan_backward(ctx, g_out, g_enter, g_final):
+    (x, dt, a, Bm, Cm, keep, last, reads, keep_state, h_enter, h_final, D, z, pre_gate, y_off) = ctx.saved_tensors
+    b, t, h, p = x.shape
+    g, n = Bm.shape[2:]
+    L = ctx.chunk
+    c = t // L
+    q = b * c
+    if g_out is None:
+        g_out = torch.zeros_like(x)
+    g_y, g_x_skip, g_D, g_z = _gate(g_out, x, D, z, pre_gate)
+    xq, dtq, aq = x.reshape(q, L, h, p), dt.reshape(q, L, h), a.reshape(q, L, h)
+    bq, cq, gyq = Bm.reshape(q, L, g, n), Cm.reshape(q, L, g, n), g_y.reshape(q, L, h, p)
+    keepf = keep.to(x.dtype).unsqueeze(1)
+    lastf, readf = last.to(x.dtype).unsqueeze(-1), reads.to(x.dtype).unsqueeze(-1)
+    hq = h_enter.reshape(q, h, p, n)
+    g_a = torch.zeros(q, L, h, dtype=x.dtype, device=x.device)
+    g_B, g_C = torch.zeros_like(bq), torch.zeros_like(cq)
+    g_h = torch.empty_like(hq)
+    y_offq = y_off.reshape(q, L, h, p)
+    # 1. the entering-state read y_off = w_off * (C . h_enter), with d y_off / d a = y_off
+    for q0, q1 in _blocks(q, h * L * L):
+        cg = _group_major(cq[q0:q1])
+        w_off = read_weights(aq[q0:q1], readf[q0:q1])
+        state_cols = _state_to_cols(hq[q0:q1], g)                              # [K, G, N, R*P]
+        gw_cols = _heads_to_cols(gyq[q0:q1] * w_off.unsqueeze(-1), g)            # [K, G, L, R*P]
+        g_h[q0:q1] = _cols_to_state(cg.transpose(-1, -2) @ gw_cols, h)
+        g_C[q0:q1] += (gw_cols @ state_cols.transpose(-1, -2)).transpose(1, 2)
+        g_a[q0:q1] += (gyq[q0:q1] * y_offq[q0:q1]).sum(-1)
+    # 2. the state passing, backwards over chunks
+    g_h = g_h.reshape(b, c, h, p, n)
+    if g_enter is not None:
+        g_h += g_enter
+    decay = torch.exp(a.reshape(b, c, L, h)[:, :, -1])
+    g_final = torch.zeros_like(h_final) if g_final is None else g_final
+    g_u, g_decay, g_h0 = _unpass_states(g_h, g_final, h_enter, decay, keep_state)
+    g_a.reshape(b, c, L, h)[:, :, -1] += g_decay * decay
+    g_uq = g_u.reshape(q, h, p, n)
+    # 3. chunk states and the intra-chunk term
+    g_x, g_dt = torch.empty_like(xq), torch.empty_like(dtq)
+    bufs = None
+    for q0, q1 in _blocks(q, h * L * L):
+        k = q1 - q0
+        if bufs is None:
+            bufs = [x.new_empty(k, h, L, L) for _ in range(3)] + [x.new_empty(k, h, L, p)]
+        xdt_hm = torch.mul(xq[q0:q1].transpose(1, 2), dtq[q0:q1].transpose(1, 2).unsqueeze(-1), out=bufs[3][:k])
+        bg, cg = _group_major(bq[q0:q1]), _group_major(cq[q0:q1])
+        w_state = state_weights(aq[q0:q1], lastf[q0:q1])
+        dtw = dtq[q0:q1] * w_state                                               # [K, L, H]
+        gu_cols = _state_to_cols(g_uq[q0:q1], g)                                 # [K, G, N, R*P]
+        g_xw = _cols_to_heads(bg @ gu_cols, h)                                   # [K, L, H, P]
+        g_B[q0:q1] += (_heads_to_cols(xq[q0:q1] * dtw.unsqueeze(-1), g) @ gu_cols.transpose(-1, -2)).transpose(1, 2)
+        g_xdt = g_xw * w_state.unsqueeze(-1)
+        gw = (g_xw * xq[q0:q1]).sum(-1) * dtw                                    # [K, L, H]
+        g_a[q0:q1, -1] += gw.sum(1)
+        g_a[q0:q1] -= gw
+        decay_blk = _decay(aq[q0:q1].transpose(1, 2), keepf[q0:q1], bufs[0][:k])
+        cb = (cg @ bg.transpose(-1, -2)).unsqueeze(2)                            # [K, G, 1, L, L]
+        scores = torch.mul(decay_blk.view(k, g, h // g, L, L), cb, out=bufs[1][:k].view(k, g, h // g, L, L))
+        gy_hm = gyq[q0:q1].transpose(1, 2).contiguous()
+        g_xdt += (scores.view(k, h, L, L).transpose(-1, -2) @ gy_hm).transpose(1, 2)
+        dsd = torch.matmul(gy_hm, xdt_hm.transpose(-1, -2), out=bufs[2][:k]).mul_(decay_blk)
+        dcb = dsd.view(k, g, h // g, L, L).sum(2)                                # [K, G, L, L]
+        dsd.view(k, g, h // g, L, L).mul_(cb)
+        g_a[q0:q1] += (dsd.sum(-1) - dsd.sum(-2)).transpose(1, 2)
+        g_C[q0:q1] += (dcb @ bg).transpose(1, 2)
+        g_B[q0:q1] += (dcb.transpose(-1, -2) @ cg).transpose(1, 2)
+        g_x[q0:q1] = g_xdt * dtq[q0:q1].unsqueeze(-1)
+        g_dt[q0:q1] = (g_xdt * xq[q0:q1]).sum(-1)
+    g_x = g_x.reshape(b, t, h, p)
+    if g_x_skip is not None:
+        g_x = g_x + g_x_skip
+    g_extra = g_u if ctx.needs_input_grad[10] else None
+    return (g_x, g_dt.reshape(b, t, h), g_a.reshape(b, t, h), g_B.reshape(b, t, g, n), g_C.reshape(b, t, g, n),
+            None, None, None, None, g_h0, g_extra, g_D, g_z, None)

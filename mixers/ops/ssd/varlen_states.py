@@ -1,0 +1,87 @@
+"""Per-document initial and final states for the chunked SSD scan (``cu_seqlens``, ``B == 1``).
+
+    T = padded tokens, H = heads, P = head dim, G = groups, R = H // G, N = state size,
+    L = chunk length, D = documents
+
+A document's initial state ``h0`` reaches (a) its own tokens inside its first chunk, decayed by
+the segmented cumulative decay ``exp(a_cs)``, and (b) the state leaving that chunk when the
+document is the chunk's last segment, from where state passing carries it on. Its final state
+is (c) the entering state of its last chunk when it is that state's segment, plus (d) its own
+tokens inside that last chunk, plus (e) ``h0`` when it starts in that chunk. Each document only
+touches a run of at most ``L`` tokens, batched by length (:mod:`mixers.ops._grouped`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._grouped import buckets
+from .._segments import Segments
+
+
+def _doc_runs(segs: Segments, chunk: int):
+    """Start, end (exclusive) and segment of every non-empty document."""
+    docs = torch.nonzero(segs.doc_segment >= 0).reshape(-1)
+    seg = segs.doc_segment[docs]
+    return docs, segs.starts[seg], segs.ends[seg], seg
+
+
+def initial_chunk_states(h0, segs: Segments, a_cs, seg_chunked, chunk: int) -> torch.Tensor:
+    """(b): ``[1, C, H, P, N]`` to add to the chunk states before state passing."""
+    c = seg_chunked.shape[1]
+    seg_doc = torch.full((segs.count,), -1, dtype=torch.int64, device=h0.device)
+    has = segs.doc_segment >= 0
+    seg_doc[segs.doc_segment[has]] = torch.nonzero(has).reshape(-1)
+    last_seg = seg_chunked[0, :, -1]                                             # [C]
+    doc = seg_doc[last_seg]
+    chunk_start = torch.arange(c, device=h0.device) * chunk
+    starts_here = (doc >= 0) & (segs.starts[last_seg] >= chunk_start)
+    decay = torch.exp(a_cs[0, :, -1, :])                                        # [C, H]
+    picked = h0.index_select(0, doc.clamp(min=0)) * decay[:, :, None, None]
+    return torch.where(starts_here[:, None, None, None], picked, 0.0).unsqueeze(0)
+
+
+def initial_outputs(h0, segs: Segments, a_cs_flat, c_flat, chunk: int, heads: int) -> torch.Tensor:
+    """(a): ``[T, H, P]`` read of ``h0`` by each document's tokens inside its first chunk."""
+    docs, start, end, _ = _doc_runs(segs, chunk)
+    count = torch.minimum(end - start, chunk - start % chunk)
+    g, n = c_flat.shape[1:]
+    r, p = heads // g, h0.shape[2]
+    out = c_flat.new_zeros(c_flat.shape[0], heads, p)
+    for bucket in buckets(start, count):
+        cg = c_flat[bucket.index].permute(0, 2, 1, 3).unsqueeze(2)                # [k, g, 1, n, N]
+        hg = h0[docs[bucket.ids]].reshape(-1, g, r, p, n).transpose(-1, -2)      # [k, g, r, N, p]
+        y = (cg @ hg).permute(0, 3, 1, 2, 4).reshape(*bucket.index.shape, heads, p)
+        w = torch.exp(a_cs_flat[bucket.index]).unsqueeze(-1)                      # [k, n, H, 1]
+        y = torch.where(bucket.valid[:, :, None, None], y * w, 0.0)
+        out = out.index_add(0, bucket.index.reshape(-1), y.reshape(-1, heads, p))
+    return out
+
+
+def final_states(h0, segs: Segments, a_cs_flat, xdt_flat, b_flat, h_enter, enter_seg, chunk: int,
+                 num_docs: int) -> torch.Tensor:
+    """(c) + (d) + (e): ``[D, H, P, N]`` state after every document's last token."""
+    docs, start, end, seg = _doc_runs(segs, chunk)
+    heads, p = xdt_flat.shape[1:]
+    g, n = b_flat.shape[1:]
+    r = heads // g
+    last = end - 1
+    last_chunk = last // chunk
+    run_start = torch.maximum(start, last_chunk * chunk)
+    a_end = a_cs_flat[last]                                                      # [k, H]
+    own = xdt_flat.new_zeros(docs.numel(), heads, p, n)
+    for bucket in buckets(run_start, end - run_start):
+        w = torch.exp(a_end[bucket.ids].unsqueeze(1) - a_cs_flat[bucket.index])  # [k, m, H]
+        xw = torch.where(bucket.valid[:, :, None, None], xdt_flat[bucket.index] * w.unsqueeze(-1), 0.0)
+        xw = xw.reshape(*bucket.index.shape, g, r, p).permute(0, 2, 3, 4, 1)      # [k, g, r, p, m]
+        bg = b_flat[bucket.index].permute(0, 2, 1, 3).unsqueeze(2)                # [k, g, 1, m, N]
+        own = own.index_copy(0, bucket.ids, (xw @ bg).reshape(-1, heads, p, n))
+    decay_end = torch.exp(a_end)[:, :, None, None]
+    carried = h_enter[0].index_select(0, last_chunk) * decay_end
+    is_entering = (enter_seg[0, last_chunk] == seg)[:, None, None, None]
+    state = own + torch.where(is_entering, carried, 0.0)
+    if h0 is not None:
+        starts_here = (start >= last_chunk * chunk)[:, None, None, None]
+        state = state + torch.where(starts_here, h0[docs] * decay_end, 0.0)
+    empty = h0 if h0 is not None else state.new_zeros(num_docs, heads, p, n)
+    return empty.to(state.dtype).index_copy(0, docs, state)

@@ -1,0 +1,176 @@
+"""causal_conv1d_fn against a per-document F.conv1d oracle: outputs, final states, every gradient."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mixers.ops import causal_conv1d_fn
+from ssm_pack import lengths_to_cu_seqlens
+from tests.oracles import check_close, conv_oracle, design_lengths
+
+DIM = 8
+
+
+def make(lengths, tail, width, dtype, *, init=True, channel_last=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cu = lengths_to_cu_seqlens(lengths)
+    total = int(cu[-1]) + tail
+    x = torch.randn(1, total, DIM, generator=g, dtype=torch.float64)
+    x = x.transpose(1, 2) if channel_last else x.transpose(1, 2).contiguous()
+    weight = torch.randn(DIM, width, generator=g, dtype=torch.float64)
+    bias = torch.randn(DIM, generator=g, dtype=torch.float64)
+    states = torch.randn(len(lengths), DIM, width - 1, generator=g, dtype=torch.float64) if init else None
+    leaves = [t.to(dtype).requires_grad_() for t in (x, weight, bias)]
+    if states is not None:
+        leaves.append(states.to(dtype).requires_grad_())
+    return cu, leaves
+
+
+def run_both(cu, leaves, activation):
+    x, weight, bias, *rest = leaves
+    init = rest[0] if rest else None
+    out, final = causal_conv1d_fn(x, weight, bias, initial_states=init, return_final_states=True,
+                                  activation=activation, cu_seqlens=cu)
+    ref_leaves = [t.detach().to(torch.float64).requires_grad_() for t in leaves]
+    rx, rw, rb, *rrest = ref_leaves
+    ref_out, ref_final = conv_oracle(rx, rw, rb, cu, rrest[0] if rrest else None, activation)
+    g = torch.Generator().manual_seed(1)
+    g_out = torch.randn(ref_out.shape, generator=g, dtype=torch.float64)
+    g_fin = torch.randn(ref_final.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * g_out.to(out.dtype)).sum() + (final * g_fin.to(final.dtype)).sum(), leaves,
+                                allow_unused=True, materialize_grads=True)
+    ref_grads = torch.autograd.grad((ref_out * g_out).sum() + (ref_final * g_fin).sum(), ref_leaves,
+                                    allow_unused=True, materialize_grads=True)
+    return (out, final, grads), (ref_out, ref_final, ref_grads)
+
+
+GRID = [
+    pytest.param(design_lengths(8, 4), 5, 4, id="design-grid-w4"),
+    pytest.param([0, 15, 100, 300], 0, 4, id="uneven"),
+    pytest.param([1, 2, 3] * 700, 3, 4, id="thousands-of-tiny"),
+    pytest.param([5, 0, 0, 1, 7], 0, 2, id="width-2-empty-docs"),
+    pytest.param([3, 9, 1], 2, 1, id="width-1"),
+    pytest.param([2, 11, 6], 4, 6, id="width-6"),
+]
+
+
+@pytest.mark.parametrize("lengths,tail,width", GRID)
+@pytest.mark.parametrize("init", [True, False], ids=["init", "zero-init"])
+def test_matches_per_document_conv_fp64(lengths, tail, width, init):
+    cu, leaves = make(lengths, tail, width, torch.float64, init=init)
+    (out, final, grads), (ref_out, ref_final, ref_grads) = run_both(cu, leaves, "silu")
+    check_close(out, ref_out, torch.float64, what="out")
+    check_close(final, ref_final, torch.float64, what="final states")
+    for name, a, r in zip(("x", "weight", "bias", "initial_states"), grads, ref_grads):
+        check_close(a, r, torch.float64, grad=True, what=f"grad {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("channel_last", [True, False], ids=["channel-last", "channel-first"])
+def test_low_precision(dtype, channel_last):
+    cu, leaves = make([0, 15, 100, 300, 3], 7, 4, dtype, channel_last=channel_last)
+    (out, final, grads), (ref_out, ref_final, ref_grads) = run_both(cu, leaves, None)
+    assert out.dtype == dtype and final.dtype == dtype
+    check_close(out, ref_out, dtype, what="out")
+    check_close(final, ref_final, dtype, what="final states")
+    for name, a, r in zip(("x", "weight", "bias", "initial_states"), grads, ref_grads):
+        check_close(a, r, dtype, grad=True, what=f"grad {name}")
+
+
+@given(st.lists(st.integers(0, 12), min_size=1, max_size=12), st.integers(0, 4), st.integers(1, 5),
+       st.booleans())
+def test_random_layouts(lengths, tail, width, init):
+    cu, leaves = make(lengths, tail, width, torch.float64, init=init)
+    (out, final, grads), (ref_out, ref_final, ref_grads) = run_both(cu, leaves, "silu")
+    check_close(out, ref_out, torch.float64, what="out")
+    check_close(final, ref_final, torch.float64, what="final")
+    for a, r in zip(grads, ref_grads):
+        check_close(a, r, torch.float64, grad=True, what="grad")
+
+
+def test_seq_idx_rows_with_per_row_initial_states_and_padding():
+    """Upstream semantics: B rows, seq_idx changes of value, row init feeds each row's first segment,
+    negative seq_idx is padding with output zero."""
+    g = torch.Generator().manual_seed(3)
+    seq_idx = torch.tensor([[0, 0, 0, 1, 1, -1, -1, 2], [5, 5, 5, 5, 5, 6, 6, 6]], dtype=torch.int32)
+    x = torch.randn(2, DIM, 8, generator=g, dtype=torch.float64)
+    w, b = torch.randn(DIM, 4, generator=g, dtype=torch.float64), torch.randn(DIM, generator=g, dtype=torch.float64)
+    init = torch.randn(2, DIM, 3, generator=g, dtype=torch.float64)
+    out, final = causal_conv1d_fn(x, w, b, seq_idx=seq_idx, initial_states=init, return_final_states=True,
+                                  activation="silu")
+    for row, runs in enumerate([[(0, 3), (3, 5), (5, 7), (7, 8)], [(0, 5), (5, 8)]]):
+        for k, (s, e) in enumerate(runs):
+            start = init[row:row + 1] if k == 0 else x.new_zeros(1, DIM, 3)
+            ref = F.silu(F.conv1d(torch.cat([start, x[row:row + 1, :, s:e]], -1), w.unsqueeze(1), b, groups=DIM))
+            if seq_idx[row, s] < 0:
+                ref = torch.zeros_like(ref)
+            check_close(out[row:row + 1, :, s:e], ref, torch.float64, what=f"row {row} run {k}")
+        s, e = runs[-1]
+        check_close(final[row], torch.cat([x.new_zeros(DIM, 3), x[row, :, s:e]], -1)[:, -3:], torch.float64,
+                    what="final state of the row's last segment")
+
+
+def test_final_states_out_is_filled_in_place():
+    cu, (x, w, b) = make([3, 5], 0, 4, torch.float64, init=False)
+    buf = torch.empty(2, DIM, 3, dtype=torch.float64)
+    _, final = causal_conv1d_fn(x.detach(), w.detach(), b.detach(), return_final_states=True, final_states_out=buf,
+                                cu_seqlens=cu)
+    assert final is buf and torch.equal(buf[1], x.detach()[0, :, 5:8])
+
+
+def test_no_metadata_is_one_plain_causal_conv():
+    x = torch.randn(2, DIM, 9, dtype=torch.float64)
+    w, b = torch.randn(DIM, 4, dtype=torch.float64), torch.randn(DIM, dtype=torch.float64)
+    ref = F.conv1d(x, w.unsqueeze(1), b, padding=3, groups=DIM)[..., :9]
+    assert (causal_conv1d_fn(x, w, b) - ref).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    pytest.param(dict(activation="relu"), ValueError, "activation must be None, 'silu' or 'swish'", id="activation"),
+    pytest.param(dict(seq_idx=torch.zeros(1, 5)), TypeError, "seq_idx must have an integer dtype", id="float-seq-idx"),
+    pytest.param(dict(seq_idx=torch.zeros(1, 4, dtype=torch.int32)), ValueError, r"seq_idx must be \[B, T\]",
+                 id="seq-idx-shape"),
+    pytest.param(dict(cu_seqlens=torch.tensor([0, 9])), ValueError, r"cu_seqlens\[-1\]=9 is beyond the 5 tokens",
+                 id="cu-beyond"),
+    pytest.param(dict(initial_states=torch.zeros(1, 8, 2)), ValueError, r"initial_states must be \[B, D, W-1\]",
+                 id="init-shape"),
+    pytest.param(dict(final_states_out=torch.zeros(1, 8, 3)), ValueError, "return_final_states=False",
+                 id="out-without-return"),
+    pytest.param(dict(backend="cuda"), ValueError, "backend must be one of", id="backend-name"),
+    pytest.param(dict(backend="kernel"), ValueError, "needs CUDA tensors", id="kernel-on-cpu"),
+    pytest.param(dict(cu_seqlens=torch.tensor([0, 2, 5]), seq_idx=torch.zeros(1, 5, dtype=torch.int32)),
+                 ValueError, "describe different documents", id="inconsistent"),
+])
+def test_bad_input(kwargs, exc, match):
+    x, w = torch.randn(1, DIM, 5), torch.randn(DIM, 4)
+    with pytest.raises(exc, match=match):
+        causal_conv1d_fn(x, w, **kwargs)
+
+
+def test_batch_with_cu_seqlens_is_refused():
+    with pytest.raises(ValueError, match=r"cu_seqlens needs one packed row \(B == 1\), got B=2"):
+        causal_conv1d_fn(torch.randn(2, DIM, 5), torch.randn(DIM, 4), cu_seqlens=torch.tensor([0, 5]))
+
+
+def test_perturbing_a_document_leaves_the_others_bitwise_unchanged():
+    from tests.leakage import perturbation_report
+    from tests.oracles import documents
+    lengths = [1, 15, 0, 100, 2, 3, 40]
+    cu = lengths_to_cu_seqlens(lengths)
+    total = int(cu[-1]) + 6                           # a padding tail
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, total, DIM, generator=g).transpose(1, 2)
+    w, b = torch.randn(DIM, 4, generator=g), torch.randn(DIM, generator=g)
+    spans = documents(cu, total)
+
+    def packed(x):
+        return causal_conv1d_fn(x, w, b, activation="silu", cu_seqlens=cu)
+
+    def unpacked(x):                                   # negative control: the metadata dropped
+        return causal_conv1d_fn(x, w, b, activation="silu")
+
+    inputs = {"x": (x, 2)}
+    assert perturbation_report(packed, inputs, spans, 2) == []
+    assert perturbation_report(unpacked, inputs, spans, 2), "the check cannot fail: no leak without metadata"

@@ -1,0 +1,107 @@
+"""Oracles for the op tests: step-by-step recurrences and per-document loops, written plainly.
+
+They share no code with the references they check: the SSM and delta-rule oracles step through
+tokens (all documents in lockstep, one step per position), the conv oracle runs ``F.conv1d`` on
+each document alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# tolerances per dtype (DESIGN "Numbers that define correct")
+FP64_ABS = 1e-10
+FP32_REL = 1e-5
+BF16_FWD_REL, BF16_GRAD_REL = 5e-3, 1e-2
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.to(torch.float64)
+    err = (got.to(torch.float64) - want).square().mean().sqrt()
+    scale = want.square().mean().sqrt().clamp_min(1e-30)
+    return float(err / scale)
+
+
+def check_close(got, want, dtype, *, grad=False, what=""):
+    """Assert ``got`` matches the fp64 oracle ``want`` within the tolerance of ``dtype``."""
+    got, want = got.detach(), want.detach()
+    if dtype == torch.float64:
+        err = float((got - want).abs().max()) if got.numel() else 0.0
+        assert err <= FP64_ABS, f"{what}: max abs error {err:.3e} > {FP64_ABS}"
+    else:
+        limit = FP32_REL if dtype == torch.float32 else (BF16_GRAD_REL if grad else BF16_FWD_REL)
+        err = rel_rms(got, want) if got.numel() else 0.0
+        assert err <= limit, f"{what}: relative RMS error {err:.3e} > {limit} ({dtype})"
+
+
+def design_lengths(chunk: int, width: int = 4) -> list[int]:
+    """DESIGN's length grid: 1, 2, W-1, W, chunk-1, chunk, chunk+1, 2*chunk, with empty documents."""
+    return [1, 2, 0, width - 1, width, chunk - 1, 0, chunk, chunk + 1, 2 * chunk, 3, 0]
+
+
+def documents(cu: torch.Tensor, total: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of every document, then the tail after ``cu[-1]`` (if any)."""
+    bounds = cu.tolist()
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    if total > bounds[-1]:
+        spans.append((bounds[-1], total))
+    return spans
+
+
+def conv_oracle(x, weight, bias, cu, initial_states=None, activation=None):
+    """Per-document ``F.conv1d``: ``(out [1, D, T], final_states [N, D, W-1])``."""
+    dim, width = weight.shape
+    total = x.shape[-1]
+    outs, finals = [], []
+    for i, (s, e) in enumerate(documents(cu, total)):
+        is_doc = i < cu.numel() - 1
+        init = initial_states[i:i + 1] if (initial_states is not None and is_doc) else \
+            x.new_zeros(1, dim, width - 1)
+        seg = torch.cat([init, x[:, :, s:e]], dim=-1)
+        if e > s:
+            y = F.conv1d(seg, weight.unsqueeze(1), bias, groups=dim)
+            outs.append(F.silu(y) if activation else y)
+        if is_doc:
+            finals.append(seg[0, :, seg.shape[-1] - (width - 1):])
+    out = torch.cat(outs, dim=-1) if outs else x[:, :, :0]
+    return out, (torch.stack(finals) if finals else x.new_zeros(0, dim, width - 1))
+
+
+def ssm_oracle(x, dt, A, B, C, cu, *, D=None, z=None, initial_states=None):
+    """Token-by-token SSM, every document from its own state, all documents in lockstep.
+
+    ``h = exp(dt*A) h + dt * x B^T``, ``y = h C + D x``, ``y *= silu(z)``. ``dt`` is used as
+    given (bias and softplus applied by the caller). ``initial_states`` has one row per document
+    (or per span, the padding tail last). Returns ``(y [1, T, H, P], states [N, H, P, Ns])``.
+    """
+    _, total, heads, p = x.shape
+    g, n = B.shape[2:]
+    spans = documents(cu, total)
+    docs = cu.numel() - 1
+    longest = max([e - s for s, e in spans] + [0])
+    state = x.new_zeros(len(spans), heads, p, n)
+    if initial_states is not None:   # one row per document, or per span (the tail included)
+        state = torch.cat([initial_states, x.new_zeros(len(spans) - initial_states.shape[0], heads, p, n)])
+    rep = heads // g
+    ys = [None] * total
+    for step in range(longest):
+        idx = [s + step for s, e in spans if s + step < e]
+        live = [k for k, (s, e) in enumerate(spans) if s + step < e]
+        if not idx:
+            break
+        t = torch.tensor(idx)
+        dA = torch.exp(dt[0, t] * A)                                         # [k, H]
+        Bh = B[0, t].repeat_interleave(rep, dim=1)                           # [k, H, N]
+        Ch = C[0, t].repeat_interleave(rep, dim=1)
+        new = dA[:, :, None, None] * state[live] + (dt[0, t, :, None] * x[0, t])[..., None] * Bh[:, :, None, :]
+        state = state.index_put((torch.tensor(live),), new)
+        y = (new * Ch[:, :, None, :]).sum(-1)
+        if D is not None:
+            y = y + x[0, t] * (D[:, None] if D.dim() == 1 else D)
+        if z is not None:
+            y = y * F.silu(z[0, t])
+        for j, tok in enumerate(idx):
+            ys[tok] = y[j]
+    out = torch.stack(ys).unsqueeze(0) if ys else x.new_zeros(1, 0, heads, p)
+    return out, state[:docs]
