@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 from collections.abc import Callable
 
@@ -11,7 +10,10 @@ import torch
 
 
 def measure(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1, min_time: float = 0.0) -> float:
-    """Median wall time of ``fn()`` in seconds (CUDA synchronised when available)."""
+    """Best wall time of ``fn()`` over ``repeat`` runs, in seconds (CUDA synchronised when available).
+
+    The minimum, not the median: on a shared machine the noise only ever adds time.
+    """
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
@@ -26,7 +28,7 @@ def measure(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1, min_t
         times.append(time.perf_counter() - start)
         if len(times) >= 50:
             break
-    return statistics.median(times)
+    return min(times)
 
 
 def matmul_flops_per_s(n: int = 1024, dtype=torch.float32, device="cpu") -> float:

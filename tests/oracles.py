@@ -105,3 +105,38 @@ def ssm_oracle(x, dt, A, B, C, cu, *, D=None, z=None, initial_states=None):
             ys[tok] = y[j]
     out = torch.stack(ys).unsqueeze(0) if ys else x.new_zeros(1, 0, heads, p)
     return out, state[:docs]
+
+
+def delta_oracle(q, k, v, g, beta, cu, *, scale, nh=1, initial_states=None):
+    """Token-by-token (gated) delta rule, every document from its own state, in lockstep.
+
+    q ``[1, T, H, K]``; k, v, beta with ``nh`` sub-steps per token (``[1, T*nh, ...]``); g
+    ``[1, T, H, Kg]`` log-decays or ``None``; heads already expanded (H == value heads).
+    Per token: ``S = exp(g) * S``, then ``nh`` times ``S += k (beta (v - S^T k))^T``, then
+    ``o = S^T (scale q)``. Returns ``(o [1, T, H, V], states [N, H, K, V])``.
+    """
+    _, total, heads, kd = q.shape
+    vd = v.shape[-1]
+    spans = documents(cu, total)
+    docs = cu.numel() - 1
+    state = q.new_zeros(len(spans), heads, kd, vd)
+    if initial_states is not None:
+        state = torch.cat([initial_states, q.new_zeros(len(spans) - initial_states.shape[0], heads, kd, vd)])
+    longest = max([e - s for s, e in spans] + [0])
+    outs = [None] * total
+    for step in range(longest):
+        live = [i for i, (s, e) in enumerate(spans) if s + step < e]
+        tok = torch.tensor([spans[i][0] + step for i in live])
+        S = state[live]
+        if g is not None:
+            S = S * torch.exp(g[0, tok]).unsqueeze(-1)
+        for j in range(nh):
+            kt, vt, bt = k[0, tok * nh + j], v[0, tok * nh + j], beta[0, tok * nh + j]
+            pred = (S * kt.unsqueeze(-1)).sum(-2)
+            S = S + kt.unsqueeze(-1) * (bt.unsqueeze(-1) * (vt - pred)).unsqueeze(-2)
+        state = state.index_put((torch.tensor(live),), S)
+        o = (S * (scale * q[0, tok]).unsqueeze(-1)).sum(-2)
+        for j, t in enumerate(tok.tolist()):
+            outs[t] = o[j]
+    out = torch.stack(outs).unsqueeze(0) if outs else q.new_zeros(1, 0, heads, vd)
+    return out, state[:docs]

@@ -54,3 +54,40 @@ def test_ssd_kernel_matches_reference(dtype, packed):
     assert rel_rms(ko.float(), ro.float()) < TOL[dtype]
     for a, r in zip(kg, rg):
         assert rel_rms(a.float(), r.float()) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda", "gdp"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_delta_rule_kernels_match_reference(kind, packed):
+    from mixers.ops import chunk_gated_delta_product, chunk_gated_delta_rule, chunk_kda
+    need("fla")
+    dtype = torch.bfloat16
+    t, h, d, nh = 416, 4, 64, 2
+    cu = lengths_to_cu_seqlens([0, 15, 100, 300, 1], device="cuda") if packed else None
+    steps = t * nh if kind == "gdp" else t
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=dtype).requires_grad_()  # noqa: E731
+    q, k, v = mk(1, t, h, d), mk(1, steps, h, d), mk(1, steps, h, d)
+    beta = torch.rand(1, steps, h, device="cuda", dtype=dtype).requires_grad_()
+    shape = (1, t, h, d) if kind == "kda" else (1, t, h)
+    g = torch.nn.functional.logsigmoid(torch.randn(*shape, device="cuda")).to(dtype).requires_grad_()
+    op = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}.get(kind)
+    outs = []
+    for backend in ("kernel", "reference"):
+        kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, backend=backend)
+        o, s = chunk_gated_delta_product(q, k, v, g, beta, nh, **kw) if op is None else op(q, k, v, g, beta, **kw)
+        grads = torch.autograd.grad(o.float().square().sum() + s.float().sum(), (q, k, v, g, beta))
+        outs.append((o, s, grads))
+    (ko, ks, kg), (ro, rs, rg) = outs
+    assert rel_rms(ko.float(), ro.float()) < TOL[dtype] and rel_rms(ks.float(), rs.float()) < TOL[dtype]
+    for a, r in zip(kg, rg):
+        assert rel_rms(a.float(), r.float()) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("window", [None, (64, 0)], ids=["full", "window"])
+def test_flash_attention_matches_reference(window):
+    from mixers.ops import varlen_attention
+    need("flash_attn")
+    cu = lengths_to_cu_seqlens([0, 15, 100, 300, 1], device="cuda")
+    q, k, v = (torch.randn(416, 8, 64, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    outs = [varlen_attention(q, k, v, cu, 300, window_size=window, backend=b) for b in ("kernel", "reference")]
+    assert rel_rms(outs[0].float(), outs[1].float()) < TOL[torch.bfloat16]

@@ -211,3 +211,85 @@ def test_select_backend_is_pure():
     assert _dispatch.select_backend("op", "reference", on_cuda=True, support_state=never) == "reference"
     assert _dispatch.select_backend("op", "auto", on_cuda=True, support_state=lambda: (True, None)) == "kernel"
     assert _dispatch.select_backend("op", "auto", on_cuda=True, support_state=lambda: (False, "x")) == "reference"
+
+
+@pytest.fixture
+def fake_fla(monkeypatch):
+    import mixers.ops.delta_rule.kernel as fla_kernel
+    from mixers.ops import chunk_gated_delta_product, chunk_gated_delta_rule, chunk_kda
+    calls = []
+    ours = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda, "gdp": chunk_gated_delta_product}
+
+    def make(kind):
+        def op(q, k, v, g, beta, *args, scale=None, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, cu_seqlens=None, num_householder=None):
+            if cu_seqlens is not None:
+                assert q.shape[0] == 1 and cu_seqlens.dtype == torch.int64
+                assert int(cu_seqlens[-1]) == q.shape[1], "fla needs cu_seqlens[-1] == T"
+                assert bool((cu_seqlens[1:] > cu_seqlens[:-1]).all()), "fla misbehaves on repeated offsets"
+                if initial_state is not None:
+                    assert initial_state.shape[0] == cu_seqlens.numel() - 1
+            calls.append(dict(kind=kind, cu_seqlens=cu_seqlens))
+            extra = (num_householder,) if kind == "gdp" else ()
+            return ours[kind](q, k, v, g, beta, *extra, scale=scale, initial_state=initial_state,
+                              output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                              cu_seqlens=cu_seqlens, backend="reference")
+        return op
+
+    monkeypatch.setattr(fla_kernel, "load_upstream", make)
+    return calls
+
+
+def delta_case(dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    cu = lengths_to_cu_seqlens([4, 0, 9, 0, 3])
+    t = 19                                                     # 3 tokens of padding tail
+    q, k = torch.randn(1, t, 2, 8, generator=g).to(dtype), torch.randn(1, t, 2, 8, generator=g).to(dtype)
+    v = torch.randn(1, t, 2, 8, generator=g).to(dtype)
+    gate = torch.nn.functional.logsigmoid(torch.randn(1, t, 2, generator=g)).to(dtype)
+    beta, h0 = torch.rand(1, t, 2, generator=g).to(dtype), torch.randn(5, 2, 8, 8, generator=g)
+    return q, k, v, gate, beta, h0, cu
+
+
+def test_fla_gets_clean_boundaries_and_empty_documents_keep_their_state(fake_cuda, fake_fla):
+    from mixers.ops import chunk_gated_delta_rule
+    q, k, v, gate, beta, h0, cu = delta_case()
+    out, final = chunk_gated_delta_rule(q, k, v, gate, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert fake_fla[0]["cu_seqlens"].tolist() == [0, 4, 13, 16, 19]
+    ref, ref_final = chunk_gated_delta_rule(q, k, v, gate, beta, initial_state=h0, output_final_state=True,
+                                            cu_seqlens=cu, backend="reference")
+    assert torch.allclose(out.float(), ref.float()) and torch.allclose(final.float(), ref_final.float())
+    assert torch.equal(final[1].float(), h0[1]) and torch.equal(final[3].float(), h0[3])
+
+
+def test_fla_gated_delta_product_fp32_is_the_reference(fake_cuda, fake_fla):
+    from mixers.ops import chunk_gated_delta_product
+    q, k, v, gate, beta, _, cu = delta_case(torch.float32)
+    k2, v2, b2 = (x.repeat_interleave(2, dim=1) for x in (k, v, beta))
+    chunk_gated_delta_product(q, k2, v2, gate, b2, 2, cu_seqlens=cu)
+    assert fake_fla == []
+    with pytest.raises(ValueError, match="float32"):
+        chunk_gated_delta_product(q, k2, v2, gate, b2, 2, cu_seqlens=cu, backend="kernel")
+    chunk_gated_delta_product(q.bfloat16(), k2.bfloat16(), v2.bfloat16(), gate.bfloat16(), b2.bfloat16(), 2,
+                              cu_seqlens=cu)
+    assert fake_fla[0]["kind"] == "gdp"
+
+
+def test_flash_attn_gets_int32_boundaries_covering_every_token(fake_cuda, monkeypatch):
+    import mixers.ops.attention.kernel as attn_kernel
+    from mixers.ops import varlen_attention
+    seen = []
+
+    def flash(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False, window_size=(-1, -1)):
+        assert q.dtype in (torch.float16, torch.bfloat16) and cu_q.dtype == torch.int32
+        assert int(cu_q[-1]) == q.shape[0] and torch.equal(cu_q, cu_k) and max_q >= int((cu_q[1:] - cu_q[:-1]).max())
+        seen.append(cu_q)
+        return varlen_attention(q, k, v, cu_q, max_q, causal=causal, window_size=window_size,
+                                softmax_scale=softmax_scale, backend="reference")
+
+    monkeypatch.setattr(attn_kernel, "load_upstream", lambda: flash)
+    q = torch.randn(20, 4, 8, dtype=torch.bfloat16)
+    cu = lengths_to_cu_seqlens([5, 0, 9])
+    out = varlen_attention(q, q, q, cu, 9, window_size=(4, 0))
+    assert seen[0].tolist() == [0, 5, 5, 14, 20]
+    assert torch.equal(out, varlen_attention(q, q, q, cu, 9, window_size=(4, 0), backend="reference"))

@@ -1,0 +1,118 @@
+"""Chunked generalized delta rule with document resets inside the chunks, pure PyTorch.
+
+    B = rows, T = tokens, H = heads, K = key dim, V = value dim, Kg = 1 (scalar gate) or K,
+    C = chunks, L = chunk length
+
+Recurrence per head, state ``S`` ``[K, V]``, gate ``g`` (log-decay, per channel or scalar):
+
+    S <- exp(g_t) * S                         (row-wise decay)
+    S <- S + k_t (beta_t (v_t - S^T k_t))^T    (delta update)
+    o_t = S^T q_t
+
+Inside a chunk (WY / UT form, as in the DeltaNet and Gated DeltaNet papers), with ``G`` the
+cumulative log-decay from the chunk start (or the document start, if later) and ``S0`` the state
+entering the chunk:
+
+1. ``A[t, s] = beta_t sum_c k_t k_s exp(G_t - G_s)`` (s < t) and
+   ``Aqk[t, s] = sum_c q_t k_s exp(G_t - G_s)`` (s <= t), same-document pairs only;
+2. one triangular solve ``(I + A) [W | U] = [beta exp(G) k | beta v]``, so that the corrected
+   values are ``delta = U - W S0`` (rows of the entering document; the others start from 0);
+3. chunk by chunk, the state leaving a chunk: ``exp(G_L) S0`` (if its document fills the
+   chunk) plus ``(exp(G_L - G) k)^T delta`` over the chunk's last document;
+4. ``o = (exp(G) q) S0 + Aqk delta``.
+
+Steps 1-2 depend on no state and run for many chunks at once (:mod:`.prep`). Every
+cross-document term is a masked zero (the solve is block-diagonal per document), so documents
+stay bitwise independent. The fast path (:mod:`.blocked`) runs blocks of chunks with a
+hand-written backward; per-document initial or final states use the composed path below, which
+keeps every intermediate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .blocked import DeltaRuleBlocked
+from .prep import chunk_prep
+
+
+@dataclass
+class Chunked:
+    """Intermediates kept for per-document states (see :mod:`.varlen_states`)."""
+
+    s_final: torch.Tensor               # [B, H, K, V] state after the last chunk
+    chunk: int
+    G: torch.Tensor | None = None       # [B, C, H, L, Kg] segmented cumulative log-decay
+    keys: torch.Tensor | None = None    # [B, C, H, L, K]
+    delta: torch.Tensor | None = None   # [B, C, H, L, V] corrected values
+    enter_seg: torch.Tensor | None = None  # [B, C]
+    s_enter: torch.Tensor | None = None    # [B, C, H, K, V] state entering each chunk
+
+
+def _pad(t: torch.Tensor, pad: int, repeat_last: bool = False) -> torch.Tensor:
+    if pad == 0:
+        return t
+    filler = t[:, -1:].expand(-1, pad, *t.shape[2:]) if repeat_last else t.new_zeros(t.shape[0], pad, *t.shape[2:])
+    return torch.cat([t, filler], dim=1)
+
+
+def _heads_major(t: torch.Tensor, b: int, c: int, L: int) -> torch.Tensor:
+    """``[B, C*L, H, X]`` -> ``[B, C, H, L, X]``."""
+    return t.reshape(b, c, L, *t.shape[2:]).transpose(2, 3).contiguous()
+
+
+def delta_rule_chunked(q, k, v, g, beta, seg_id, chunk: int, initial_state=None, extra=None,
+                       keep_intermediates: bool = False):
+    """Chunked delta rule; ``q`` already scaled. Returns ``(o [B, T, H, V], Chunked)``.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, Kg]`` log-decays;
+        beta: ``[B, T, H]``; seg_id: ``[B, T]`` segment ids; chunk: chunk length.
+        initial_state: ``[B, H, K, V]`` state of each row's first segment.
+        extra: per-document initial states (:class:`.varlen_states.DocInitialStates`).
+        keep_intermediates: keep what per-document final states need.
+    """
+    b, t, h, kd = k.shape
+    L = chunk
+    pad = (-t) % L
+    # neutral padding: g = 0 (no decay), beta = 0 (no update), q = 0, same segment as the last token
+    q, k, v, g, beta = (_pad(x, pad) for x in (q, k, v, g, beta))
+    seg = _pad(seg_id, pad, repeat_last=True)
+    c = (t + pad) // L
+    seg = seg.reshape(b, c, L)
+    qc, kc, vc, gc = (_heads_major(x, b, c, L) for x in (q, k, v, g))         # [B, C, H, L, X]
+    bc = beta.reshape(b, c, L, h).transpose(2, 3).contiguous()                  # [B, C, H, L]
+    enter_seg = torch.cat([seg[:, :1, 0], seg[:, :-1, -1]], dim=1)             # [B, C]
+    h0 = k.new_zeros(b, h, kd, v.shape[-1]) if initial_state is None else initial_state.to(k.dtype)
+    if extra is None and not keep_intermediates:
+        out, s_final = DeltaRuleBlocked.apply(qc, kc, vc, gc, bc, seg, enter_seg, h0)
+        return _tokens(out, b, c, L, t), Chunked(s_final=s_final, chunk=L)
+    p = chunk_prep(qc, kc, vc, gc, bc, seg, enter_seg)
+    U = p.U if extra is None else p.U - extra.corrections(p.G, p.W)
+    s_enter, delta, state = _composed(U, p, h0, extra, seg)
+    o = p.q_read @ s_enter + p.qk @ delta
+    if extra is not None:
+        o = o + extra.reads(p.G, qc * p.decay_in)
+    return _tokens(o, b, c, L, t), Chunked(s_final=state, chunk=L, G=p.G, keys=kc, delta=delta,
+                                           enter_seg=enter_seg, s_enter=s_enter)
+
+
+def _composed(U, p, h0, extra, seg):
+    """The state recurrence under autograd, all chunks kept (per-document states need them)."""
+    extra_states = None if extra is None else extra.chunk_states(p.G, seg)
+    state, entering, deltas = h0, [], []
+    for ci in range(U.shape[1]):
+        entering.append(state)
+        delta = U[:, ci] - p.w_read[:, ci] @ state
+        deltas.append(delta)
+        state = p.kappa[:, ci] * state + p.k_out[:, ci].transpose(-1, -2) @ delta
+        if extra_states is not None:
+            state = state + extra_states[:, ci]
+    return torch.stack(entering, dim=1), torch.stack(deltas, dim=1), state
+
+
+def _tokens(o: torch.Tensor, b: int, c: int, L: int, t: int) -> torch.Tensor:
+    """``[B, C, H, L, V]`` -> ``[B, T, H, V]``."""
+    return o.transpose(2, 3).reshape(b, c * L, o.shape[2], -1)[:, :t]

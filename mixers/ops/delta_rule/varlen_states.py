@@ -1,0 +1,102 @@
+"""Per-document initial and final states of the chunked delta rule (``cu_seqlens``, ``B == 1``).
+
+    T = padded tokens, C = chunks, L = chunk length, H = heads, K, V = key / value dims,
+    D = documents
+
+A document's initial state ``S0`` acts on its own tokens inside its first chunk (the chunk
+where it starts): it corrects their values (``delta -= W S0``), is read by their queries
+(``o += (exp(G) q) S0``), and, when the document is still running at the chunk's end, enters
+the leaving state as ``exp(G_L) S0``. A document's final state is the entering state of its
+last chunk (when it is that state's document) decayed to its last token, plus its own tokens
+in that chunk, plus ``S0`` when it also started there. Each document only touches a run of at
+most ``L`` tokens; runs are batched by length (:mod:`mixers.ops._grouped`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._grouped import buckets
+from .._segments import Segments
+
+
+def _token_major(t: torch.Tensor) -> torch.Tensor:
+    """``[1, C, H, L, X]`` -> ``[C*L, H, X]``."""
+    _, c, h, L, x = t.shape
+    return t[0].transpose(1, 2).reshape(c * L, h, x)
+
+
+def _chunk_major(t: torch.Tensor, c: int) -> torch.Tensor:
+    """``[C*L, H, X]`` -> ``[1, C, H, L, X]``."""
+    return t.reshape(c, -1, *t.shape[1:]).transpose(1, 2).unsqueeze(0)
+
+
+def _runs(segs: Segments):
+    docs = torch.nonzero(segs.doc_segment >= 0).reshape(-1)
+    seg = segs.doc_segment[docs]
+    return docs, segs.starts[seg], segs.ends[seg], seg
+
+
+class DocInitialStates:
+    """The hooks :func:`.chunk.delta_rule_chunked` calls for per-document initial states."""
+
+    def __init__(self, s0: torch.Tensor, segs: Segments, chunk: int):
+        self.s0, self.segs, self.chunk = s0, segs, chunk
+        docs, start, end, _ = _runs(segs)
+        self.docs, self.start = docs, start
+        self.count = torch.minimum(end - start, chunk - start % chunk)    # the first-chunk run
+
+    def _apply(self, rows_tm: torch.Tensor) -> torch.Tensor:
+        """``out[t] = rows[t] @ S0[doc(t)]`` on every first-chunk run (``[T, H, K]`` -> ``[T, H, V]``)."""
+        out = rows_tm.new_zeros(rows_tm.shape[0], rows_tm.shape[1], self.s0.shape[-1])
+        for bucket in buckets(self.start, self.count):
+            rows = rows_tm[bucket.index].transpose(1, 2)                           # [k, H, n, K]
+            y = (rows @ self.s0[self.docs[bucket.ids]]).transpose(1, 2)           # [k, n, H, V]
+            y = torch.where(bucket.valid[:, :, None, None], y, 0.0)
+            out = out.index_add(0, bucket.index.reshape(-1), y.reshape(-1, *y.shape[2:]))
+        return out
+
+    def corrections(self, G, W):
+        return _chunk_major(self._apply(_token_major(W)), W.shape[1])
+
+    def reads(self, G, q_in):
+        return _chunk_major(self._apply(_token_major(q_in)), q_in.shape[1])
+
+    def chunk_states(self, G, seg):
+        c = seg.shape[1]
+        seg_doc = torch.full((self.segs.count,), -1, dtype=torch.int64, device=seg.device)
+        has = self.segs.doc_segment >= 0
+        seg_doc[self.segs.doc_segment[has]] = torch.nonzero(has).reshape(-1)
+        last_seg = seg[0, :, -1]
+        doc = seg_doc[last_seg]
+        starts_here = (doc >= 0) & (self.segs.starts[last_seg] >= torch.arange(c, device=seg.device) * self.chunk)
+        decay = torch.exp(G[0, :, :, -1, :]).unsqueeze(-1)                        # [C, H, Kg, 1]
+        picked = self.s0.index_select(0, doc.clamp(min=0)) * decay
+        return torch.where(starts_here[:, None, None, None], picked, 0.0).unsqueeze(0)
+
+
+def doc_final_states(ch, segs: Segments, s0, num_docs: int) -> torch.Tensor:
+    """``[D, H, K, V]`` state after every document's last token (see the module docstring)."""
+    L = ch.chunk
+    docs, start, end, seg = _runs(segs)
+    G_tm, k_tm, d_tm = _token_major(ch.G), _token_major(ch.keys), _token_major(ch.delta)
+    h, kd, vd = k_tm.shape[1], k_tm.shape[2], d_tm.shape[2]
+    last = end - 1
+    last_chunk = last // L
+    run_start = torch.maximum(start, last_chunk * L)
+    g_end = G_tm[last]                                                             # [k, H, Kg]
+    own = d_tm.new_zeros(docs.numel(), h, kd, vd)
+    for bucket in buckets(run_start, end - run_start):
+        w = torch.exp(g_end[bucket.ids].unsqueeze(1) - G_tm[bucket.index])         # [k, n, H, Kg]
+        keys = torch.where(bucket.valid[:, :, None, None], k_tm[bucket.index] * w, 0.0)
+        outer = keys.permute(0, 2, 3, 1) @ d_tm[bucket.index].transpose(1, 2)      # [k, H, K, V]
+        own = own.index_copy(0, bucket.ids, outer)
+    decay_end = torch.exp(g_end).unsqueeze(-1)                                     # [k, H, Kg, 1]
+    carried = ch.s_enter[0].index_select(0, last_chunk) * decay_end
+    entering = (ch.enter_seg[0, last_chunk] == seg)[:, None, None, None]
+    state = own + torch.where(entering, carried, 0.0)
+    if s0 is not None:
+        starts_here = (start >= last_chunk * L)[:, None, None, None]
+        state = state + torch.where(starts_here, s0[docs] * decay_end, 0.0)
+    empty = s0 if s0 is not None else state.new_zeros(num_docs, h, kd, vd)
+    return empty.to(state.dtype).index_copy(0, docs, state)

@@ -1,0 +1,97 @@
+"""varlen_attention against SDPA on each document alone (the dense per-document oracle)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixers.ops import varlen_attention
+from ssm_pack import lengths_to_cu_seqlens
+from tests.oracles import check_close, documents
+
+
+def oracle(q, k, v, cu, causal, window, scale=None):
+    groups = q.shape[1] // k.shape[1]
+    outs = []
+    for s, e in documents(cu, q.shape[0]):
+        if e == s:
+            continue
+        i = torch.arange(e - s)
+        keep = torch.ones(e - s, e - s, dtype=torch.bool)
+        if causal:
+            keep &= i[None, :] <= i[:, None]
+        if window is not None:
+            left, right = window
+            if left >= 0:
+                keep &= i[None, :] >= i[:, None] - left
+            if right >= 0 and not causal:
+                keep &= i[None, :] <= i[:, None] + right
+        qs, ks, vs = q[s:e].transpose(0, 1), k[s:e].repeat_interleave(groups, 1).transpose(0, 1), \
+            v[s:e].repeat_interleave(groups, 1).transpose(0, 1)
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=keep, scale=scale).transpose(0, 1))
+    return torch.cat(outs) if outs else q[:0]
+
+
+CASES = [
+    pytest.param([0, 15, 100, 300], 0, True, None, id="uneven-causal"),
+    pytest.param([1, 2, 3] * 300, 4, True, None, id="many-tiny-tail"),
+    pytest.param([300, 260], 0, True, (17, -1), id="sliding-window"),
+    pytest.param([40, 0, 90], 3, False, None, id="bidirectional"),
+    pytest.param([40, 90], 0, False, (5, 7), id="bidirectional-window"),
+]
+
+
+@pytest.mark.parametrize("lengths,tail,causal,window", CASES)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_matches_per_document_sdpa(lengths, tail, causal, window, heads):
+    cu = lengths_to_cu_seqlens(lengths)
+    total = int(cu[-1]) + tail
+    g = torch.Generator().manual_seed(0)
+    hq, hk = heads
+    q, k, v = (torch.randn(total, h, 16, generator=g, dtype=torch.float64).requires_grad_() for h in (hq, hk, hk))
+    out = varlen_attention(q, k, v, cu, max(lengths), causal=causal, window_size=window)
+    ref = oracle(q, k, v, cu, causal, window)
+    check_close(out, ref, torch.float64, what="out")
+    g_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * g_out).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * g_out).sum(), (q, k, v))
+    for a, r in zip(grads, ref_grads):
+        check_close(a, r, torch.float64, grad=True, what="grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_low_precision(dtype):
+    cu = lengths_to_cu_seqlens([5, 70, 300])
+    q, k, v = (torch.randn(375, 4, 32).to(dtype) for _ in range(3))
+    out = varlen_attention(q, k, v, cu, 300, softmax_scale=0.2)
+    assert out.dtype == dtype
+    check_close(out, oracle(q.double(), k.double(), v.double(), cu, True, None, 0.2), dtype, what="out")
+
+
+def test_perturbing_a_document_leaves_the_others_bitwise_unchanged():
+    from tests.leakage import perturbation_report
+    cu = lengths_to_cu_seqlens([1, 15, 0, 300, 2, 3, 40])
+    total = int(cu[-1]) + 5
+    q, k, v = (torch.randn(total, 4, 8) for _ in range(3))
+    spans = documents(cu, total)
+    inputs = {"q": (q, 0), "k": (k, 0), "v": (v, 0)}
+    packed = lambda q, k, v: varlen_attention(q, k, v, cu, 300)                                  # noqa: E731
+    one_document = torch.tensor([0, total], dtype=torch.int32)
+    unpacked = lambda q, k, v: varlen_attention(q, k, v, one_document, total)                     # noqa: E731
+    assert perturbation_report(packed, inputs, spans, 0) == []
+    assert perturbation_report(unpacked, inputs, spans, 0), "the check cannot fail: no leak without boundaries"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    pytest.param(dict(window_size=(3,)), r"window_size must be \(left, right\)", id="window"),
+    pytest.param(dict(backend="kernel"), "cannot do dtype torch.float32", id="kernel-fp32"),
+    pytest.param(dict(backend="kernel", dtype=torch.bfloat16), "needs CUDA tensors", id="kernel-on-cpu"),
+])
+def test_bad_input(kwargs, match):
+    q = torch.randn(6, 2, 4, dtype=kwargs.pop("dtype", torch.float32))
+    with pytest.raises(ValueError, match=match):
+        varlen_attention(q, q, q, torch.tensor([0, 6]), 6, **kwargs)
+
+
+def test_heads_must_group():
+    with pytest.raises(ValueError, match="query heads Hq=3 must be a multiple of key/value heads Hk=2"):
+        varlen_attention(torch.randn(6, 3, 4), torch.randn(6, 2, 4), torch.randn(6, 2, 4), torch.tensor([0, 6]), 6)

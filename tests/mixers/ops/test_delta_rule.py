@@ -1,0 +1,271 @@
+"""GDN, KDA and Gated DeltaProduct against a token-by-token recurrence: outputs, states, gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mixers.ops import (
+    chunk_gated_delta_product,
+    chunk_gated_delta_rule,
+    chunk_kda,
+    gated_delta_product_step,
+    gated_delta_rule_step,
+    kda_step,
+)
+from ssm_pack import lengths_to_cu_seqlens
+from tests.oracles import check_close, delta_oracle, design_lengths, documents
+
+H, HV, K, V = 2, 4, 4, 3
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def l2(x):
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+
+
+def make(kind, lengths, tail, dtype, *, nh=2, init=True, seed=0):
+    g_ = torch.Generator().manual_seed(seed)
+    cu = lengths_to_cu_seqlens(lengths)
+    total = int(cu[-1]) + tail
+    heads_v = H if kind == "gdp" else HV
+    steps = total * (nh if kind == "gdp" else 1)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g_, dtype=torch.float64)
+
+    leaves = {"q": rnd(1, total, H, K), "k": rnd(1, steps, H, K), "v": rnd(1, steps, heads_v, V)}
+    gate_shape = (1, total, heads_v, K) if kind == "kda" else (1, total, heads_v)
+    leaves["g"] = F.logsigmoid(rnd(*gate_shape))
+    leaves["beta"] = torch.rand(1, steps, heads_v, generator=g_, dtype=torch.float64)
+    if init:
+        leaves["initial_state"] = rnd(len(lengths), heads_v, K, V)
+    return cu, {name: t.to(dtype).requires_grad_() for name, t in leaves.items()}
+
+
+def call(kind, leaves, cu, chunk, nh=2, l2norm=True, final=True, **kw):
+    args = (leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"])
+    common = dict(initial_state=leaves.get("initial_state"), output_final_state=final,
+                  use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu, chunk_size=chunk, **kw)
+    if kind == "gdn":
+        return chunk_gated_delta_rule(*args, **common)
+    if kind == "kda":
+        return chunk_kda(*args, **common)
+    return chunk_gated_delta_product(*args, nh, **common)
+
+
+def oracle(kind, leaves, cu, nh=2, l2norm=True):
+    ref = {name: t.detach().to(torch.float64).requires_grad_() for name, t in leaves.items()}
+    q, k = (l2(ref["q"]), l2(ref["k"])) if l2norm else (ref["q"], ref["k"])
+    groups = ref["v"].shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(groups, 2), k.repeat_interleave(groups, 2)
+    g = ref["g"] if kind == "kda" else ref["g"].unsqueeze(-1)
+    out, states = delta_oracle(q, k, ref["v"], g, ref["beta"], cu, scale=K ** -0.5,
+                               nh=nh if kind == "gdp" else 1, initial_states=ref.get("initial_state"))
+    return ref, out, states
+
+
+def compare(kind, cu, leaves, chunk, dtype, nh=2, l2norm=True):
+    compare_training_path(kind, cu, leaves, chunk, dtype, nh, l2norm)
+    out, final = call(kind, leaves, cu, chunk, nh, l2norm)
+    ref, ref_out, ref_states = oracle(kind, leaves, cu, nh, l2norm)
+    check_close(out, ref_out, dtype, what=f"{kind} out")
+    check_close(final, ref_states, dtype, what=f"{kind} final states")
+    gen = torch.Generator().manual_seed(1)
+    g_out = torch.randn(ref_out.shape, generator=gen, dtype=torch.float64)
+    g_fin = torch.randn(ref_states.shape, generator=gen, dtype=torch.float64)
+    loss = (out * g_out.to(out.dtype)).sum() + (final * g_fin.to(final.dtype)).sum()
+    ref_loss = (ref_out * g_out).sum() + (ref_states * g_fin).sum()
+    if not loss.requires_grad:     # no token and no initial state on the way: nothing to differentiate
+        assert not ref_loss.requires_grad
+        return
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True, materialize_grads=True)
+    ref_grads = torch.autograd.grad(ref_loss, list(ref.values()), allow_unused=True, materialize_grads=True)
+    for name, a, r in zip(leaves, grads, ref_grads):
+        check_close(a, r, dtype, grad=True, what=f"{kind} grad {name}")
+
+
+def compare_training_path(kind, cu, leaves, chunk, dtype, nh=2, l2norm=True):
+    """Without per-document states the blocked fast path runs: output and every gradient."""
+    leaves = {name: t for name, t in leaves.items() if name != "initial_state"}
+    out, final = call(kind, leaves, cu, chunk, nh, l2norm, final=False)
+    assert final is None
+    ref, ref_out, _ = oracle(kind, leaves, cu, nh, l2norm)
+    check_close(out, ref_out, dtype, what=f"{kind} out (fast path)")
+    g_out = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    loss, ref_loss = (out * g_out.to(out.dtype)).sum(), (ref_out * g_out).sum()
+    if not loss.requires_grad:
+        return
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True, materialize_grads=True)
+    ref_grads = torch.autograd.grad(ref_loss, list(ref.values()), allow_unused=True, materialize_grads=True)
+    for name, a, r in zip(leaves, grads, ref_grads):
+        check_close(a, r, dtype, grad=True, what=f"{kind} grad {name} (fast path)")
+
+
+KINDS = [pytest.param("gdn", id="gdn"), pytest.param("kda", id="kda"), pytest.param("gdp", id="gdp2")]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("chunk", [16, 32, 64], ids=["chunk16", "chunk32", "chunk64"])
+def test_design_grid_fp64(kind, chunk):
+    cu, leaves = make(kind, design_lengths(chunk), 3, torch.float64)
+    compare(kind, cu, leaves, chunk, torch.float64)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("lengths,tail,chunk", [
+    pytest.param([0, 15, 100, 300], 0, 64, id="uneven"),
+    pytest.param([1, 2, 3] * 700, 2, 32, id="thousands-of-tiny"),
+    pytest.param([0, 0], 5, 16, id="only-empty-and-tail"),
+])
+def test_layouts_fp64(kind, lengths, tail, chunk):
+    cu, leaves = make(kind, lengths, tail, torch.float64)
+    compare(kind, cu, leaves, chunk, torch.float64)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_low_precision(kind, dtype):
+    cu, leaves = make(kind, [0, 15, 100, 300, 3], 4, dtype)
+    compare(kind, cu, leaves, 64, dtype)
+
+
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=6), st.integers(0, 5), st.sampled_from([4, 8, 16]),
+       st.sampled_from(["gdn", "kda", "gdp"]), st.booleans())
+def test_random_layouts(lengths, tail, chunk, kind, init):
+    cu, leaves = make(kind, lengths, tail, torch.float64, init=init)
+    compare(kind, cu, leaves, chunk, torch.float64)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_without_cu_seqlens(kind):
+    """Plain batch (the fast path): each row is one document with its own initial and final state."""
+    _, leaves = make(kind, [21], 0, torch.float64)
+    rows = {n: torch.cat([t.detach(), t.detach() * 0.5]).requires_grad_() for n, t in leaves.items()}
+    out, final = call(kind, rows, None, 8)
+    g_out, g_fin = torch.randn(out.shape, dtype=torch.float64), torch.randn(final.shape, dtype=torch.float64)
+    grads = torch.autograd.grad((out * g_out).sum() + (final * g_fin).sum(), list(rows.values()))
+    for r in range(2):
+        one = {n: t[r:r + 1].detach().requires_grad_() for n, t in rows.items()}
+        ref, ref_out, ref_states = oracle(kind, one, lengths_to_cu_seqlens([21]))
+        check_close(out[r:r + 1], ref_out, torch.float64, what=f"row {r}")
+        check_close(final[r:r + 1], ref_states, torch.float64, what=f"state of row {r}")
+        ref_grads = torch.autograd.grad((ref_out * g_out[r:r + 1]).sum() + (ref_states * g_fin[r:r + 1]).sum(),
+                                        list(ref.values()))
+        for name, a, b in zip(rows, grads, ref_grads):
+            check_close(a[r:r + 1], b, torch.float64, grad=True, what=f"row {r} grad {name}")
+
+
+def test_no_l2norm_and_custom_scale():
+    cu, leaves = make("gdn", [5, 12], 0, torch.float64)
+    out, _ = call("gdn", leaves, cu, 8, l2norm=False, scale=0.3)
+    ref = {n: t.detach() for n, t in leaves.items()}
+    g = ref["g"].unsqueeze(-1)
+    q, k = ref["q"].repeat_interleave(2, 2), ref["k"].repeat_interleave(2, 2)
+    ref_out, _ = delta_oracle(q, k, ref["v"], g, ref["beta"], cu, scale=0.3, initial_states=ref["initial_state"])
+    check_close(out, ref_out, torch.float64, what="scale 0.3")
+
+
+def test_gated_delta_product_without_gate():
+    cu, leaves = make("gdp", [7, 4], 2, torch.float64)
+    leaves["g"] = None
+    out, final = call("gdp", leaves, cu, 8)
+    ref = {n: t.detach() for n, t in leaves.items() if t is not None}
+    ref_out, states = delta_oracle(l2(ref["q"]), l2(ref["k"]), ref["v"], None, ref["beta"], cu, scale=K ** -0.5,
+                                   nh=2, initial_states=ref["initial_state"])
+    check_close(out, ref_out, torch.float64, what="no gate")
+    check_close(final, states, torch.float64, what="no gate states")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_step_form_decodes_like_the_chunked_op(kind):
+    cu, leaves = make(kind, [13], 0, torch.float64)
+    out, final = call(kind, leaves, cu, 8)
+    t = {n: v.detach() for n, v in leaves.items()}
+    state = t["initial_state"]
+    step = {"gdn": gated_delta_rule_step, "kda": kda_step}.get(kind)
+    for i in range(13):
+        if kind == "gdp":
+            o, state = gated_delta_product_step(t["q"][:, i], t["k"][:, 2 * i:2 * i + 2], t["v"][:, 2 * i:2 * i + 2],
+                                                t["g"][:, i], t["beta"][:, 2 * i:2 * i + 2], state,
+                                                use_qk_l2norm_in_kernel=True)
+        else:
+            o, state = step(t["q"][:, i], t["k"][:, i], t["v"][:, i], t["g"][:, i], t["beta"][:, i], state,
+                            use_qk_l2norm_in_kernel=True)
+        check_close(o, out[:, i], torch.float64, what=f"token {i}")
+    check_close(state, final, torch.float64, what="state after decoding")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_perturbing_a_document_leaves_the_others_bitwise_unchanged(kind):
+    from tests.leakage import perturbation_report
+    lengths = [1, 15, 0, 70, 2, 3, 40]
+    cu, leaves = make(kind, lengths, 5, torch.float32, init=False)
+    total = leaves["q"].shape[1]
+    spans = documents(cu, total)
+    nh = 2 if kind == "gdp" else 1
+    inputs = {name: (leaves[name].detach(), 1, nh if name in ("k", "v", "beta") else 1)
+              for name in ("q", "k", "v", "g", "beta")}
+
+    def run(cu_seqlens):
+        def f(q, k, v, g, beta):      # perturbed values are mapped back to valid log-decays and betas
+            o, _ = call(kind, {"q": q, "k": k, "v": v, "g": -g.abs(), "beta": beta.abs() % 1}, cu_seqlens, 16,
+                        final=False)
+            return o
+        return f
+
+    assert perturbation_report(run(cu), inputs, spans, 1) == []
+    assert perturbation_report(run(None), inputs, spans, 1), "the check cannot fail: no leak without metadata"
+
+
+def test_kda_positive_gates_are_refused():
+    cu, leaves = make("kda", [4], 0, torch.float64)
+    with pytest.raises(ValueError, match="log-decays <= 0"):
+        chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["g"].detach().abs() + 1, leaves["beta"],
+                  cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    pytest.param(dict(chunk_size=24), ValueError, "chunk_size must be a power of two, got 24", id="chunk"),
+    pytest.param(dict(initial_state=torch.zeros(3, HV, K, V)), ValueError, r"initial_state must be \[N, HV, K, V\]",
+                 id="init-rows"),
+    pytest.param(dict(cu_seqlens=torch.tensor([0, 9])), ValueError, r"cu_seqlens\[-1\]=9 is beyond the 6 tokens",
+                 id="cu-beyond"),
+    pytest.param(dict(backend="kernel"), ValueError, "needs CUDA tensors", id="kernel-on-cpu"),
+])
+def test_bad_input(kwargs, exc, match):
+    q, k, v = torch.randn(1, 6, H, K), torch.randn(1, 6, H, K), torch.randn(1, 6, HV, V)
+    g, beta = torch.randn(1, 6, HV).clamp(max=0), torch.rand(1, 6, HV)
+    kwargs.setdefault("cu_seqlens", torch.tensor([0, 2, 6]))
+    with pytest.raises(exc, match=match):
+        chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
+
+
+def test_heads_must_group():
+    with pytest.raises(ValueError, match="value heads HV=3 must be a multiple of key heads H=2"):
+        chunk_gated_delta_rule(torch.randn(1, 4, 2, K), torch.randn(1, 4, 2, K), torch.randn(1, 4, 3, V),
+                               torch.zeros(1, 4, 3), torch.rand(1, 4, 3))
+
+
+def test_peer_fla_naive_agrees_fp32():
+    naive = pytest.importorskip("fla.ops.gated_delta_rule.naive")
+    kda_naive = pytest.importorskip("fla.ops.kda.naive")
+    cu, leaves = make("gdn", [5, 33, 20], 0, torch.float32)
+    t = {n: v.detach() for n, v in leaves.items()}
+    out, final = call("gdn", leaves, cu, 16)
+    for i, (s, e) in enumerate(documents(cu, t["q"].shape[1])):
+        q, k = l2(t["q"][:, s:e]).repeat_interleave(2, 2), l2(t["k"][:, s:e]).repeat_interleave(2, 2)
+        ref, st = naive.naive_recurrent_gated_delta_rule(q, k, t["v"][:, s:e], t["beta"][:, s:e], t["g"][:, s:e],
+                                                         initial_state=t["initial_state"][i:i + 1].clone(),
+                                                         output_final_state=True)
+        check_close(out[:, s:e].detach(), ref.to(torch.float64), torch.float32, what=f"fla GDN doc {i}")
+        check_close(final[i].detach(), st[0].to(torch.float64), torch.float32, what=f"fla GDN state {i}")
+    cu, leaves = make("kda", [5, 33, 20], 0, torch.float32)
+    t = {n: v.detach() for n, v in leaves.items()}
+    out, _ = call("kda", leaves, cu, 16)
+    for i, (s, e) in enumerate(documents(cu, t["q"].shape[1])):
+        ref, _ = kda_naive.naive_recurrent_kda(l2(t["q"][:, s:e]), l2(t["k"][:, s:e]), t["v"][:, s:e],
+                                               t["g"][:, s:e], t["beta"][:, s:e],
+                                               initial_state=t["initial_state"][i:i + 1].clone())
+        check_close(out[:, s:e].detach(), ref.to(torch.float64), torch.float32, what=f"fla KDA doc {i}")
