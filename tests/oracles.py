@@ -140,3 +140,14 @@ def delta_oracle(q, k, v, g, beta, cu, *, scale, nh=1, initial_states=None):
             outs[t] = o[j]
     out = torch.stack(outs).unsqueeze(0) if outs else q.new_zeros(1, 0, heads, vd)
     return out, state[:docs]
+
+
+def check_grads(loss, ref_loss, leaves, ref_leaves, dtype, what=""):
+    """Compare the gradients of ``loss`` (w.r.t. ``leaves``) with the fp64 oracle's."""
+    if not loss.requires_grad:          # no token and no initial state on the way: nothing to differentiate
+        assert not ref_loss.requires_grad
+        return
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True, materialize_grads=True)
+    ref_grads = torch.autograd.grad(ref_loss, list(ref_leaves.values()), allow_unused=True, materialize_grads=True)
+    for name, a, r in zip(leaves, grads, ref_grads):
+        check_close(a, r, dtype, grad=True, what=f"{what} grad {name}")

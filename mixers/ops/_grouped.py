@@ -48,3 +48,22 @@ def buckets(starts: torch.Tensor, counts: torch.Tensor) -> Iterator[Bucket]:
         valid = offs < n
         index = starts[ids].unsqueeze(1) + torch.minimum(offs, n - 1)
         yield Bucket(ids=ids, index=index, valid=valid)
+
+
+def finish_document_states(own, decay_end, s_enter, enter_seg, seg, start, last_chunk, chunk, s0, docs, num_docs):
+    """Assemble every document's final state ``[D, ...]`` from its parts.
+
+    ``own [k, ...]``: the document's own tokens inside its last chunk; ``decay_end`` its decay
+    from that chunk's start (broadcastable to a state); the entering state ``s_enter [1, C, ...]``
+    of that chunk joins when the document is that state's segment (``enter_seg [1, C]``); its
+    initial state ``s0`` joins when it also started in that chunk. Documents without a token
+    (``docs`` lists the others) keep ``s0`` (or zeros).
+    """
+    carried = s_enter[0].index_select(0, last_chunk) * decay_end
+    is_entering = (enter_seg[0, last_chunk] == seg).reshape(-1, *([1] * (own.dim() - 1)))
+    state = own + torch.where(is_entering, carried, 0.0)
+    if s0 is not None:
+        starts_here = (start >= last_chunk * chunk).reshape(-1, *([1] * (own.dim() - 1)))
+        state = state + torch.where(starts_here, s0[docs] * decay_end, 0.0)
+    empty = s0 if s0 is not None else state.new_zeros(num_docs, *state.shape[1:])
+    return empty.to(state.dtype).index_copy(0, docs, state)

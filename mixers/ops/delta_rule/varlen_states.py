@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .._grouped import buckets
+from .._grouped import buckets, finish_document_states
 from .._segments import Segments
 
 
@@ -91,12 +91,5 @@ def doc_final_states(ch, segs: Segments, s0, num_docs: int) -> torch.Tensor:
         keys = torch.where(bucket.valid[:, :, None, None], k_tm[bucket.index] * w, 0.0)
         outer = keys.permute(0, 2, 3, 1) @ d_tm[bucket.index].transpose(1, 2)      # [k, H, K, V]
         own = own.index_copy(0, bucket.ids, outer)
-    decay_end = torch.exp(g_end).unsqueeze(-1)                                     # [k, H, Kg, 1]
-    carried = ch.s_enter[0].index_select(0, last_chunk) * decay_end
-    entering = (ch.enter_seg[0, last_chunk] == seg)[:, None, None, None]
-    state = own + torch.where(entering, carried, 0.0)
-    if s0 is not None:
-        starts_here = (start >= last_chunk * L)[:, None, None, None]
-        state = state + torch.where(starts_here, s0[docs] * decay_end, 0.0)
-    empty = s0 if s0 is not None else state.new_zeros(num_docs, h, kd, vd)
-    return empty.to(state.dtype).index_copy(0, docs, state)
+    return finish_document_states(own, torch.exp(g_end).unsqueeze(-1), ch.s_enter, ch.enter_seg, seg, start,
+                                  last_chunk, L, s0, docs, num_docs)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .._grouped import buckets
+from .._grouped import buckets, finish_document_states
 from .._segments import Segments
 
 
@@ -76,12 +76,5 @@ def final_states(h0, segs: Segments, a_cs_flat, xdt_flat, b_flat, h_enter, enter
         xw = xw.reshape(*bucket.index.shape, g, r, p).permute(0, 2, 3, 4, 1)      # [k, g, r, p, m]
         bg = b_flat[bucket.index].permute(0, 2, 1, 3).unsqueeze(2)                # [k, g, 1, m, N]
         own = own.index_copy(0, bucket.ids, (xw @ bg).reshape(-1, heads, p, n))
-    decay_end = torch.exp(a_end)[:, :, None, None]
-    carried = h_enter[0].index_select(0, last_chunk) * decay_end
-    is_entering = (enter_seg[0, last_chunk] == seg)[:, None, None, None]
-    state = own + torch.where(is_entering, carried, 0.0)
-    if h0 is not None:
-        starts_here = (start >= last_chunk * chunk)[:, None, None, None]
-        state = state + torch.where(starts_here, h0[docs] * decay_end, 0.0)
-    empty = h0 if h0 is not None else state.new_zeros(num_docs, heads, p, n)
-    return empty.to(state.dtype).index_copy(0, docs, state)
+    return finish_document_states(own, torch.exp(a_end)[:, :, None, None], h_enter, enter_seg, seg, start,
+                                  last_chunk, chunk, h0, docs, num_docs)
