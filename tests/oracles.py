@@ -17,7 +17,7 @@ BF16_FWD_REL, BF16_GRAD_REL = 5e-3, 1e-2
 
 
 def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    want = want.to(torch.float64)
+    got, want = got.detach(), want.detach().to(torch.float64)
     err = (got.to(torch.float64) - want).square().mean().sqrt()
     scale = want.square().mean().sqrt().clamp_min(1e-30)
     return float(err / scale)

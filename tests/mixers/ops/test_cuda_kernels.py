@@ -91,3 +91,27 @@ def test_flash_attention_matches_reference(window):
     q, k, v = (torch.randn(416, 8, 64, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     outs = [varlen_attention(q, k, v, cu, 300, window_size=window, backend=b) for b in ("kernel", "reference")]
     assert rel_rms(outs[0].float(), outs[1].float()) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("name", ["mamba2", "gdn", "kda", "gdp", "attention"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_layer_kernel_matches_layer_reference(name, dtype):
+    from ssm_pack.pytest_plugin import layout
+    from tests.mixers.layers.test_layers import HIDDEN, LAYERS
+    kernels = {"mamba2": ("mamba_ssm",), "attention": ("flash_attn",)}.get(name, ("fla",))
+    for k in kernels:
+        need(k)
+    if name == "attention" and dtype == torch.float32:
+        pytest.skip("flash-attn takes fp16 / bf16 only")
+    torch.manual_seed(0)
+    kernel = LAYERS[name](backend="kernel").to("cuda", dtype)
+    reference = LAYERS[name](backend="reference").to("cuda", dtype)
+    reference.load_state_dict(kernel.state_dict())
+    x, params = layout([0, 15, 100, 300, 1], hidden=HIDDEN, dtype=dtype, pad_to_multiple_of=8)
+    x = x.cuda()
+    params = params.replace(cu_seqlens_q=params.cu_seqlens_q.cuda(), cu_seqlens_kv=params.cu_seqlens_kv.cuda(),
+                            cu_seqlens_q_padded=params.cu_seqlens_q_padded.cuda(),
+                            cu_seqlens_kv_padded=params.cu_seqlens_kv_padded.cuda())
+    for packed in (params, None):
+        a, b = kernel(x, packed_seq_params=packed), reference(x, packed_seq_params=packed)
+        assert rel_rms(a.float(), b.float()) < 2 * TOL[dtype]

@@ -1,0 +1,156 @@
+"""Typed, frozen configs of the mixers: every size derived from ``hidden_size`` unless given.
+
+Defaults follow the upstream layers (mamba-ssm's ``Mamba2``, fla's ``GatedDeltaNet``,
+``KimiDeltaAttention``, ``GatedDeltaProduct``), with head dims of 64 so that small models stay
+cheap on a CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ssm_pack._checks import check_int
+
+
+def _positive(name: str, value) -> None:
+    check_int(name, value, minimum=1)
+
+
+def _divides(a_name: str, a: int, b_name: str, b: int) -> None:
+    if b % a:
+        raise ValueError(f"{a_name}={a} must divide {b_name}={b}")
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """Mamba2 (SSD) mixer: ``d_inner = expand * hidden_size``, ``d_inner / head_dim`` heads."""
+
+    hidden_size: int
+    expand: int = 2
+    head_dim: int = 64
+    state_size: int = 64
+    num_groups: int = 1
+    conv_size: int = 4
+    chunk_size: int = 128
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        for name in ("hidden_size", "expand", "head_dim", "state_size", "num_groups", "conv_size", "chunk_size"):
+            _positive(name, getattr(self, name))
+        _divides("head_dim", self.head_dim, "expand * hidden_size", self.d_inner)
+        _divides("num_groups", self.num_groups, "num_heads", self.num_heads)
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.hidden_size
+
+    @property
+    def num_heads(self) -> int:
+        return self.d_inner // self.head_dim
+
+
+def _default_heads(hidden_size: int, head_dim: int, share: float) -> int:
+    return max(1, int(hidden_size * share) // head_dim)
+
+
+@dataclass(frozen=True)
+class DeltaConfig:
+    """Shared by GDN, KDA and Gated DeltaProduct: key heads of ``head_dim``, value heads of
+    ``head_dim * expand_v`` (``num_v_heads`` a multiple of ``num_heads``: grouped values)."""
+
+    hidden_size: int
+    head_dim: int = 64
+    num_heads: int | None = None
+    num_v_heads: int | None = None
+    expand_v: float = 2.0
+    conv_size: int = 4
+    chunk_size: int = 64
+    allow_neg_eigval: bool = False
+    norm_eps: float = 1e-5
+    heads_share: float = field(default=0.75, repr=False)   # num_heads * head_dim = 0.75 * hidden (fla's GDN)
+
+    def __post_init__(self):
+        _positive("hidden_size", self.hidden_size)
+        _positive("head_dim", self.head_dim)
+        if self.num_heads is None:
+            object.__setattr__(self, "num_heads", _default_heads(self.hidden_size, self.head_dim, self.heads_share))
+        if self.num_v_heads is None:
+            object.__setattr__(self, "num_v_heads", self.num_heads)
+        _positive("num_heads", self.num_heads)
+        _positive("num_v_heads", self.num_v_heads)
+        _divides("num_heads", self.num_heads, "num_v_heads", self.num_v_heads)
+        if self.head_v_dim * 1.0 != self.head_dim * self.expand_v or self.head_v_dim < 1:
+            raise ValueError(f"head_dim * expand_v = {self.head_dim * self.expand_v} must be a positive integer")
+        chunk = check_int("chunk_size", self.chunk_size, minimum=2)
+        if chunk & (chunk - 1):
+            raise ValueError(f"chunk_size must be a power of two, got {chunk}")
+
+    @property
+    def head_v_dim(self) -> int:
+        return int(round(self.head_dim * self.expand_v))
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig(DeltaConfig):
+    """fla's ``GatedDeltaNet``: scalar decay per head, SiLU-gated output norm."""
+
+
+@dataclass(frozen=True)
+class KDAConfig(DeltaConfig):
+    """fla's ``KimiDeltaAttention``: per-channel decay, low-rank gate projections, sigmoid output gate."""
+
+    expand_v: float = 1.0
+    heads_share: float = field(default=1.0, repr=False)
+
+
+@dataclass(frozen=True)
+class GatedDeltaProductConfig(DeltaConfig):
+    """fla's ``GatedDeltaProduct``: ``num_householder`` delta steps per token."""
+
+    num_householder: int = 2
+    allow_neg_eigval: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        _positive("num_householder", self.num_householder)
+        if self.num_v_heads != self.num_heads:
+            raise ValueError("GatedDeltaProduct needs num_v_heads == num_heads")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Grouped-query attention with rotary embeddings restarting at every document."""
+
+    hidden_size: int
+    head_dim: int = 64
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    rope_theta: float = 10000.0
+    window_size: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        _positive("hidden_size", self.hidden_size)
+        _positive("head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.num_heads is None:
+            object.__setattr__(self, "num_heads", _default_heads(self.hidden_size, self.head_dim, 1.0))
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", max(1, self.num_heads // 2) if self.num_heads % 2 == 0
+                               else self.num_heads)
+        _positive("num_heads", self.num_heads)
+        _positive("num_kv_heads", self.num_kv_heads)
+        _divides("num_kv_heads", self.num_kv_heads, "num_heads", self.num_heads)

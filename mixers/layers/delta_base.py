@@ -1,0 +1,74 @@
+"""What Gated DeltaNet, KDA and Gated DeltaProduct mixers share (fla's layer structure).
+
+    B = rows, T = tokens, D = hidden, H = key heads, HV = value heads, K / V = head dims,
+    nh = delta steps per token (1 except for Gated DeltaProduct)
+
+q / k / v projections, each through a short convolution (SiLU) fed the packed ``seq_idx``;
+``beta = sigmoid(b_proj(x))`` (times 2 with ``allow_neg_eigval``); the subclass's gate and scan;
+a gated RMS norm per value head; out_proj. The kernel and reference paths share all of it:
+only the op call inside ``_scan`` differs, and the op chooses the backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from . import _packing
+from .norm import upcast
+from .short_conv import ShortConvolution
+
+
+def inverse_softplus_dt(n: int, dt_min: float = 0.001, dt_max: float = 0.1, floor: float = 1e-4) -> torch.Tensor:
+    """``dt_bias`` init: ``softplus(dt_bias)`` log-uniform in ``[dt_min, dt_max]`` (mamba / fla)."""
+    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+class DeltaMixerBase(nn.Module):
+    """Base of the delta-rule mixers; subclasses set ``CONFIG`` and build the gates."""
+
+    CONFIG = None
+    KERNELS = ("causal_conv1d", "fla")
+    HOUSEHOLDER = 1
+
+    def __init__(self, hidden_size: int | None = None, *, config=None, backend: str = "auto", **overrides):
+        super().__init__()
+        self.config = config if config is not None else self.CONFIG(hidden_size=hidden_size, **overrides)
+        if not isinstance(self.config, self.CONFIG):
+            raise TypeError(f"config must be a {self.CONFIG.__name__}, got {type(self.config).__name__}")
+        name = type(self).__name__
+        _packing.check_kernels(name, backend, self.KERNELS)
+        self.backend = backend
+        c, nh = self.config, self.householder
+        self.q_proj = nn.Linear(c.hidden_size, c.key_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.key_dim * nh, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.value_dim * nh, bias=False)
+        self.b_proj = nn.Linear(c.hidden_size, c.num_v_heads * nh, bias=False)
+        self.q_conv = ShortConvolution(c.key_dim, c.conv_size, activation="silu", backend=backend)
+        self.k_conv = ShortConvolution(c.key_dim * nh, c.conv_size, activation="silu", backend=backend)
+        self.v_conv = ShortConvolution(c.value_dim * nh, c.conv_size, activation="silu", backend=backend)
+        self.o_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
+
+    @property
+    def householder(self) -> int:
+        return getattr(self.config, "num_householder", 1)
+
+    def forward(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+        """``[B, T, D]`` -> ``[B, T, D]``; packed input needs ``B == 1``."""
+        c, nh = self.config, self.householder
+        packing = _packing.resolve(hidden_states, packed_seq_params, type(self).__name__)
+        if packing.packed:
+            _packing.warn_reference_once(type(self).__name__, hidden_states, self.backend, self.KERNELS)
+        b, t, _ = hidden_states.shape
+        q = self.q_conv(self.q_proj(hidden_states), packing.seq_idx).reshape(b, t, c.num_heads, c.head_dim)
+        k = self.k_conv(self.k_proj(hidden_states), packing.seq_idx).reshape(b, t * nh, c.num_heads, c.head_dim)
+        v = self.v_conv(self.v_proj(hidden_states), packing.seq_idx).reshape(b, t * nh, c.num_v_heads, c.head_v_dim)
+        beta = torch.sigmoid(upcast(self.b_proj(hidden_states))).reshape(b, t * nh, c.num_v_heads)
+        if c.allow_neg_eigval:
+            beta = beta * 2
+        o = self._scan(q, k, v.to(q.dtype), self._gate(hidden_states), beta.to(q.dtype), packing.cu_seqlens)
+        o = self.o_norm(o, self._output_gate(hidden_states).reshape(b, t, c.num_v_heads, c.head_v_dim))
+        return self.o_proj(o.reshape(b, t, c.value_dim))

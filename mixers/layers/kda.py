@@ -1,0 +1,49 @@
+"""``KDAMixer``: fla's ``KimiDeltaAttention`` (per-channel decay), packed.
+
+    g = -exp(A_log[h]) * softplus(f_proj(x) + dt_bias)   [B, T, HV, K], f_proj low rank
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import chunk_kda
+from .config import KDAConfig
+from .delta_base import DeltaMixerBase, inverse_softplus_dt
+from .norm import GatedRMSNorm, upcast
+
+
+class KDAMixer(DeltaMixerBase):
+    """Kimi Delta Attention mixer: ``forward(hidden_states [B, T, D], packed_seq_params=None) -> [B, T, D]``.
+
+    ``KDAMixer(512)`` derives every size from ``hidden_size`` (see :class:`KDAConfig`).
+    """
+
+    CONFIG = KDAConfig
+
+    def __init__(self, hidden_size: int | None = None, *, config=None, backend: str = "auto", **overrides):
+        super().__init__(hidden_size, config=config, backend=backend, **overrides)
+        c = self.config
+        gate_dim = c.num_v_heads * c.head_dim
+        self.f_proj = nn.Sequential(nn.Linear(c.hidden_size, c.head_v_dim, bias=False),
+                                    nn.Linear(c.head_v_dim, gate_dim, bias=False))
+        self.A_log = nn.Parameter(torch.log(torch.empty(c.num_v_heads).uniform_(1, 16)))
+        self.dt_bias = nn.Parameter(inverse_softplus_dt(gate_dim))
+        self.g_proj = nn.Sequential(nn.Linear(c.hidden_size, c.head_v_dim, bias=False),
+                                    nn.Linear(c.head_v_dim, c.value_dim, bias=True))
+        self.o_norm = GatedRMSNorm(c.head_v_dim, c.norm_eps, "sigmoid")
+
+    def _gate(self, x):
+        c = self.config
+        raw = (upcast(self.f_proj(x)) + self.dt_bias).reshape(*x.shape[:2], c.num_v_heads, c.head_dim)
+        return -torch.exp(upcast(self.A_log))[:, None] * F.softplus(raw)
+
+    def _output_gate(self, x):
+        return self.g_proj(x)
+
+    def _scan(self, q, k, v, g, beta, cu_seqlens):
+        o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+                         chunk_size=self.config.chunk_size, backend=self.backend)
+        return o

@@ -1,0 +1,74 @@
+"""``Mamba2Mixer``: mamba-ssm's ``Mamba2`` / Megatron's ``MambaMixer``, packed.
+
+    B = rows, T = tokens, D = hidden, E = d_inner, H = heads, P = head dim, G = groups,
+    N = state size
+
+in_proj -> [z | x B C | dt]; short conv (SiLU) over ``x B C`` with the packed ``seq_idx``; SSD
+scan with ``A = -exp(A_log)``, ``D`` skip, ``dt_bias`` and softplus, reset at every document
+through ``seq_idx``; gated RMS norm ``rmsnorm(y * silu(z))`` per group; out_proj.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..ops import mamba_chunk_scan_combined
+from . import _packing
+from .config import Mamba2Config
+from .norm import GatedRMSNorm, upcast
+from .short_conv import ShortConvolution
+
+
+def _inverse_softplus_dt(n, dt_min, dt_max, floor):
+    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba2 mixer: ``forward(hidden_states [B, T, D], packed_seq_params=None) -> [B, T, D]``.
+
+    Build it from ``hidden_size`` alone (``Mamba2Mixer(512)``), with overrides
+    (``Mamba2Mixer(512, state_size=128)``) or from a :class:`Mamba2Config`. ``backend``:
+    ``"auto"`` (kernels where they can pack), ``"kernel"`` (checked now; raises if missing) or
+    ``"reference"``.
+    """
+
+    KERNELS = ("causal_conv1d", "mamba_ssm")
+
+    def __init__(self, hidden_size: int | None = None, *, config: Mamba2Config | None = None, backend: str = "auto",
+                 **overrides):
+        super().__init__()
+        self.config = config if config is not None else Mamba2Config(hidden_size=hidden_size, **overrides)
+        _packing.check_kernels(type(self).__name__, backend, self.KERNELS)
+        self.backend = backend
+        c = self.config
+        conv_dim = c.d_inner + 2 * c.num_groups * c.state_size
+        self.in_proj = nn.Linear(c.hidden_size, 2 * c.d_inner + 2 * c.num_groups * c.state_size + c.num_heads,
+                                 bias=False)
+        self.conv = ShortConvolution(conv_dim, c.conv_size, bias=True, activation="silu", backend=backend)
+        self.dt_bias = nn.Parameter(_inverse_softplus_dt(c.num_heads, c.dt_min, c.dt_max, c.dt_init_floor))
+        self.A_log = nn.Parameter(torch.log(torch.empty(c.num_heads).uniform_(1, 16)))
+        self.D = nn.Parameter(torch.ones(c.num_heads))
+        self.norm = GatedRMSNorm(c.d_inner, c.norm_eps, "swish", norm_before_gate=False,
+                                 group_size=c.d_inner // c.num_groups)
+        self.out_proj = nn.Linear(c.d_inner, c.hidden_size, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+        c = self.config
+        packing = _packing.resolve(hidden_states, packed_seq_params, type(self).__name__)
+        if packing.packed:
+            _packing.warn_reference_once(type(self).__name__, hidden_states, self.backend, self.KERNELS)
+        b, t, _ = hidden_states.shape
+        zxbcdt = self.in_proj(hidden_states)
+        z, xbc, dt = torch.split(zxbcdt, [c.d_inner, c.d_inner + 2 * c.num_groups * c.state_size, c.num_heads], -1)
+        xbc = self.conv(xbc, packing.seq_idx)
+        x, B, C = torch.split(xbc, [c.d_inner, c.num_groups * c.state_size, c.num_groups * c.state_size], -1)
+        y = mamba_chunk_scan_combined(
+            x.reshape(b, t, c.num_heads, c.head_dim), dt, -torch.exp(upcast(self.A_log)),
+            B.reshape(b, t, c.num_groups, c.state_size), C.reshape(b, t, c.num_groups, c.state_size), c.chunk_size,
+            D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=c.dt_limit, seq_idx=packing.seq_idx,
+            backend=self.backend)
+        return self.out_proj(self.norm(y.reshape(b, t, c.d_inner), z))

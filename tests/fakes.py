@@ -1,0 +1,94 @@
+"""Fake upstream kernels for CPU tests: each asserts upstream's input contract, records the call,
+and computes through ssm-pack's reference."""
+
+from __future__ import annotations
+
+import torch
+
+import mixers.ops.attention.kernel as attn_kernel
+import mixers.ops.causal_conv1d.kernel as conv_kernel
+import mixers.ops.delta_rule.kernel as fla_kernel
+import mixers.ops.ssd.kernel as ssd_kernel
+from mixers.ops import (
+    _dispatch,
+    causal_conv1d_fn,
+    chunk_gated_delta_product,
+    chunk_gated_delta_rule,
+    chunk_kda,
+    mamba_chunk_scan_combined,
+    varlen_attention,
+)
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def fake_conv(calls):
+    def conv(x, weight, bias, seq_idx=None, initial_states=None, activation=None):
+        b, d, t = x.shape
+        assert x.dtype in KERNEL_DTYPES and x.stride(1) == 1, "causal-conv1d needs channel-last x with seq_idx"
+        assert d % 8 == 0 and x.stride(0) % 8 == 0 and x.stride(2) % 8 == 0
+        assert 2 <= weight.shape[1] <= 4 and weight.is_contiguous()
+        assert seq_idx is not None and seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
+        assert tuple(seq_idx.shape) == (b, t)
+        calls.append(("conv", seq_idx))
+        return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states,
+                                activation=activation, backend="reference")
+    return conv
+
+
+def fake_ssd(calls):
+    def scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+             cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
+             return_varlen_states=False):
+        assert x.dtype in KERNEL_DTYPES
+        assert seq_idx is not None and seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
+        assert (cu_seqlens is not None) == return_varlen_states
+        calls.append(("ssd", seq_idx))
+        return mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+                                         initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+                                         dt_softplus=dt_softplus, dt_limit=dt_limit,
+                                         return_final_states=return_final_states,
+                                         return_varlen_states=return_varlen_states, backend="reference")
+    return scan
+
+
+def fake_fla(calls):
+    ours = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda, "gdp": chunk_gated_delta_product}
+
+    def make(kind):
+        def op(q, k, v, g, beta, *args, scale=None, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, cu_seqlens=None, num_householder=None):
+            if cu_seqlens is not None:
+                assert q.shape[0] == 1 and cu_seqlens.dtype == torch.int64
+                assert int(cu_seqlens[-1]) == q.shape[1], "fla needs cu_seqlens[-1] == T"
+                assert bool((cu_seqlens[1:] > cu_seqlens[:-1]).all()), "fla misbehaves on repeated offsets"
+            calls.append((kind, cu_seqlens))
+            extra = (num_householder,) if kind == "gdp" else ()
+            return ours[kind](q, k, v, g, beta, *extra, scale=scale, initial_state=initial_state,
+                              output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                              cu_seqlens=cu_seqlens, backend="reference")
+        return op
+    return make
+
+
+def fake_flash(calls):
+    def flash(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False, window_size=(-1, -1)):
+        assert q.dtype in (torch.float16, torch.bfloat16) and cu_q.dtype == torch.int32
+        assert int(cu_q[-1]) == q.shape[0] and torch.equal(cu_q, cu_k)
+        calls.append(("flash", cu_q))
+        return varlen_attention(q, k, v, cu_q, max_q, causal=causal, window_size=window_size,
+                                softmax_scale=softmax_scale, backend="reference")
+    return flash
+
+
+def install(monkeypatch, supported=True):
+    """Pretend CUDA and install every fake; returns the list of recorded calls."""
+    calls = []
+    monkeypatch.setattr(_dispatch, "is_cuda", lambda t: True)
+    monkeypatch.setattr(_dispatch, "cached_support",
+                        lambda name, features=(): (True, None) if supported else (False, f"{name} is not installed"))
+    monkeypatch.setattr(conv_kernel, "load_upstream", lambda: (fake_conv(calls), None))
+    monkeypatch.setattr(ssd_kernel, "load_upstream", lambda: fake_ssd(calls))
+    monkeypatch.setattr(fla_kernel, "load_upstream", fake_fla(calls))
+    monkeypatch.setattr(attn_kernel, "load_upstream", lambda: fake_flash(calls))
+    return calls
