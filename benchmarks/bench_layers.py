@@ -79,8 +79,9 @@ def main(argv=None) -> str:
     parser.add_argument("--layers", nargs="*", choices=list(LAYERS))
     args = parser.parse_args(argv)
     rows, meta = run(args.docs, args.hidden, args.repeat, args.layers)
-    text = (f"layers fwd+bwd, hidden {args.hidden}, fp32, CPU {torch.get_num_threads()} threads: {len(meta['lengths'])} "
-            f"documents, {meta['real_tokens']} real tokens, padded form {meta['padded_tokens']} tokens "
+    text = (f"layers fwd+bwd, hidden {args.hidden}, fp32, CPU {torch.get_num_threads()} threads: "
+            f"{len(meta['lengths'])} documents, {meta['real_tokens']} real tokens, "
+            f"padded form {meta['padded_tokens']} tokens "
             f"({meta['padding']:.0%} padding)\n\n"
             + table(["layer", "packed tok/s", "padded tok/s", "loop tok/s", "packed vs padded", "target",
                      "packed vs loop"], rows))

@@ -81,3 +81,12 @@ def check_kernels(layer: str, backend: str, kernels: tuple[str, ...]) -> None:
             _dispatch.cached_support(name, ("seq_idx",))
         if not ok:
             raise RuntimeError(f"{layer}(backend='kernel'): {reason}")
+
+
+def for_layer(layer, hidden_states: torch.Tensor, packed_seq_params) -> Packing:
+    """``resolve`` for ``layer`` plus the once-per-type warning when a kernel cannot pack."""
+    name = type(layer).__name__
+    packing = resolve(hidden_states, packed_seq_params, name)
+    if packing.packed:
+        warn_reference_once(name, hidden_states, layer.backend, layer.KERNELS)
+    return packing

@@ -47,13 +47,11 @@ class AttentionMixer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
         c = self.config
-        packing = _packing.resolve(hidden_states, packed_seq_params, type(self).__name__)
-        if packing.packed:
-            _packing.warn_reference_once(type(self).__name__, hidden_states, self.backend, self.KERNELS)
+        packing = _packing.for_layer(self, hidden_states, packed_seq_params)
         b, t, _ = hidden_states.shape
-        q = rotary(self.q_proj(hidden_states).reshape(b, t, c.num_heads, c.head_dim), packing.position_ids, c.rope_theta)
-        k = rotary(self.k_proj(hidden_states).reshape(b, t, c.num_kv_heads, c.head_dim), packing.position_ids,
-                   c.rope_theta)
+        positions = packing.position_ids
+        q = rotary(self.q_proj(hidden_states).reshape(b, t, c.num_heads, c.head_dim), positions, c.rope_theta)
+        k = rotary(self.k_proj(hidden_states).reshape(b, t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
         v = self.v_proj(hidden_states).reshape(b, t, c.num_kv_heads, c.head_dim)
         if packing.packed:
             cu, longest = packing.cu_seqlens, _longest(packing.cu_seqlens, t)

@@ -14,10 +14,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import _packing
-from .norm import upcast
+from .norm import GatedRMSNorm, upcast
 from .short_conv import ShortConvolution
 
 
@@ -59,9 +60,7 @@ class DeltaMixerBase(nn.Module):
     def forward(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
         """``[B, T, D]`` -> ``[B, T, D]``; packed input needs ``B == 1``."""
         c, nh = self.config, self.householder
-        packing = _packing.resolve(hidden_states, packed_seq_params, type(self).__name__)
-        if packing.packed:
-            _packing.warn_reference_once(type(self).__name__, hidden_states, self.backend, self.KERNELS)
+        packing = _packing.for_layer(self, hidden_states, packed_seq_params)
         b, t, _ = hidden_states.shape
         q = self.q_conv(self.q_proj(hidden_states), packing.seq_idx).reshape(b, t, c.num_heads, c.head_dim)
         k = self.k_conv(self.k_proj(hidden_states), packing.seq_idx).reshape(b, t * nh, c.num_heads, c.head_dim)
@@ -72,3 +71,23 @@ class DeltaMixerBase(nn.Module):
         o = self._scan(q, k, v.to(q.dtype), self._gate(hidden_states), beta.to(q.dtype), packing.cu_seqlens)
         o = self.o_norm(o, self._output_gate(hidden_states).reshape(b, t, c.num_v_heads, c.head_v_dim))
         return self.o_proj(o.reshape(b, t, c.value_dim))
+
+
+class ScalarGateMixer(DeltaMixerBase):
+    """GDN and Gated DeltaProduct: ``g = -exp(A_log) * softplus(a_proj(x) + dt_bias)`` per value
+    head and a SiLU-gated output norm with ``g_proj(x)``."""
+
+    def __init__(self, hidden_size: int | None = None, *, config=None, backend: str = "auto", **overrides):
+        super().__init__(hidden_size, config=config, backend=backend, **overrides)
+        c = self.config
+        self.a_proj = nn.Linear(c.hidden_size, c.num_v_heads, bias=False)
+        self.A_log = nn.Parameter(torch.log(torch.empty(c.num_v_heads).uniform_(1e-3, 16)))
+        self.dt_bias = nn.Parameter(inverse_softplus_dt(c.num_v_heads))
+        self.g_proj = nn.Linear(c.hidden_size, c.value_dim, bias=False)
+        self.o_norm = GatedRMSNorm(c.head_v_dim, c.norm_eps, "swish")
+
+    def _gate(self, x):
+        return -torch.exp(upcast(self.A_log)) * F.softplus(upcast(self.a_proj(x)) + self.dt_bias)
+
+    def _output_gate(self, x):
+        return self.g_proj(x)

@@ -58,9 +58,7 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
         c = self.config
-        packing = _packing.resolve(hidden_states, packed_seq_params, type(self).__name__)
-        if packing.packed:
-            _packing.warn_reference_once(type(self).__name__, hidden_states, self.backend, self.KERNELS)
+        packing = _packing.for_layer(self, hidden_states, packed_seq_params)
         b, t, _ = hidden_states.shape
         zxbcdt = self.in_proj(hidden_states)
         z, xbc, dt = torch.split(zxbcdt, [c.d_inner, c.d_inner + 2 * c.num_groups * c.state_size, c.num_heads], -1)

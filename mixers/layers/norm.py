@@ -49,7 +49,8 @@ class GatedRMSNorm(nn.Module):
         group_size = dim if group_size is None else group_size
         if dim % group_size:
             raise ValueError(f"group_size={group_size} must divide dim={dim}")
-        self.eps, self.activation, self.norm_before_gate, self.group_size = eps, activation, norm_before_gate, group_size
+        self.eps, self.activation = eps, activation
+        self.norm_before_gate, self.group_size = norm_before_gate, group_size
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

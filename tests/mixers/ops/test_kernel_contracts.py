@@ -216,28 +216,10 @@ def test_select_backend_is_pure():
 @pytest.fixture
 def fake_fla(monkeypatch):
     import mixers.ops.delta_rule.kernel as fla_kernel
-    from mixers.ops import chunk_gated_delta_product, chunk_gated_delta_rule, chunk_kda
+    from tests.fakes import fake_fla as make_fake
     calls = []
-    ours = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda, "gdp": chunk_gated_delta_product}
-
-    def make(kind):
-        def op(q, k, v, g, beta, *args, scale=None, initial_state=None, output_final_state=False,
-               use_qk_l2norm_in_kernel=False, cu_seqlens=None, num_householder=None):
-            if cu_seqlens is not None:
-                assert q.shape[0] == 1 and cu_seqlens.dtype == torch.int64
-                assert int(cu_seqlens[-1]) == q.shape[1], "fla needs cu_seqlens[-1] == T"
-                assert bool((cu_seqlens[1:] > cu_seqlens[:-1]).all()), "fla misbehaves on repeated offsets"
-                if initial_state is not None:
-                    assert initial_state.shape[0] == cu_seqlens.numel() - 1
-            calls.append(dict(kind=kind, cu_seqlens=cu_seqlens))
-            extra = (num_householder,) if kind == "gdp" else ()
-            return ours[kind](q, k, v, g, beta, *extra, scale=scale, initial_state=initial_state,
-                              output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                              cu_seqlens=cu_seqlens, backend="reference")
-        return op
-
-    monkeypatch.setattr(fla_kernel, "load_upstream", make)
-    return calls
+    monkeypatch.setattr(fla_kernel, "load_upstream", make_fake(calls))
+    return calls                                           # (kind, cu_seqlens) per call
 
 
 def delta_case(dtype=torch.bfloat16):
@@ -255,7 +237,7 @@ def test_fla_gets_clean_boundaries_and_empty_documents_keep_their_state(fake_cud
     from mixers.ops import chunk_gated_delta_rule
     q, k, v, gate, beta, h0, cu = delta_case()
     out, final = chunk_gated_delta_rule(q, k, v, gate, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
-    assert fake_fla[0]["cu_seqlens"].tolist() == [0, 4, 13, 16, 19]
+    assert fake_fla[0][1].tolist() == [0, 4, 13, 16, 19]
     ref, ref_final = chunk_gated_delta_rule(q, k, v, gate, beta, initial_state=h0, output_final_state=True,
                                             cu_seqlens=cu, backend="reference")
     assert torch.allclose(out.float(), ref.float()) and torch.allclose(final.float(), ref_final.float())
@@ -272,7 +254,7 @@ def test_fla_gated_delta_product_fp32_is_the_reference(fake_cuda, fake_fla):
         chunk_gated_delta_product(q, k2, v2, gate, b2, 2, cu_seqlens=cu, backend="kernel")
     chunk_gated_delta_product(q.bfloat16(), k2.bfloat16(), v2.bfloat16(), gate.bfloat16(), b2.bfloat16(), 2,
                               cu_seqlens=cu)
-    assert fake_fla[0]["kind"] == "gdp"
+    assert fake_fla[0][0] == "gdp"
 
 
 def test_flash_attn_gets_int32_boundaries_covering_every_token(fake_cuda, monkeypatch):
