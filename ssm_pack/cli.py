@@ -1,4 +1,5 @@
-"""The ``ssm-pack`` command: ``ssm-pack report`` (default) prints what runs packed here."""
+"""The ``ssm-pack`` command: ``ssm-pack report`` (default) prints what runs packed here;
+``ssm-pack demo`` trains a small hybrid model on packed documents (see ``mixers.demo``)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     report = sub.add_parser("report", help="print the support report (default)")
     report.set_defaults(run=_report)
+    sub.add_parser("demo", help="train a small hybrid model on packed documents (ssm-pack demo --help)",
+                   add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "demo":                 # the demo owns its flags (mixers is imported only here)
+        from mixers.demo import main as demo_main
+        return demo_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     run = getattr(args, "run", _report)

@@ -1,0 +1,90 @@
+"""``ssm-pack demo``: pack real documents, train a hybrid model on them, and show what packing gives.
+
+Documents are the standard library's docstrings (byte tokens, no download). The demo plans packs
+with the ssm_pack planner, trains a small ``HybridLM`` (all five mixer kinds by default) with a
+progress bar, measures packed vs padded training throughput side by side, runs the leakage
+checker on a packed batch of the trained model, and writes a PNG of the loss curve and the
+throughput. It finishes in under 3 minutes on 2 CPU cores by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULTS = dict(steps=120, pattern="MGKPA", hidden=64, docs=600, max_tokens=2048, seed=0, lr=3e-3)
+# small mixers: the demo is about packing, not model quality
+MIXER_OVERRIDES = {"M": {"head_dim": 16, "state_size": 16, "chunk_size": 64}, "G": {"head_dim": 16},
+                   "K": {"head_dim": 16}, "P": {"head_dim": 16}, "A": {"head_dim": 16}}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ssm-pack demo", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="training steps (default %(default)s)")
+    p.add_argument("--pattern", default=DEFAULTS["pattern"],
+                   help="mixer per block: M Mamba2, G GDN, K KDA, P GDP, A attention (default %(default)s)")
+    p.add_argument("--hidden", type=int, default=DEFAULTS["hidden"], help="hidden size (default %(default)s)")
+    p.add_argument("--docs", type=int, default=DEFAULTS["docs"], help="documents to load (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"], help="tokens per pack")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda uses the kernels when installed)")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    p.add_argument("--out", default="demo_out", help="output folder (default %(default)s)")
+    return p
+
+
+def run(args: argparse.Namespace) -> dict:
+    from ..model import HybridLM
+    from .corpus import load_documents
+    from .plot import require_matplotlib, write_png
+    from .train import leakage_check, make_batches, throughput, train
+
+    require_matplotlib()                                     # fail before the work, not after it
+    if args.steps < 1 or args.hidden < 16 or args.docs < 4 or args.max_tokens < 64:
+        raise ValueError(f"need --steps >= 1, --hidden >= 16, --docs >= 4, --max-tokens >= 64; got {args.steps}, "
+                         f"{args.hidden}, {args.docs}, {args.max_tokens}")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
+    torch.manual_seed(args.seed)
+    started = time.perf_counter()
+    print(f"ssm-pack demo: {args.pattern} hybrid, hidden {args.hidden}, {args.steps} steps on {device}")
+    documents = load_documents(args.docs, max_bytes=min(1024, args.max_tokens))
+    lengths = [len(d) for d in documents]
+    print(f"  corpus: {len(documents)} standard-library docstrings, {sum(lengths):,} bytes "
+          f"(lengths {min(lengths)}-{max(lengths)}, median {sorted(lengths)[len(lengths) // 2]})")
+    batches, plan = make_batches(documents, args.max_tokens, 8, device)
+    print(f"  packs:  {plan.summary()}")
+    model = HybridLM(256, args.hidden, args.pattern, mixer_overrides=MIXER_OVERRIDES).to(device)
+    print(f"  model:  {sum(p.numel() for p in model.parameters()):,} parameters")
+    losses = train(model, batches, args.steps, args.lr)
+    print(f"  loss:   {losses[0]:.3f} -> {min(losses[-5:]):.3f} (last 5 steps' best)")
+    tput = throughput(model, batches, repeat=min(3, len(batches)))
+    print(f"  speed:  packed {tput['packed']:,.0f} tok/s vs padded {tput['padded']:,.0f} tok/s "
+          f"({tput['packed'] / tput['padded']:.2f}x)")
+    checked = leakage_check(model, documents, device)
+    print(f"  leaks:  none (bitwise, {checked} perturbations; the negative control without metadata leaks)")
+    out = Path(args.out)
+    png = write_png(out / "demo.png", losses, tput,
+                    f"ssm-pack demo: {args.pattern} hybrid, {args.steps} steps, packing removed "
+                    f"{plan.padding_removed:.0%} of the padding")
+    summary = {"losses": losses, "throughput": tput, "padding_removed": plan.padding_removed,
+               "packs": len(plan.packs), "seconds": time.perf_counter() - started}
+    (out / "demo.json").write_text(json.dumps(summary, indent=1))
+    print(f"  wrote {png} and {out / 'demo.json'} in {summary['seconds']:.0f} s")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except Exception as err:  # noqa: BLE001 - the demo reports every failure as one clear line
+        print(f"ssm-pack demo failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    return 0

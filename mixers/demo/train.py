@@ -1,0 +1,151 @@
+"""The demo's steps: plan packs, train, compare packed and padded throughput, check for leaks.
+
+    T = tokens of one pack, B = documents of a padded batch, S = its row length
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ssm_pack import PackedSeqParams, plan_packs
+from ssm_pack.testing import assert_no_cross_document_leakage
+
+from ..model import IGNORE_INDEX, HybridLM
+
+
+@dataclass
+class Batch:
+    """One pack: ``input_ids [1, T]`` and its metadata, plus the same documents right-padded."""
+
+    input_ids: torch.Tensor
+    params: PackedSeqParams
+    padded_ids: torch.Tensor
+    padded_labels: torch.Tensor
+    real_tokens: int
+
+
+def make_batches(documents: list[bytes], max_tokens: int, align_to: int, device) -> tuple[list[Batch], object]:
+    """Plan packs of at most ``max_tokens`` (first-fit-decreasing) and build every batch."""
+    plan = plan_packs([len(d) for d in documents], max_tokens, align_to=align_to)
+    batches = []
+    for i, pack in enumerate(plan.packs):
+        params = plan.packed_seq_params(i, fixed_length=False)
+        starts = params.cu_seqlens_q_padded.tolist() if params.cu_seqlens_q_padded is not None else \
+            params.cu_seqlens_q.tolist()
+        ids = torch.zeros(params.total_tokens, dtype=torch.long)
+        width = max(len(documents[d]) for d in pack)
+        padded = torch.zeros(len(pack), width, dtype=torch.long)
+        labels = torch.full((len(pack), width), IGNORE_INDEX, dtype=torch.long)
+        for row, (d, start) in enumerate(zip(pack, starts)):
+            tokens = torch.tensor(list(documents[d]), dtype=torch.long)
+            ids[start:start + len(tokens)] = tokens
+            padded[row, :len(tokens)] = tokens
+            labels[row, :len(tokens)] = tokens
+        real = sum(len(documents[d]) for d in pack)
+        params = _to(params, device)
+        batches.append(Batch(ids.unsqueeze(0).to(device), params, padded.to(device), labels.to(device), real))
+    return batches, plan
+
+
+def _to(params: PackedSeqParams, device) -> PackedSeqParams:
+    moved = {name: getattr(params, name).to(device) for name in
+             ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "seq_idx")
+             if getattr(params, name) is not None}
+    return params.replace(**moved)
+
+
+def packed_labels(batch: Batch) -> torch.Tensor:
+    """Labels of a pack: the tokens, ``-100`` on alignment padding and the tail."""
+    labels = torch.full_like(batch.input_ids, IGNORE_INDEX)
+    starts = (batch.params.cu_seqlens_q_padded if batch.params.cu_seqlens_q_padded is not None
+              else batch.params.cu_seqlens_q).tolist()
+    lengths = (batch.params.cu_seqlens_q[1:] - batch.params.cu_seqlens_q[:-1]).tolist()
+    for start, n in zip(starts, lengths):
+        labels[0, start:start + n] = batch.input_ids[0, start:start + n]
+    return labels
+
+
+def progress(step: int, total: int, loss: float, tokens_per_s: float, width: int = 28) -> None:
+    done = int(width * step / total)
+    sys.stderr.write(f"\r  [{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.3f}  "
+                     f"{tokens_per_s:,.0f} tok/s")
+    if step == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def train(model: HybridLM, batches: list[Batch], steps: int, lr: float) -> list[float]:
+    """``steps`` AdamW steps over the packs (cycled); returns the loss of every step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    losses, seen, start = [], 0, time.perf_counter()
+    for step in range(steps):
+        batch = batches[step % len(batches)]
+        loss = model(batch.input_ids, batch.params, labels=packed_labels(batch))["loss"]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        schedule.step()
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"the loss became {loss.item()} at step {step + 1}")
+        losses.append(loss.item())
+        seen += batch.real_tokens
+        progress(step + 1, steps, losses[-1], seen / (time.perf_counter() - start))
+    return losses
+
+
+def throughput(model: HybridLM, batches: list[Batch], repeat: int) -> dict[str, float]:
+    """Real tokens / s of full training steps, packed vs padded, on the same documents (``repeat``
+    packs spread over the plan: the first packs hold only the longest documents)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)     # a real step, without changing the model
+
+    def step(ids, params, labels):
+        loss = model(ids, params, labels=labels)["loss"]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    spread = max(1, len(batches) // (repeat + 1))
+    chosen = [batches[min(len(batches) - 1, spread * (i + 1))] for i in range(repeat)]
+    timings = {}
+    for mode in ("packed", "padded"):
+        if mode == "packed":
+            run = [lambda b=b: step(b.input_ids, b.params, packed_labels(b)) for b in chosen]
+        else:
+            run = [lambda b=b: step(b.padded_ids, None, b.padded_labels) for b in chosen]
+        run[0]()                                               # warm up
+        start = time.perf_counter()
+        for fn in run:
+            fn()
+        timings[mode] = sum(b.real_tokens for b in chosen) / (time.perf_counter() - start)
+    return timings
+
+
+class _Backbone(nn.Module):
+    """The trained model from embeddings on, as the leakage checker wants it."""
+
+    def __init__(self, model: HybridLM):
+        super().__init__()
+        self.model = model
+
+    def forward(self, hidden_states, packed_seq_params=None):
+        return self.model.backbone(hidden_states, packed_seq_params)
+
+
+def leakage_check(model: HybridLM, documents: list[bytes], device) -> int:
+    """Run :func:`ssm_pack.testing.assert_no_cross_document_leakage` on a packed batch of the model."""
+    sample = documents[:4]
+    params = PackedSeqParams.from_lengths([len(d) for d in sample], pad_to_multiple_of=8)
+    starts = params.cu_seqlens_q_padded.tolist()
+    ids = torch.zeros(1, params.total_tokens, dtype=torch.long)
+    for doc, start in zip(sample, starts):
+        ids[0, start:start + len(doc)] = torch.tensor(list(doc))
+    with torch.no_grad():
+        hidden = model.embed(ids.to(device)).float()
+    return assert_no_cross_document_leakage(_Backbone(model).float(), hidden, _to(params, device))

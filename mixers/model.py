@@ -1,0 +1,113 @@
+"""``HybridLM``: a small language model stacking any mix of the five mixers.
+
+    B = rows, T = tokens, D = hidden, V = vocabulary
+
+token embedding -> blocks (pre-norm RMSNorm -> mixer -> residual; pre-norm RMSNorm -> SwiGLU
+MLP -> residual) -> final RMSNorm -> output head tied to the embedding. The stack is a pattern
+string, one letter per block: ``M`` Mamba2, ``G`` Gated DeltaNet, ``K`` KDA, ``P`` Gated
+DeltaProduct, ``A`` attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ssm_pack import PackedSeqParams, get_cu_seqlens
+
+from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer, RMSNorm
+
+MIXERS = {"M": Mamba2Mixer, "G": GatedDeltaNetMixer, "K": KDAMixer, "P": GatedDeltaProductMixer, "A": AttentionMixer}
+IGNORE_INDEX = -100
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ratio: float = 8 / 3):
+        super().__init__()
+        inner = int(hidden * ratio)
+        self.gate_up = nn.Linear(hidden, 2 * inner, bias=False)
+        self.down = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, letter: str, hidden: int, backend: str, overrides: dict):
+        super().__init__()
+        self.mixer_norm, self.mlp_norm = RMSNorm(hidden), RMSNorm(hidden)
+        self.mixer = MIXERS[letter](hidden, backend=backend, **overrides.get(letter, {}))
+        self.mlp = SwiGLU(hidden)
+
+    def forward(self, x, packed_seq_params=None):
+        x = x + self.mixer(self.mixer_norm(x), packed_seq_params=packed_seq_params)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class HybridLM(nn.Module):
+    """``forward(input_ids [B, T], packed_seq_params=None, labels=None) -> {"logits", "loss"}``.
+
+    Args:
+        vocab_size: tokens (256 for bytes).
+        hidden_size: D of every block.
+        pattern: one letter per block (``"MGKPA"`` is one of each).
+        backend: ``"auto"``, ``"kernel"`` or ``"reference"`` for every mixer.
+        mixer_overrides: per letter, keyword overrides of that mixer's config
+            (e.g. ``{"M": {"state_size": 32}}``).
+
+    With ``labels`` (``[B, T]``, ``-100`` = ignore), the loss is the mean next-token cross-entropy;
+    on a packed row the last token of a document never predicts the first of the next one.
+    """
+
+    def __init__(self, vocab_size: int = 256, hidden_size: int = 128, pattern: str = "MGKPA", *,
+                 backend: str = "auto", mixer_overrides: dict | None = None):
+        super().__init__()
+        unknown = sorted(set(pattern) - set(MIXERS))
+        if not pattern or unknown:
+            raise ValueError(f"pattern must be letters of {''.join(MIXERS)} (M Mamba2, G Gated DeltaNet, K KDA, "
+                             f"P Gated DeltaProduct, A attention), got {pattern!r}")
+        self.pattern = pattern
+        self.embed = nn.Embedding(vocab_size, hidden_size)
+        self.blocks = nn.ModuleList(Block(letter, hidden_size, backend, mixer_overrides or {}) for letter in pattern)
+        self.norm = RMSNorm(hidden_size)
+        nn.init.normal_(self.embed.weight, std=hidden_size ** -0.5)
+
+    def backbone(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+        """The blocks and the final norm: ``[B, T, D] -> [B, T, D]`` (what the leakage checker probes)."""
+        for block in self.blocks:
+            hidden_states = block(hidden_states, packed_seq_params=packed_seq_params)
+        return self.norm(hidden_states)
+
+    def forward(self, input_ids: torch.Tensor, packed_seq_params: PackedSeqParams | None = None,
+                labels: torch.Tensor | None = None) -> dict:
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"input_ids must be [B, T] integer token ids, got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        hidden = self.backbone(self.embed(input_ids), packed_seq_params)
+        logits = hidden @ self.embed.weight.t()                                     # tied output head
+        loss = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels must match input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+            targets = next_token_targets(labels, packed_seq_params)
+            wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+            loss = F.cross_entropy(wide.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                   ignore_index=IGNORE_INDEX)
+        return {"logits": logits, "loss": loss}
+
+
+def next_token_targets(labels: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+    """``[B, T]`` targets: ``labels`` shifted left by one, ``-100`` where the next token starts a
+    new document (or is past the row's end), so no position predicts across a boundary."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    if packed_seq_params is not None:
+        starts = get_cu_seqlens(packed_seq_params).to(labels.device, torch.int64)[1:-1]
+        ends = starts[(starts > 0) & (starts <= labels.shape[1])] - 1                  # tokens before a new document
+        targets[0, ends] = IGNORE_INDEX
+        last = int(get_cu_seqlens(packed_seq_params)[-1])
+        if 0 < last < labels.shape[1]:
+            targets[0, last - 1] = IGNORE_INDEX                                       # before the padding tail
+    return targets
