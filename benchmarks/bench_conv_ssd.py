@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_metadata import random_lengths
-from benchmarks.common import fmt_ms, matmul_flops_per_s, measure, table, verdict
+from benchmarks.common import Result, matmul_flops_per_s, measure, results_table
 from mixers.ops import causal_conv1d_fn, mamba_chunk_scan_combined
 
 
@@ -77,19 +77,18 @@ def run(tokens, docs, repeat, heads=16, headdim=64, state=64, groups=1, chunk=12
         t_conv_plain = measure(plain, repeat=repeat)
         t_conv = measure(lambda: causal_conv1d_fn(xl, w, b, activation="silu", cu_seqlens=cu), repeat=repeat)
         t_conv_cf = measure(lambda: causal_conv1d_fn(xc, w, b, activation="silu", cu_seqlens=cu), repeat=repeat)
+    flops = ssd_flops(tokens, heads, headdim, state, groups, chunk)
+    g = "conv + SSD"
     return [
-        ["SSD fwd, packed vs one document", f"{fmt_ms(t_packed)} vs {fmt_ms(t_one)}", f"{t_packed / t_one:.2f}x",
-         verdict(t_packed / t_one, 1.25, higher_is_better=False)],
-        ["SSD fwd, packed vs per-document loop", f"{fmt_ms(t_packed)} vs {fmt_ms(t_loop)}",
-         f"{t_loop / t_packed:.1f}x faster", verdict(t_loop / t_packed, 10, higher_is_better=True)],
-        ["SSD fwd+bwd vs fwd", f"{fmt_ms(t_fwd_bwd)} vs {fmt_ms(t_packed)}", f"{t_fwd_bwd / t_packed:.2f}x",
-         verdict(t_fwd_bwd / t_packed, 3.5, higher_is_better=False)],
-        ["SSD fwd FLOP/s vs torch.matmul", f"{frac * peak / 1e9:.1f} vs {peak / 1e9:.1f} GFLOP/s", f"{frac:.0%}",
-         verdict(frac, 0.20, higher_is_better=True)],
-        ["varlen conv (channel-last) vs plain F.conv1d", f"{fmt_ms(t_conv)} vs {fmt_ms(t_conv_plain)}",
-         f"{t_conv / t_conv_plain:.2f}x", verdict(t_conv / t_conv_plain, 1.5, higher_is_better=False)],
-        ["varlen conv (channel-first input) vs plain F.conv1d", f"{fmt_ms(t_conv_cf)} vs {fmt_ms(t_conv_plain)}",
-         f"{t_conv_cf / t_conv_plain:.2f}x", "(informational: one transposing copy)"],
+        Result(g, f"SSD fwd, {docs} documents vs one", t_packed, t_one, t_packed / t_one, 1.25, False),
+        Result(g, "SSD fwd speed-up over a per-document loop", t_packed, t_loop, t_loop / t_packed, 10),
+        Result(g, "SSD fwd+bwd vs fwd", t_fwd_bwd, t_packed, t_fwd_bwd / t_packed, 3.5, False),
+        Result(g, "SSD fwd GFLOP/s vs torch.matmul", flops / t_packed / 1e9, peak / 1e9, frac, 0.20,
+               unit="GFLOP/s"),
+        Result(g, "varlen conv (channel-last) vs plain F.conv1d", t_conv, t_conv_plain, t_conv / t_conv_plain, 1.5,
+               False),
+        Result(g, "varlen conv (channel-first input) vs plain F.conv1d", t_conv_cf, t_conv_plain,
+               t_conv_cf / t_conv_plain, note="(informational: one transposing copy)"),
     ]
 
 
@@ -99,9 +98,9 @@ def main(argv=None) -> str:
     parser.add_argument("--docs", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args(argv)
-    rows = run(args.tokens, args.docs, args.repeat)
+    results = run(args.tokens, args.docs, args.repeat)
     text = (f"conv + SSD references, T={args.tokens}, {args.docs} documents, H=16 P=64 N=64 G=1 chunk=128, "
-            f"fp32, CPU {torch.get_num_threads()} threads\n\n" + table(["measure", "times", "ratio", "target"], rows))
+            f"fp32, CPU {torch.get_num_threads()} threads\n\n" + results_table(results))
     print(text)
     return text
 

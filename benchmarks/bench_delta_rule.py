@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_metadata import random_lengths
-from benchmarks.common import fmt_ms, matmul_flops_per_s, measure, table, verdict
+from benchmarks.common import Result, matmul_flops_per_s, measure, results_table
 from mixers.ops import chunk_gated_delta_product, chunk_gated_delta_rule, chunk_kda, varlen_attention
 
 
@@ -54,7 +54,7 @@ def fla_naive():
 
 
 def delta_rows(tokens, dim, heads, repeat):
-    rows = []
+    rows, g = [], "delta rule"
     x = inputs(tokens, heads, dim)
     cu = torch.cat([torch.zeros(1, dtype=torch.long), random_lengths(tokens, 256).cumsum(0)])
     with torch.no_grad():
@@ -69,18 +69,14 @@ def delta_rows(tokens, dim, heads, repeat):
     if naive is not None:
         with torch.no_grad():
             t_naive = measure(lambda: naive(x[0], x[1], x[2], x[3], x[4]), repeat=1)
-        rows.append([f"GDN fwd vs fla naive ({tag})", f"{fmt_ms(t_gdn)} vs {fmt_ms(t_naive)}",
-                     f"{t_naive / t_gdn:.1f}x faster", verdict(t_naive / t_gdn, 4, higher_is_better=True)])
-    rows.append([f"GDN fwd, 256 documents vs one ({tag})", f"{fmt_ms(t_docs)} vs {fmt_ms(t_gdn)}",
-                 f"{t_docs / t_gdn:.2f}x", verdict(t_docs / t_gdn, 1.25, higher_is_better=False)])
+        rows.append(Result(g, f"GDN fwd speed-up over fla's naive_chunk ({tag})", t_gdn, t_naive, t_naive / t_gdn, 4))
+    rows.append(Result(g, f"GDN fwd, 256 documents vs one ({tag})", t_docs, t_gdn, t_docs / t_gdn, 1.25, False))
     peak = matmul_flops_per_s(1024)
     frac = gdn_flops(tokens, heads, dim) / t_gdn / peak
-    rows.append([f"GDN fwd FLOP/s vs torch.matmul ({tag})", f"{frac * peak / 1e9:.1f} vs {peak / 1e9:.1f} GFLOP/s",
-                 f"{frac:.0%}", verdict(frac, 0.15, higher_is_better=True)])
-    rows.append([f"KDA vs GDN fwd ({tag})", f"{fmt_ms(t_kda)} vs {fmt_ms(t_gdn)}", f"{t_kda / t_gdn:.2f}x",
-                 verdict(t_kda / t_gdn, 1.5, higher_is_better=False)])
-    rows.append([f"GDP(2) vs GDN fwd ({tag})", f"{fmt_ms(t_gdp)} vs {fmt_ms(t_gdn)}", f"{t_gdp / t_gdn:.2f}x",
-                 verdict(t_gdp / t_gdn, 2.5, higher_is_better=False)])
+    rows.append(Result(g, f"GDN fwd GFLOP/s vs torch.matmul ({tag})", frac * peak / 1e9, peak / 1e9, frac, 0.15,
+                       unit="GFLOP/s"))
+    rows.append(Result(g, f"KDA vs GDN fwd ({tag})", t_kda, t_gdn, t_kda / t_gdn, 1.5, False))
+    rows.append(Result(g, f"GDP(2) vs GDN fwd ({tag})", t_gdp, t_gdn, t_gdp / t_gdn, 2.5, False))
     return rows
 
 
@@ -97,9 +93,8 @@ def backward_row(tokens, dim, heads, repeat):
 
     t_ours = measure(lambda: run(chunk_gated_delta_rule, ours), repeat=repeat)
     t_naive = measure(lambda: run(naive, theirs), repeat=1)
-    return [[f"GDN fwd+bwd vs autograd through fla naive (T={tokens}, K=V={dim})",
-             f"{fmt_ms(t_ours)} vs {fmt_ms(t_naive)}", f"{t_naive / t_ours:.1f}x faster",
-             verdict(t_naive / t_ours, 8, higher_is_better=True)]]
+    return [Result("delta rule", f"GDN fwd+bwd speed-up over autograd through fla naive (T={tokens}, K=V={dim})",
+                   t_ours, t_naive, t_naive / t_ours, 8)]
 
 
 _ATTN_PROBE = """
@@ -143,11 +138,11 @@ def attention_rows(tokens, repeat, docs=64):
         out = subprocess.run([sys.executable, "-c", _ATTN_PROBE, str(tokens), str(docs), which],
                              capture_output=True, text=True, check=True)
         memory[which] = json.loads(out.stdout.strip().splitlines()[-1])["extra_mb"]
-    return [[f"varlen attention vs SDPA + dense block mask ({docs} documents)",
-             f"{fmt_ms(t_ours)} vs {fmt_ms(t_dense)}",
-             f"{t_ours / t_dense:.2f}x", verdict(t_ours / t_dense, 1.5, higher_is_better=False)],
-            ["  peak extra memory (fresh process)", f"{memory['varlen']:.0f} MB vs {memory['dense']:.0f} MB",
-             f"{memory['varlen'] / max(memory['dense'], 1e-9):.0%}", "(a fraction)"]]
+    g = "attention"
+    return [Result(g, f"varlen attention vs SDPA + dense block mask ({docs} documents)", t_ours, t_dense,
+                   t_ours / t_dense, 1.5, False),
+            Result(g, "varlen attention peak memory vs SDPA + dense mask (fresh process)", memory["varlen"],
+                   memory["dense"], memory["varlen"] / max(memory["dense"], 1e-9), 1.0, False, unit="MB")]
 
 
 def main(argv=None) -> str:
@@ -158,13 +153,13 @@ def main(argv=None) -> str:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args(argv)
-    rows = []
+    rows: list[Result] = []
     for dim in args.dims:
         rows += delta_rows(args.tokens, dim, args.heads, args.repeat)
     rows += backward_row(args.backward_tokens, args.dims[0], args.heads, args.repeat)
     rows += attention_rows(args.tokens, args.repeat)
     text = (f"delta rule + varlen attention, T={args.tokens}, H={args.heads}, fp32, CPU {torch.get_num_threads()} "
-            "threads\n\n" + table(["measure", "times", "ratio", "target"], rows))
+            "threads\n\n" + results_table(rows))
     print(text)
     return text
 

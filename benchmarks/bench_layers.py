@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import measure, table, verdict
+from benchmarks.common import Result, measure, results_table
 from mixers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
 from ssm_pack import PackedSeqParams, pack_padded
 
@@ -29,7 +29,7 @@ def document_lengths(docs: int, seed: int = 0, median: float = 300.0, cap: int =
     return [int(min(cap, max(1, round(float(n))))) for n in draws]
 
 
-def run(docs: int, hidden: int, repeat: int, names=None) -> tuple[list[list[object]], dict]:
+def run(docs: int, hidden: int, repeat: int, names=None) -> tuple[list[Result], dict]:
     lengths = document_lengths(docs)
     width = max(lengths)
     padding = 1 - sum(lengths) / (len(lengths) * width)
@@ -38,7 +38,7 @@ def run(docs: int, hidden: int, repeat: int, names=None) -> tuple[list[list[obje
     packed = pack_padded(padded, lengths)
     params = PackedSeqParams.from_lengths(lengths)
     mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
-    rows, results = [], {}
+    rows = []
     for name in names or LAYERS:
         torch.manual_seed(0)
         layer = LAYERS[name](hidden)
@@ -63,10 +63,10 @@ def run(docs: int, hidden: int, repeat: int, names=None) -> tuple[list[list[obje
         t_padded = measure(padded_step, repeat=repeat)
         t_loop = measure(loop_step, repeat=max(1, repeat // 2))
         real = sum(lengths)
-        results[name] = {"packed": real / t_packed, "padded": real / t_padded, "loop": real / t_loop}
-        rows.append([name, f"{real / t_packed:,.0f}", f"{real / t_padded:,.0f}", f"{real / t_loop:,.0f}",
-                     f"{t_padded / t_packed:.2f}x", verdict(t_padded / t_packed, 1.7, higher_is_better=True),
-                     f"{t_loop / t_packed:.2f}x"])
+        rows.append(Result("layers", f"{name}: packed vs padded", real / t_packed, real / t_padded,
+                           t_padded / t_packed, 1.7, unit="tok/s"))
+        rows.append(Result("layers", f"{name}: packed vs a per-document loop", real / t_packed, real / t_loop,
+                           t_loop / t_packed, unit="tok/s", note="(informational)"))
     meta = {"lengths": lengths, "padding": padding, "real_tokens": sum(lengths), "padded_tokens": len(lengths) * width}
     return rows, meta
 
@@ -83,8 +83,7 @@ def main(argv=None) -> str:
             f"{len(meta['lengths'])} documents, {meta['real_tokens']} real tokens, "
             f"padded form {meta['padded_tokens']} tokens "
             f"({meta['padding']:.0%} padding)\n\n"
-            + table(["layer", "packed tok/s", "padded tok/s", "loop tok/s", "packed vs padded", "target",
-                     "packed vs loop"], rows))
+            + results_table(rows))
     print(text)
     return text
 

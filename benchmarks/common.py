@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -57,3 +58,37 @@ def verdict(value: float, target: float, *, higher_is_better: bool) -> str:
 
 def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
+
+
+@dataclass
+class Result:
+    """One measured comparison: ``ours`` vs ``other`` (seconds, or a rate when ``unit`` is one)."""
+
+    group: str
+    measure: str
+    ours: float
+    other: float
+    ratio: float
+    target: float | None = None
+    higher_is_better: bool = True
+    unit: str = "s"
+    note: str = ""
+
+    @property
+    def passed(self) -> bool | None:
+        if self.target is None:
+            return None
+        return self.ratio >= self.target if self.higher_is_better else self.ratio <= self.target
+
+    def row(self) -> list[str]:
+        if self.unit == "s":
+            times = f"{fmt_ms(self.ours)} vs {fmt_ms(self.other)}"
+        else:
+            times = f"{self.ours:,.1f} vs {self.other:,.1f} {self.unit}"
+        target = self.note if self.target is None else verdict(self.ratio, self.target,
+                                                               higher_is_better=self.higher_is_better)
+        return [self.measure, times, f"{self.ratio:.2f}x", target]
+
+
+def results_table(results: list[Result]) -> str:
+    return table(["measure", "ours vs other", "ratio", "target"], [r.row() for r in results])

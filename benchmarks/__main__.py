@@ -1,0 +1,134 @@
+"""Run every benchmark, write a markdown report and PNG plots.
+
+    python -m benchmarks                 # quick sizes, a few minutes on 2 cores
+    python -m benchmarks --full          # the sizes the targets are defined at (much longer)
+    python -m benchmarks --out bench_out
+
+Every figure is a ratio measured side by side in one run; nothing here is asserted. Benchmarks
+never run in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import bench_conv_ssd, bench_delta_rule, bench_layers, bench_metadata
+from benchmarks.common import Result, results_table
+
+QUICK = dict(meta=(2**19, 5000), conv_ssd=(2048, 256), delta=(2048, [64], 1024), layers=(4, 256), repeat=2)
+FULL = dict(meta=(2**21, 20000), conv_ssd=(8192, 1024), delta=(8192, [64, 128], 2048), layers=(8, 512), repeat=3)
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{cpu}, {torch.get_num_threads()} threads, Python {platform.python_version()}, torch {torch.__version__}"
+            + (f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""))
+
+
+def collect(sizes: dict, log) -> list[Result]:
+    results: list[Result] = []
+    repeat = sizes["repeat"]
+    log("metadata ...")
+    results += bench_metadata.run(*sizes["meta"], repeat)
+    log("conv + SSD ...")
+    results += bench_conv_ssd.run(*sizes["conv_ssd"], repeat)
+    tokens, dims, back_tokens = sizes["delta"]
+    log("delta rule + attention ...")
+    for dim in dims:
+        results += bench_delta_rule.delta_rows(tokens, dim, 8, repeat)
+    results += bench_delta_rule.backward_row(back_tokens, dims[0], 8, repeat)
+    results += bench_delta_rule.attention_rows(tokens, repeat)
+    log("layers ...")
+    layer_results, _ = bench_layers.run(*sizes["layers"], repeat)
+    return results + layer_results
+
+
+def plot(results: list[Result], out: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    written = []
+    timed = [r for r in results if r.unit == "s"]
+    fig, ax = plt.subplots(figsize=(13, 0.42 * len(timed) + 1.5))
+    y = range(len(timed))
+    ax.barh([i + 0.2 for i in y], [r.ours * 1e3 for r in timed], height=0.4, label="ssm-pack", color="#2ca02c")
+    ax.barh([i - 0.2 for i in y], [r.other * 1e3 for r in timed], height=0.4, label="compared with", color="#7f7f7f")
+    ax.set_yticks(list(y), [r.measure for r in timed], fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("milliseconds (log)")
+    ax.set_title("ops: ssm-pack vs one document / per-document loop / fla naive / dense SDPA", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    written.append(out / "ops.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    layers = [r for r in results if r.group == "layers"]
+    names = sorted({r.measure.split(":")[0] for r in layers}, key=[r.measure.split(":")[0] for r in layers].index)
+    packed = [next(r.ours for r in layers if r.measure.startswith(n)) for n in names]
+    padded = [next(r.other for r in layers if r.measure.startswith(n) and "padded" in r.measure) for n in names]
+    loop = [next(r.other for r in layers if r.measure.startswith(n) and "loop" in r.measure) for n in names]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    xs = range(len(names))
+    for offset, values, label, color in ((-0.27, packed, "packed", "#2ca02c"), (0, padded, "padded", "#d62728"),
+                                         (0.27, loop, "per-document loop", "#7f7f7f")):
+        ax.bar([x + offset for x in xs], values, width=0.27, label=label, color=color)
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("real tokens / s (fwd + bwd)")
+    ax.set_title("layers: packed vs padded vs per-document loop")
+    ax.legend()
+    fig.tight_layout()
+    written.append(out / "layers.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    roof = [r for r in results if r.unit == "GFLOP/s"]
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh([r.measure for r in roof], [100 * r.ratio for r in roof], color="#1f77b4")
+    for r in roof:
+        ax.axvline(100 * r.target, color="#d62728", linestyle="--", linewidth=1)
+    ax.set_xlabel("% of torch.matmul FLOP/s (dashed: target)")
+    ax.set_title("fraction of the matmul roofline")
+    fig.tight_layout()
+    written.append(out / "roofline.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    return written
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="the target sizes (slow)")
+    parser.add_argument("--out", default="bench_out")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    results = collect(FULL if args.full else QUICK, lambda m: print(f"  {m}", flush=True))
+    sections = []
+    for group in dict.fromkeys(r.group for r in results):
+        sections.append(f"## {group}\n\n" + results_table([r for r in results if r.group == group]))
+    missed = [r.measure for r in results if r.passed is False]
+    report = (f"# ssm-pack benchmarks ({'full' if args.full else 'quick'} sizes)\n\nMachine: {machine()}\n\n"
+              + "\n\n".join(sections)
+              + f"\n\n{sum(r.passed is True for r in results)} targets met, {len(missed)} missed"
+              + (":\n" + "\n".join(f"- {m}" for m in missed) if missed else "") + "\n")
+    (out / "report.md").write_text(report)
+    pngs = plot(results, out)
+    print(report)
+    print(f"wrote {out / 'report.md'} and {', '.join(str(p) for p in pngs)} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
