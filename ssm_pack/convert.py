@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import as_index_tensor, check_boundaries, check_int, check_lengths, check_tensor
-from .seq_idx import seq_idx_from_cu_seqlens
+from .seq_idx import _np, seq_idx_from_cu_seqlens
 
 
 def lengths_to_cu_seqlens(lengths, *, device=None) -> torch.Tensor:
@@ -97,9 +97,14 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     rows, cols = position_ids.shape
     if rows * cols == 0:
         raise ValueError(f"position_ids must hold at least one token, got shape {tuple(position_ids.shape)}")
-    starts = position_ids == 0
-    starts[:, 0] = True
-    offsets = torch.nonzero(starts.reshape(-1)).reshape(-1).to(torch.int32)
+    if position_ids.device.type == "cpu" and _np is not None:  # flatnonzero is ~3x torch.nonzero on CPU
+        starts = position_ids.numpy() == 0
+        starts[:, 0] = True
+        offsets = torch.from_numpy(_np.flatnonzero(starts).astype(_np.int32))
+    else:
+        starts = position_ids == 0
+        starts[:, 0] = True
+        offsets = torch.nonzero(starts.reshape(-1)).reshape(-1).to(torch.int32)
     end = torch.tensor([rows * cols], dtype=torch.int32, device=position_ids.device)
     return torch.cat([offsets, end])
 
