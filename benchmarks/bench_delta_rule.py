@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_metadata import random_lengths
-from benchmarks.common import Result, matmul_flops_per_s, measure, results_table
+from benchmarks.common import Result, matmul_flops_per_s, measure, measure_side_by_side, results_table
 from mixers.ops import chunk_gated_delta_product, chunk_gated_delta_rule, chunk_kda, varlen_attention
 
 
@@ -57,19 +57,20 @@ def delta_rows(tokens, dim, heads, repeat):
     rows, g = [], "delta rule"
     x = inputs(tokens, heads, dim)
     cu = torch.cat([torch.zeros(1, dtype=torch.long), random_lengths(tokens, 256).cumsum(0)])
-    with torch.no_grad():
-        t_gdn = measure(lambda: chunk_gated_delta_rule(*x), repeat=repeat)
-        t_docs = measure(lambda: chunk_gated_delta_rule(*x, cu_seqlens=cu), repeat=repeat)
-        xk = inputs(tokens, heads, dim, kda=True)
-        t_kda = measure(lambda: chunk_kda(*xk), repeat=repeat)
-        xp = inputs(tokens, heads, dim, householder=2)
-        t_gdp = measure(lambda: chunk_gated_delta_product(*xp, 2), repeat=repeat)
+    xk = inputs(tokens, heads, dim, kda=True)
+    xp = inputs(tokens, heads, dim, householder=2)
+    fns = {"gdn": lambda: chunk_gated_delta_rule(*x), "docs": lambda: chunk_gated_delta_rule(*x, cu_seqlens=cu),
+           "kda": lambda: chunk_kda(*xk), "gdp": lambda: chunk_gated_delta_product(*xp, 2)}
     naive = fla_naive()
+    if naive is not None:
+        fns["naive"] = lambda: naive(x[0], x[1], x[2], x[3], x[4])
+    with torch.no_grad():
+        t = measure_side_by_side(fns, repeat=repeat)
+    t_gdn, t_docs, t_kda, t_gdp = t["gdn"], t["docs"], t["kda"], t["gdp"]
     tag = f"K=V={dim}"
     if naive is not None:
-        with torch.no_grad():
-            t_naive = measure(lambda: naive(x[0], x[1], x[2], x[3], x[4]), repeat=1)
-        rows.append(Result(g, f"GDN fwd speed-up over fla's naive_chunk ({tag})", t_gdn, t_naive, t_naive / t_gdn, 4))
+        rows.append(Result(g, f"GDN fwd speed-up over fla's naive_chunk ({tag})", t_gdn, t["naive"],
+                           t["naive"] / t_gdn, 4))
     rows.append(Result(g, f"GDN fwd, 256 documents vs one ({tag})", t_docs, t_gdn, t_docs / t_gdn, 1.25, False))
     peak = matmul_flops_per_s(1024)
     frac = gdn_flops(tokens, heads, dim) / t_gdn / peak
@@ -91,8 +92,9 @@ def backward_row(tokens, dim, heads, repeat):
         o = fn(*args)[0]
         o.backward(torch.ones_like(o))
 
-    t_ours = measure(lambda: run(chunk_gated_delta_rule, ours), repeat=repeat)
-    t_naive = measure(lambda: run(naive, theirs), repeat=1)
+    t = measure_side_by_side({"ours": lambda: run(chunk_gated_delta_rule, ours),
+                              "naive": lambda: run(naive, theirs)}, repeat=repeat)
+    t_ours, t_naive = t["ours"], t["naive"]
     return [Result("delta rule", f"GDN fwd+bwd speed-up over autograd through fla naive (T={tokens}, K=V={dim})",
                    t_ours, t_naive, t_naive / t_ours, 8)]
 

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import Result, measure, results_table
+from benchmarks.common import Result, measure_side_by_side, results_table
 from mixers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
 from ssm_pack import PackedSeqParams, pack_padded
 
@@ -59,9 +59,8 @@ def run(docs: int, hidden: int, repeat: int, names=None) -> tuple[list[Result], 
                 layer(x).square().mean().backward()
                 start += n
 
-        t_packed = measure(packed_step, repeat=repeat)
-        t_padded = measure(padded_step, repeat=repeat)
-        t_loop = measure(loop_step, repeat=max(1, repeat // 2))
+        t = measure_side_by_side({"packed": packed_step, "padded": padded_step, "loop": loop_step}, repeat=repeat)
+        t_packed, t_padded, t_loop = t["packed"], t["padded"], t["loop"]
         real = sum(lengths)
         rows.append(Result("layers", f"{name}: packed vs padded", real / t_packed, real / t_padded,
                            t_padded / t_packed, 1.7, unit="tok/s"))

@@ -32,6 +32,30 @@ def measure(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1, min_t
     return min(times)
 
 
+def measure_side_by_side(fns: dict[str, Callable[[], object]], *, repeat: int = 3,
+                         warmup: int = 1) -> dict[str, float]:
+    """Best wall time of each function, in seconds, running them in alternating rounds.
+
+    A ratio of two timings taken minutes apart on a shared machine measures the noise as much
+    as the code; alternating puts both under the same conditions, and the minimum of each keeps
+    only the undisturbed runs.
+    """
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    sync()
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            gc.collect()
+            start = time.perf_counter()
+            fn()
+            sync()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 def matmul_flops_per_s(n: int = 1024, dtype=torch.float32, device="cpu") -> float:
     """Achieved FLOP/s of a plain square ``torch.matmul``, the roofline yardstick."""
     a = torch.randn(n, n, dtype=dtype, device=device)

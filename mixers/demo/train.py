@@ -20,7 +20,8 @@ from ..model import IGNORE_INDEX, HybridLM
 
 @dataclass
 class Batch:
-    """One pack: ``input_ids [1, T]`` and its metadata, plus the same documents right-padded."""
+    """One pack: ``input_ids [1, T]`` and its metadata, plus the same documents right-padded to
+    ``[B, S]`` rows of the plan's ``padded_row_length`` (the longest document of the corpus)."""
 
     input_ids: torch.Tensor
     params: PackedSeqParams
@@ -38,7 +39,7 @@ def make_batches(documents: list[bytes], max_tokens: int, align_to: int, device)
         starts = params.cu_seqlens_q_padded.tolist() if params.cu_seqlens_q_padded is not None else \
             params.cu_seqlens_q.tolist()
         ids = torch.zeros(params.total_tokens, dtype=torch.long)
-        width = max(len(documents[d]) for d in pack)
+        width = plan.padded_row_length              # the padded batch the plan's padding figure describes
         padded = torch.zeros(len(pack), width, dtype=torch.long)
         labels = torch.full((len(pack), width), IGNORE_INDEX, dtype=torch.long)
         for row, (d, start) in enumerate(zip(pack, starts)):
@@ -71,11 +72,13 @@ def packed_labels(batch: Batch) -> torch.Tensor:
 
 
 def progress(step: int, total: int, loss: float, tokens_per_s: float, width: int = 28) -> None:
+    """A bar redrawn in place on a terminal; on a pipe or a log, a plain line every sixth of the run."""
     done = int(width * step / total)
-    sys.stderr.write(f"\r  [{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.3f}  "
-                     f"{tokens_per_s:,.0f} tok/s")
-    if step == total:
-        sys.stderr.write("\n")
+    line = f"  [{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.3f}  {tokens_per_s:,.0f} tok/s"
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + line + ("\n" if step == total else ""))
+    elif step == total or step % max(1, total // 6) == 0:
+        sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
 
@@ -100,31 +103,37 @@ def train(model: HybridLM, batches: list[Batch], steps: int, lr: float) -> list[
     return losses
 
 
-def throughput(model: HybridLM, batches: list[Batch], repeat: int) -> dict[str, float]:
-    """Real tokens / s of full training steps, packed vs padded, on the same documents (``repeat``
-    packs spread over the plan: the first packs hold only the longest documents)."""
+def throughput(model: HybridLM, batches: list[Batch], repeat: int, rounds: int = 3) -> dict[str, float]:
+    """Real tokens / s of full training steps, packed vs padded, on the same documents.
+
+    ``repeat`` packs spread over the plan (the first packs hold only the longest documents). Each
+    pack runs packed then padded, alternating, ``rounds`` times; the fastest time of each is kept,
+    so a burst of noise on a shared machine does not decide the ratio.
+    """
     opt = torch.optim.SGD(model.parameters(), lr=0.0)     # a real step, without changing the model
 
-    def step(ids, params, labels):
+    def timed(ids, params, labels) -> float:
+        start = time.perf_counter()
         loss = model(ids, params, labels=labels)["loss"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        return time.perf_counter() - start
 
     spread = max(1, len(batches) // (repeat + 1))
     chosen = [batches[min(len(batches) - 1, spread * (i + 1))] for i in range(repeat)]
-    timings = {}
-    for mode in ("packed", "padded"):
-        if mode == "packed":
-            run = [lambda b=b: step(b.input_ids, b.params, packed_labels(b)) for b in chosen]
-        else:
-            run = [lambda b=b: step(b.padded_ids, None, b.padded_labels) for b in chosen]
-        run[0]()                                               # warm up
-        start = time.perf_counter()
-        for fn in run:
-            fn()
-        timings[mode] = sum(b.real_tokens for b in chosen) / (time.perf_counter() - start)
-    return timings
+    best = {"packed": 0.0, "padded": 0.0}
+    for b in chosen:
+        runs = {"packed": lambda b=b: timed(b.input_ids, b.params, packed_labels(b)),
+                "padded": lambda b=b: timed(b.padded_ids, None, b.padded_labels)}
+        times = {mode: [] for mode in runs}
+        for _ in range(rounds + 1):                            # the first round warms up
+            for mode, fn in runs.items():
+                times[mode].append(fn())
+        for mode in runs:
+            best[mode] += min(times[mode][1:])
+    real = sum(b.real_tokens for b in chosen)
+    return {mode: real / seconds for mode, seconds in best.items()}
 
 
 class _Backbone(nn.Module):
