@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from benchmarks.bench_metadata import random_lengths
 from benchmarks.common import Result, matmul_flops_per_s, measure, measure_side_by_side, results_table
 from mixers.ops import chunk_gated_delta_product, chunk_gated_delta_rule, chunk_kda, varlen_attention
+from ssm_pack import max_seqlen_from_cu_seqlens
 
 
 def inputs(tokens, heads, dim, grad=False, kda=False, householder=1):
@@ -102,6 +103,7 @@ def backward_row(tokens, dim, heads, repeat):
 _ATTN_PROBE = """
 import json, sys, torch, torch.nn.functional as F
 from mixers.ops import varlen_attention
+from ssm_pack import max_seqlen_from_cu_seqlens
 from benchmarks.bench_metadata import random_lengths
 tokens, docs, which = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 cu = torch.cat([torch.zeros(1, dtype=torch.long), random_lengths(tokens, docs).cumsum(0)])
@@ -119,7 +121,7 @@ with torch.no_grad():
         mask = (seg[:, None] == seg[None, :]) & (i[None, :] <= i[:, None])
         F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
     else:
-        varlen_attention(q, k, v, cu, int((cu[1:] - cu[:-1]).max()))
+        varlen_attention(q, k, v, cu, max_seqlen_from_cu_seqlens(cu))
 print(json.dumps({"extra_mb": status("VmHWM") - base}))
 """
 
@@ -130,7 +132,7 @@ def attention_rows(tokens, repeat, docs=64):
     seg = torch.repeat_interleave(torch.arange(docs), cu[1:] - cu[:-1])
     i = torch.arange(tokens)
     mask = (seg[:, None] == seg[None, :]) & (i[None, :] <= i[:, None])
-    longest = int((cu[1:] - cu[:-1]).max())
+    longest = max_seqlen_from_cu_seqlens(cu)
     with torch.no_grad():
         t_ours = measure(lambda: varlen_attention(q, k, v, cu, longest), repeat=repeat)
         t_dense = measure(lambda: F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),

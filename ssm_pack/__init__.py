@@ -5,16 +5,17 @@ imported here. See README for the representations and the support matrix.
 """
 
 from .convert import (
-                      attention_mask_from_lengths,
-                      cu_seqlens_from_position_ids,
-                      cu_seqlens_from_seq_idx,
-                      cu_seqlens_to_lengths,
-                      lengths_from_attention_mask,
-                      lengths_to_cu_seqlens,
-                      pack_padded,
-                      position_ids_from_cu_seqlens,
-                      round_up_lengths,
-                      unpack_to_padded,
+    attention_mask_from_lengths,
+    cu_seqlens_from_position_ids,
+    cu_seqlens_from_seq_idx,
+    cu_seqlens_to_lengths,
+    lengths_from_attention_mask,
+    lengths_to_cu_seqlens,
+    max_seqlen_from_cu_seqlens,
+    pack_padded,
+    position_ids_from_cu_seqlens,
+    round_up_lengths,
+    unpack_to_padded,
 )
 from .hf import hf_batch_from_packed_seq_params, packed_seq_params_from_hf_batch
 from .mimo import assemble_packed_sequence, pack_language_shard
@@ -24,21 +25,21 @@ from .params import PackedSeqParams
 from .planner import PackPlan, plan_packs
 from .segment_attention import segment_attention
 from .segments import (
-                      PackingAlignmentWarning,
-                      check_block_alignment,
-                      dense_segment_keep,
-                      is_packed,
-                      packed_masks,
-                      segment_ids,
-                      segment_of,
-                      segment_starts,
+    PackingAlignmentWarning,
+    check_block_alignment,
+    dense_segment_keep,
+    is_packed,
+    packed_masks,
+    segment_ids,
+    segment_of,
+    segment_starts,
 )
 from .seq_idx import build_packed_seq_idx, get_cu_seqlens, seq_idx_from_cu_seqlens
 from .support import (
-                      check_causal_conv1d_support,
-                      check_fla_sequence_packing_support,
-                      check_flash_attn_support,
-                      check_mamba_sequence_packing_support,
+    check_causal_conv1d_support,
+    check_fla_sequence_packing_support,
+    check_flash_attn_support,
+    check_mamba_sequence_packing_support,
 )
 
 __version__ = "0.1.0"
@@ -49,8 +50,9 @@ __all__ = [
     "check_causal_conv1d_support", "check_fla_sequence_packing_support", "check_flash_attn_support",
     "check_mamba_sequence_packing_support", "cu_seqlens_from_position_ids", "cu_seqlens_from_seq_idx",
     "cu_seqlens_to_lengths", "dense_segment_keep", "get_cu_seqlens", "hf_batch_from_packed_seq_params",
-    "is_packed", "lengths_from_attention_mask", "lengths_to_cu_seqlens", "pack_language_shard",
-    "pack_padded", "packed_masks", "packed_seq_params_from_doc_ids", "packed_seq_params_from_hf_batch",
+    "is_packed", "lengths_from_attention_mask", "lengths_to_cu_seqlens", "max_seqlen_from_cu_seqlens",
+    "pack_language_shard", "pack_padded", "packed_masks", "packed_seq_params_from_doc_ids",
+    "packed_seq_params_from_hf_batch",
     "plan_packs", "position_ids_from_cu_seqlens", "resolve_cp_group", "resolve_tp_cp_group",
     "round_up_lengths", "segment_attention", "segment_ids", "segment_of", "segment_starts",
     "seq_idx_from_cu_seqlens", "to_flash_attention_kwargs", "unpack_to_padded",

@@ -37,6 +37,17 @@ def round_up_lengths(lengths, multiple: int) -> torch.Tensor:
     return (lengths + (multiple - 1)) // multiple * multiple
 
 
+def max_seqlen_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int | None = None) -> int:
+    """The longest document of ``cu_seqlens`` (0 when there is none), the ``max_seqlen`` that
+    varlen attention kernels want. With ``total_tokens > cu_seqlens[-1]`` the tail counts as
+    one more document, as it does in ``seq_idx``. Reads the values (synchronises on a GPU).
+    """
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+    if total_tokens is not None and cu_seqlens.numel():
+        longest = max(longest, total_tokens - int(cu_seqlens[-1]))
+    return longest
+
+
 def cu_seqlens_from_seq_idx(seq_idx: torch.Tensor, *, num_docs: int | None = None) -> torch.Tensor:
     """Boundaries from a non-decreasing per-token document index ``[T]`` or ``[1, T]``.
 
@@ -97,13 +108,11 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     rows, cols = position_ids.shape
     if rows * cols == 0:
         raise ValueError(f"position_ids must hold at least one token, got shape {tuple(position_ids.shape)}")
-    if position_ids.device.type == "cpu" and _np is not None:  # flatnonzero is ~3x torch.nonzero on CPU
-        starts = position_ids.numpy() == 0
-        starts[:, 0] = True
-        offsets = torch.from_numpy(_np.flatnonzero(starts).astype(_np.int32))
+    starts = position_ids == 0
+    starts[:, 0] = True
+    if starts.device.type == "cpu" and _np is not None:   # flatnonzero is ~3x torch.nonzero on CPU
+        offsets = torch.from_numpy(_np.flatnonzero(starts.numpy()).astype(_np.int32))
     else:
-        starts = position_ids == 0
-        starts[:, 0] = True
         offsets = torch.nonzero(starts.reshape(-1)).reshape(-1).to(torch.int32)
     end = torch.tensor([rows * cols], dtype=torch.int32, device=position_ids.device)
     return torch.cat([offsets, end])
@@ -193,6 +202,6 @@ def as_cu_seqlens(name: str, value) -> torch.Tensor:
 __all__ = [
     "as_cu_seqlens", "attention_mask_from_lengths", "cu_seqlens_from_position_ids",
     "cu_seqlens_from_seq_idx", "cu_seqlens_to_lengths", "lengths_from_attention_mask",
-    "lengths_to_cu_seqlens", "pack_padded", "position_ids_from_cu_seqlens", "round_up_lengths",
-    "unpack_to_padded",
+    "lengths_to_cu_seqlens", "max_seqlen_from_cu_seqlens", "pack_padded",
+    "position_ids_from_cu_seqlens", "round_up_lengths", "unpack_to_padded",
 ]

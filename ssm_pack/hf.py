@@ -16,7 +16,13 @@ from collections.abc import Mapping
 import torch
 
 from ._checks import check_tensor, describe
-from .convert import as_cu_seqlens, cu_seqlens_from_position_ids, cu_seqlens_from_seq_idx, position_ids_from_cu_seqlens
+from .convert import (
+    as_cu_seqlens,
+    cu_seqlens_from_position_ids,
+    cu_seqlens_from_seq_idx,
+    max_seqlen_from_cu_seqlens,
+    position_ids_from_cu_seqlens,
+)
 from .params import PackedSeqParams
 from .seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens
 
@@ -35,7 +41,7 @@ def _packed_length(batch: Mapping) -> int | None:
 
 
 def _check_max(name: str, value, cu: torch.Tensor) -> int:
-    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    longest = max_seqlen_from_cu_seqlens(cu)
     if value is None:
         return longest
     value = int(value)
@@ -90,7 +96,7 @@ def hf_batch_from_packed_seq_params(params: PackedSeqParams) -> dict[str, torch.
     total = int(cu[-1]) if params.total_tokens is None else params.total_tokens
     if total != int(cu[-1]):
         cu = torch.cat([cu, cu.new_tensor([total])])  # the tail is a document of its own
-    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    longest = max_seqlen_from_cu_seqlens(cu)
     return {"position_ids": position_ids_from_cu_seqlens(cu, total),
             "seq_idx": seq_idx_from_cu_seqlens(cu, total),
             "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_tensor
+from .convert import max_seqlen_from_cu_seqlens
 from .params import PackedSeqParams
 from .seq_idx import get_cu_seqlens
 
@@ -44,7 +45,7 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
     seq_idx = starts.cumsum_(0).sub_(1)  # segment of every token, [T]
     probes = torch.arange(int(seq_idx[-1]) + 2, dtype=torch.int32, device=doc_ids.device)
     cu = torch.searchsorted(seq_idx, probes).to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max())
+    longest = max_seqlen_from_cu_seqlens(cu)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            max_seqlen_q=longest, max_seqlen_kv=longest, total_tokens=total,
                            seq_idx=seq_idx.unsqueeze(0), doc_ids=doc_ids)
@@ -61,9 +62,5 @@ def to_flash_attention_kwargs(params: PackedSeqParams) -> dict[str, torch.Tensor
     cu_q = get_cu_seqlens(params).to(torch.int32)
     cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
     cu_k = cu_q if cu_k is None else cu_k.to(torch.int32)
-
-    def longest(cu):
-        return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-
     return {"cu_seq_lens_q": cu_q, "cu_seq_lens_k": cu_k,
-            "max_length_q": longest(cu_q), "max_length_k": longest(cu_k)}
+            "max_length_q": max_seqlen_from_cu_seqlens(cu_q), "max_length_k": max_seqlen_from_cu_seqlens(cu_k)}

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ._checks import check_boundaries, check_int, check_tensor, describe
+from .convert import max_seqlen_from_cu_seqlens
 from .seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens
 
 _QKV_FORMATS = (None, "thd", "sbhd", "bshd")
@@ -99,7 +100,7 @@ class PackedSeqParams:
                 check_boundaries(name, cu)
         limit = getattr(self, f"max_seqlen_{side}")
         if real is not None and real.numel() > 1 and isinstance(limit, int) and not isinstance(limit, bool):
-            longest = int((real[1:] - real[:-1]).max())
+            longest = max_seqlen_from_cu_seqlens(real)
             if longest > limit:
                 raise ValueError(f"max_seqlen_{side}={limit} is smaller than the longest document "
                                  f"({longest} tokens); attention kernels would truncate it")
@@ -205,7 +206,7 @@ class PackedSeqParams:
     def _from_boundaries(cls, real, padded, total_tokens) -> PackedSeqParams:
         physical = real if padded is None else padded
         total = int(physical[-1]) if total_tokens is None else total_tokens
-        longest = int((physical[1:] - physical[:-1]).max()) if physical.numel() > 1 else 0
+        longest = max_seqlen_from_cu_seqlens(physical)
         return cls(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
                    cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
                    max_seqlen_q=longest, max_seqlen_kv=longest, total_tokens=total,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ssm_pack import max_seqlen_from_cu_seqlens
+
 from ..ops import varlen_attention
 from . import _packing
 from .config import AttentionConfig
@@ -54,7 +56,7 @@ class AttentionMixer(nn.Module):
         k = rotary(self.k_proj(hidden_states).reshape(b, t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
         v = self.v_proj(hidden_states).reshape(b, t, c.num_kv_heads, c.head_dim)
         if packing.packed:
-            cu, longest = packing.cu_seqlens, _longest(packing.cu_seqlens, t)
+            cu, longest = packing.cu_seqlens, max_seqlen_from_cu_seqlens(packing.cu_seqlens, t)
         else:                                      # every row is one sequence
             cu = torch.arange(b + 1, device=hidden_states.device, dtype=torch.int32) * t
             longest = t
@@ -63,8 +65,3 @@ class AttentionMixer(nn.Module):
                              window_size=c.window_size, backend=self.backend)
         return self.o_proj(o.reshape(b, t, c.num_heads * c.head_dim))
 
-
-def _longest(cu: torch.Tensor, total: int) -> int:
-    """Longest segment, the tail after ``cu[-1]`` included."""
-    bounds = torch.cat([cu, cu.new_tensor([total])])
-    return int((bounds[1:] - bounds[:-1]).max()) if bounds.numel() > 1 else 0

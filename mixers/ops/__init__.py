@@ -7,12 +7,12 @@ upstream CUDA kernel, chosen by ``backend="auto" | "kernel" | "reference"``.
 from .attention import varlen_attention
 from .causal_conv1d import causal_conv1d_fn
 from .delta_rule import (
-                         chunk_gated_delta_product,
-                         chunk_gated_delta_rule,
-                         chunk_kda,
-                         gated_delta_product_step,
-                         gated_delta_rule_step,
-                         kda_step,
+    chunk_gated_delta_product,
+    chunk_gated_delta_rule,
+    chunk_kda,
+    gated_delta_product_step,
+    gated_delta_rule_step,
+    kda_step,
 )
 from .ssd import mamba_chunk_scan_combined
 

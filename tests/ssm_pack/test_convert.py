@@ -81,3 +81,11 @@ def test_mrope_positions_use_the_temporal_plane():
 
 def test_seq_idx_keeps_empty_documents():
     assert sp.cu_seqlens_from_seq_idx(torch.tensor([[0, 0, 2, 2, 2]])).tolist() == [0, 2, 2, 5]
+
+
+@given(st.lists(st.integers(0, 12), max_size=30), st.integers(0, 15))
+def test_max_seqlen_is_the_longest_document_and_the_tail_counts(lengths, tail):
+    cu = sp.lengths_to_cu_seqlens(lengths)
+    assert sp.max_seqlen_from_cu_seqlens(cu) == max(lengths, default=0)
+    total = sum(lengths) + tail
+    assert sp.max_seqlen_from_cu_seqlens(cu, total) == max(lengths + [tail])
