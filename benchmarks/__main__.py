@@ -59,6 +59,13 @@ def plot(results: list[Result], out: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    def save(fig, path: Path) -> Path:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
     written = []
     timed = [r for r in results if r.unit == "s"]
     fig, ax = plt.subplots(figsize=(13, 0.42 * len(timed) + 1.5))
@@ -70,10 +77,7 @@ def plot(results: list[Result], out: Path) -> list[Path]:
     ax.set_xlabel("milliseconds (log)")
     ax.set_title("ops: ssm-pack vs one document / per-document loop / fla naive / dense SDPA", fontsize=10)
     ax.legend()
-    fig.tight_layout()
-    written.append(out / "ops.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(save(fig, out / "ops.png"))
     layers = [r for r in results if r.group == "layers"]
     names = sorted({r.measure.split(":")[0] for r in layers}, key=[r.measure.split(":")[0] for r in layers].index)
     packed = [next(r.ours for r in layers if r.measure.startswith(n)) for n in names]
@@ -88,10 +92,7 @@ def plot(results: list[Result], out: Path) -> list[Path]:
     ax.set_ylabel("real tokens / s (fwd + bwd)")
     ax.set_title("layers: packed vs padded vs per-document loop")
     ax.legend()
-    fig.tight_layout()
-    written.append(out / "layers.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(save(fig, out / "layers.png"))
     roof = [r for r in results if r.unit == "GFLOP/s"]
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.barh([r.measure for r in roof], [100 * r.ratio for r in roof], color="#1f77b4")
@@ -99,10 +100,7 @@ def plot(results: list[Result], out: Path) -> list[Path]:
         ax.axvline(100 * r.target, color="#d62728", linestyle="--", linewidth=1)
     ax.set_xlabel("% of torch.matmul FLOP/s (dashed: target)")
     ax.set_title("fraction of the matmul roofline")
-    fig.tight_layout()
-    written.append(out / "roofline.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(save(fig, out / "roofline.png"))
     return written
 
 
