@@ -146,13 +146,14 @@ def attention_mask_from_lengths(lengths, max_length: int | None = None) -> torch
     return torch.arange(width, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
 
 
-def _gather_index(lengths: torch.Tensor, row_stride: int) -> torch.Tensor:
-    """Flat indices of the real tokens of every row, rows in order."""
+def _gather_index(lengths: torch.Tensor, row_stride: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat ``[B * S]`` indices of the first ``lengths[i]`` tokens of row ``rows[i]`` (default
+    ``i``), concatenated in that order."""
     cu = lengths_to_cu_seqlens(lengths)
     total = int(cu[-1])
     seq = seq_idx_from_cu_seqlens(cu, total)[0].to(torch.int64)
     within = torch.arange(total, device=lengths.device) - cu.to(torch.int64)[seq]
-    return seq * row_stride + within
+    return (seq if rows is None else rows[seq]) * row_stride + within
 
 
 def pack_padded(x: torch.Tensor, lengths) -> torch.Tensor:

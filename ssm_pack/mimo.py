@@ -15,17 +15,7 @@ from typing import Any
 import torch
 
 from ._checks import as_index_tensor, check_lengths, describe
-from .convert import lengths_to_cu_seqlens
-from .seq_idx import seq_idx_from_cu_seqlens
-
-
-def _group_index(group: torch.Tensor, seglens: torch.Tensor, row_stride: int) -> torch.Tensor:
-    """Flat ``[B * S]`` indices of the real tokens of ``group``'s rows, in group order."""
-    cu = lengths_to_cu_seqlens(seglens).to(torch.int64)
-    total = int(cu[-1])
-    which = seq_idx_from_cu_seqlens(cu, total)[0].to(torch.int64)
-    within = torch.arange(total, device=cu.device) - cu[which]
-    return group[which] * row_stride + within
+from .convert import _gather_index, lengths_to_cu_seqlens
 
 
 def _check_inputs(group, lengths, tensors: dict[str, torch.Tensor | None]):
@@ -89,7 +79,7 @@ def assemble_packed_sequence(group, tokens: torch.Tensor | None, lengths, *,
     if total <= 0:
         raise ValueError(f"the group's lengths sum to zero ({seglens.tolist()}); an empty packed "
                          "sequence cannot be built")
-    index = _group_index(group, seglens, width)
+    index = _gather_index(seglens, width, rows=group)
 
     def take(src: torch.Tensor | None) -> torch.Tensor | None:
         if src is None:

@@ -26,7 +26,6 @@ class _FirstFit:
             self.size *= 2
         self.capacity = capacity
         self.tree = [capacity] * (2 * self.size)  # unopened bins are empty bins
-        self.opened = 0
 
     def place(self, need: int) -> int:
         node = 1
@@ -35,7 +34,6 @@ class _FirstFit:
         while node < self.size:
             node = 2 * node if self.tree[2 * node] >= need else 2 * node + 1
         leaf = node - self.size
-        self.opened = max(self.opened, leaf + 1)
         self.tree[node] -= need
         node //= 2
         while node:
