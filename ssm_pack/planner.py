@@ -24,7 +24,6 @@ class _FirstFit:
         self.size = 1
         while self.size < max(max_bins, 1):
             self.size *= 2
-        self.capacity = capacity
         self.tree = [capacity] * (2 * self.size)  # unopened bins are empty bins
 
     def place(self, need: int) -> int:
