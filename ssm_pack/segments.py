@@ -91,14 +91,7 @@ def packed_masks(position_ids: torch.Tensor, k_positions: torch.Tensor, q_index:
     }
 
 
-class _WarnOnce:
-    """A one-shot switch (one per process, like the ``warnings`` "once" action)."""
-
-    def __init__(self):
-        self.done = False
-
-
-_ALIGNMENT_WARNING = _WarnOnce()
+_alignment_warned = False          # one warning per process, like the ``warnings`` "once" action
 
 
 def check_block_alignment(position_ids: torch.Tensor | None, block_size: int) -> int:
@@ -110,13 +103,14 @@ def check_block_alignment(position_ids: torch.Tensor | None, block_size: int) ->
     pack with ``align_to=block_size`` (:func:`ssm_pack.plan_packs`) or ms-swift's
     ``PACKING_ALIGN_SIZE`` to align. Returns the number of misaligned samples.
     """
+    global _alignment_warned
     block_size = check_int("block_size", block_size, minimum=1)
     if position_ids is None or block_size <= 1:
         return 0
     starts = segment_starts(position_ids)
     bad = int((starts % block_size != 0).sum())
-    if bad and not _ALIGNMENT_WARNING.done:
-        _ALIGNMENT_WARNING.done = True
+    if bad and not _alignment_warned:
+        _alignment_warned = True
         warnings.warn(f"{bad}/{starts.numel()} packed samples do not start on a {block_size}-token block "
                       "boundary, so the block grid is shifted relative to single-sample inference; "
                       f"pack with align_to={block_size} to align", PackingAlignmentWarning, stacklevel=2)

@@ -56,13 +56,17 @@ def resolve(hidden_states: torch.Tensor, packed_seq_params, layer: str) -> Packi
     return Packing(cu, seq_idx, position_ids_from_cu_seqlens(cu, length), True)
 
 
+def _packing_support(kernel: str) -> tuple[bool, str]:
+    """Can ``kernel`` run packed input? The short convolution needs its ``seq_idx`` feature."""
+    return _dispatch.cached_support(kernel, ("seq_idx",) if kernel == "causal_conv1d" else ())
+
+
 def warn_reference_once(layer: str, hidden_states: torch.Tensor, backend: str, kernels: tuple[str, ...]) -> None:
     """In ``auto`` on CUDA, say once per layer type when a kernel cannot pack and the reference runs."""
     if backend != "auto" or not _dispatch.is_cuda(hidden_states):
         return
     for name in kernels:
-        ok, reason = _dispatch.cached_support(name) if name != "causal_conv1d" else \
-            _dispatch.cached_support(name, ("seq_idx",))
+        ok, reason = _packing_support(name)
         key = (layer, name)
         if not ok and key not in _WARNED:
             _WARNED.add(key)
@@ -77,8 +81,7 @@ def check_kernels(layer: str, backend: str, kernels: tuple[str, ...]) -> None:
     if backend != "kernel":
         return
     for name in kernels:
-        ok, reason = _dispatch.cached_support(name) if name != "causal_conv1d" else \
-            _dispatch.cached_support(name, ("seq_idx",))
+        ok, reason = _packing_support(name)
         if not ok:
             raise RuntimeError(f"{layer}(backend='kernel'): {reason}")
 

@@ -33,7 +33,7 @@ def test_dense_segment_keep():
 
 
 def test_block_alignment_warns_once(monkeypatch):
-    monkeypatch.setattr(segments, "_ALIGNMENT_WARNING", segments._WarnOnce())
+    monkeypatch.setattr(segments, "_alignment_warned", False)
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -44,7 +44,7 @@ def test_block_alignment_warns_once(monkeypatch):
 
 
 def test_aligned_rows_do_not_warn(monkeypatch):
-    monkeypatch.setattr(segments, "_ALIGNMENT_WARNING", segments._WarnOnce())
+    monkeypatch.setattr(segments, "_alignment_warned", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert sp.check_block_alignment(torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]), 4) == 0
