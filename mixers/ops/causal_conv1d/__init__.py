@@ -80,8 +80,6 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     state_len = weight.shape[1] - 1
     user_seq_idx = seq_idx is not None
     if cu_seqlens is not None:
-        derived = seq_idx_from_cu_seqlens(cu_seqlens, length)
-        seq_idx = derived if seq_idx is None else seq_idx
         segs = segments_from_cu_seqlens(cu_seqlens, length)
     else:
         seq_idx = seq_idx if seq_idx is not None else torch.zeros(batch, length, dtype=torch.int32,
@@ -91,6 +89,8 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     doc_init = initial_states if init_per_doc else None
     choice = _choose(x, weight, initial_states, init_per_doc, backend, seq_idx, user_seq_idx)
     if choice == "kernel":
+        if seq_idx is None:                          # only the kernel reads seq_idx for cu_seqlens
+            seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, length)
         out = causal_conv1d_kernel(x, weight, bias, seq_idx, initial_states, activation)
     else:
         out = causal_conv1d_reference(x, weight, bias, segs, slots, activation,
