@@ -91,15 +91,15 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     batch, length, heads, _ = x.shape
     if length == 0:
         return _empty_result(x, B, initial_states, per_doc, cu_seqlens, return_final_states, return_varlen_states)
-    if cu_seqlens is not None and seq_idx is None:
-        seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, length)
     missing = _missing_feature(x, per_doc, initial_states, return_varlen_states,
                                (x, dt, A, B, C, D, z, dt_bias, initial_states))
     choice = _dispatch.select_backend("mamba_chunk_scan_combined", backend, on_cuda=_dispatch.is_cuda(x),
                                       support_state=lambda: _dispatch.cached_support("mamba_ssm"),
                                       missing_feature=missing)
-    if choice == "kernel":
-        if seq_idx is None:
+    if choice == "kernel":                       # upstream resets only at seq_idx, so always pass one
+        if seq_idx is None and cu_seqlens is not None:
+            seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, length)
+        elif seq_idx is None:
             seq_idx = torch.zeros(batch, length, dtype=torch.int32, device=x.device)
         return ssd_kernel(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                           cu_seqlens if return_varlen_states else None, dt_softplus, dt_limit,
