@@ -11,12 +11,11 @@ flash-attn's varlen function; the reference is SDPA over blocks of queries.
 
 from __future__ import annotations
 
-import torch
-
 from ssm_pack._checks import check_int, check_tensor
 
 from .. import _dispatch
 from .._checks import check_cu_seqlens
+from .._chunks import compute_dtype
 from .._segments import segments_from_cu_seqlens
 from .kernel import flash_varlen, unsupported
 from .reference import varlen_attention_reference
@@ -58,7 +57,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, causal=True, window_siz
     seg = segs.seg_id[0]
     starts = segs.starts[seg] if total else seg
     ends = segs.ends[seg] if total else seg
-    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    compute = compute_dtype(q.dtype)
     out = varlen_attention_reference(q.to(compute), k.to(compute), v.to(compute), seg, starts, ends,
                                      causal=causal, window=window, scale=scale)
     return out.to(q.dtype)

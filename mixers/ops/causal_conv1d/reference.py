@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._chunks import compute_dtype
 from .._segments import Segments
 from .depthwise import conv_anticausal, conv_causal, weight_grad
 
@@ -124,7 +125,7 @@ def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     """
     batch, dim, length = x.shape
     state_len = weight.shape[1] - 1
-    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    compute = compute_dtype(x.dtype)
     x_tok = x.to(compute).transpose(1, 2).reshape(batch * length, dim).contiguous()   # [N, D]
     rows, valid = edge_layout(segs, state_len)
     slots = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .. import _dispatch
+from .._chunks import compute_dtype
 from .._segments import segments_from_cu_seqlens
 from ._validate import check_delta_inputs
 from .chunk import delta_rule_chunked
@@ -48,7 +49,7 @@ def _expand_householder(q, g, nh):
 
 def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, cu_seqlens, chunk, nh):
     """The shared reference path of the three ops (``g`` already ``[B, T, HV, Kg]``)."""
-    compute = torch.float32 if v.dtype in (torch.float16, torch.bfloat16) else v.dtype
+    compute = compute_dtype(v.dtype)
     q, k, v, g, beta = (x.to(compute) for x in (q, k, v, g, beta))
     if l2norm:
         q, k = _l2norm(q), _l2norm(k)
@@ -87,7 +88,7 @@ def _empty(q, v, initial_state, output_final_state, cu_seqlens):
     if not output_final_state:
         return o, None
     rows = b if cu_seqlens is None else cu_seqlens.numel() - 1
-    compute = torch.float32 if v.dtype in (torch.float16, torch.bfloat16) else v.dtype
+    compute = compute_dtype(v.dtype)
     final = initial_state.to(compute) if initial_state is not None else \
         v.new_zeros(rows, v.shape[2], kd, v.shape[3], dtype=compute)
     return o, final

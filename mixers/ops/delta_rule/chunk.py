@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._chunks import entering_segments, pad_tokens
 from .blocked import DeltaRuleBlocked
 from .prep import chunk_prep
 
@@ -49,13 +50,6 @@ class Chunked:
     delta: torch.Tensor | None = None   # [B, C, H, L, V] corrected values
     enter_seg: torch.Tensor | None = None  # [B, C]
     s_enter: torch.Tensor | None = None    # [B, C, H, K, V] state entering each chunk
-
-
-def _pad(t: torch.Tensor, pad: int, repeat_last: bool = False) -> torch.Tensor:
-    if pad == 0:
-        return t
-    filler = t[:, -1:].expand(-1, pad, *t.shape[2:]) if repeat_last else t.new_zeros(t.shape[0], pad, *t.shape[2:])
-    return torch.cat([t, filler], dim=1)
 
 
 def _heads_major(t: torch.Tensor, b: int, c: int, L: int) -> torch.Tensor:
@@ -78,13 +72,13 @@ def delta_rule_chunked(q, k, v, g, beta, seg_id, chunk: int, initial_state=None,
     L = chunk
     pad = (-t) % L
     # neutral padding: g = 0 (no decay), beta = 0 (no update), q = 0, same segment as the last token
-    q, k, v, g, beta = (_pad(x, pad) for x in (q, k, v, g, beta))
-    seg = _pad(seg_id, pad, repeat_last=True)
+    q, k, v, g, beta = (pad_tokens(x, pad) for x in (q, k, v, g, beta))
+    seg = pad_tokens(seg_id, pad, repeat_last=True)
     c = (t + pad) // L
     seg = seg.reshape(b, c, L)
     qc, kc, vc, gc = (_heads_major(x, b, c, L) for x in (q, k, v, g))         # [B, C, H, L, X]
     bc = beta.reshape(b, c, L, h).transpose(2, 3).contiguous()                  # [B, C, H, L]
-    enter_seg = torch.cat([seg[:, :1, 0], seg[:, :-1, -1]], dim=1)             # [B, C]
+    enter_seg = entering_segments(seg)                                          # [B, C]
     h0 = k.new_zeros(b, h, kd, v.shape[-1]) if initial_state is None else initial_state.to(k.dtype)
     if extra is None and not keep_intermediates:
         out, s_final = DeltaRuleBlocked.apply(qc, kc, vc, gc, bc, seg, enter_seg, h0)

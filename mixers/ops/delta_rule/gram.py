@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from .._chunks import same_segment_causal
+
 
 def _exp_masked(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``exp(x)`` where ``keep``, exactly 0 elsewhere (no ``-inf`` or overflow reaches ``exp``)."""
@@ -60,12 +62,6 @@ def _factors(q, k, g, seg, block):
     return _halves(q, block)[0] * e_up, _halves(k, block)[0] * e_up, _halves(k, block)[1] * e_lo, e_up, e_lo
 
 
-def _masks(seg: torch.Tensor, length: int):
-    same = seg.unsqueeze(-1) == seg.unsqueeze(-2)
-    causal = torch.ones(length, length, dtype=torch.bool, device=seg.device).tril()
-    return same & causal
-
-
 class DecayedGrams(torch.autograd.Function):
     """``(q [N,L,K], k [N,L,K], G [N,L,Kg], seg [N,L]) -> (qk [N,L,L], kk [N,L,L])``."""
 
@@ -74,7 +70,7 @@ class DecayedGrams(torch.autograd.Function):
         n, length, _ = k.shape
         ctx.scalar = g.shape[-1] == 1
         if ctx.scalar:
-            decay = _exp_masked(g - g.transpose(1, 2), _masks(seg, length).to(g.dtype))
+            decay = _exp_masked(g - g.transpose(1, 2), same_segment_causal(seg).to(g.dtype))
             qk = (q @ k.transpose(1, 2)).mul_(decay)
             kk = (k @ k.transpose(1, 2)).mul_(decay)
             kk.diagonal(dim1=1, dim2=2).zero_()

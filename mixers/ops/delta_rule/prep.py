@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._chunks import same_segment_causal
 from .gram import DecayedGrams
 
 
@@ -40,9 +41,7 @@ def chunk_masks(seg: torch.Tensor, first_seg: torch.Tensor | None = None):
     Returns ``keep [X, L, L]`` (same segment, causal), ``reads [X, L]``, ``last [X, L]``,
     ``keep_state [X]``.
     """
-    length = seg.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=seg.device).tril()
-    keep = (seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal
+    keep = same_segment_causal(seg)
     reads = seg == first_seg.unsqueeze(-1)
     return keep, reads, keep[..., -1, :], seg[..., -1] == first_seg
 

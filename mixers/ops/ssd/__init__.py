@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ssm_pack.seq_idx import seq_idx_from_cu_seqlens
 
 from .. import _dispatch
+from .._chunks import compute_dtype
 from .._segments import segments_from_cu_seqlens, segments_from_seq_idx
 from ._validate import check_ssd_inputs, default_limit
 from .kernel import KERNEL_DTYPES, ssd_kernel
@@ -104,7 +105,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         return ssd_kernel(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                           cu_seqlens if return_varlen_states else None, dt_softplus, dt_limit,
                           return_final_states, return_varlen_states)
-    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    compute = compute_dtype(x.dtype)
     dtp = _process_dt(dt, dt_bias, dt_softplus, dt_limit, compute)
     xc, Bc, Cc, Ac = x.to(compute), B.to(compute), C.to(compute), A.to(compute)
     if cu_seqlens is not None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._chunks import entering_segments, pad_tokens, same_segment_causal
 from .chunk_scan import SSDChunkScan
 
 
@@ -39,14 +40,6 @@ class Chunked:
     h_enter: torch.Tensor    # [B, C, H, P, N] state entering each chunk
     h_final: torch.Tensor    # [B, H, P, N] state after the last chunk (the row's last segment)
     chunk: int
-
-
-def _pad(t: torch.Tensor, pad: int, repeat_last: bool = False) -> torch.Tensor:
-    if pad == 0:
-        return t
-    filler = t[:, -1:].expand(-1, pad, *t.shape[2:]) if repeat_last else \
-        t.new_zeros((t.shape[0], pad, *t.shape[2:]))
-    return torch.cat([t, filler], dim=1)
 
 
 def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_state=None,
@@ -69,17 +62,16 @@ def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_sta
     L = chunk_size
     pad = (-t) % L
     # neutral padding: dt = 0 (no decay, no input), same segment as the last token
-    x, dt, Bm, Cm = _pad(x, pad), _pad(dt, pad), _pad(Bm, pad), _pad(Cm, pad)
-    z = None if z is None else _pad(z, pad)
-    seg = _pad(seg_id, pad, repeat_last=True)
+    x, dt, Bm, Cm = (pad_tokens(t_, pad) for t_ in (x, dt, Bm, Cm))
+    z = None if z is None else pad_tokens(z, pad)
+    seg = pad_tokens(seg_id, pad, repeat_last=True)
     c = (t + pad) // L
     seg = seg.reshape(b, c, L)
-    causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-    keep = (seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal                     # [b, c, l, s]
+    keep = same_segment_causal(seg)                                              # [b, c, l, s]
     # 1. segmented cumulative log-decay (a masked matmul: never sums over another segment)
     a_cs = keep.to(dt.dtype) @ (dt * A).reshape(b, c, L, h)                       # [b, c, L, h]
     # which tokens feed the chunk state, and which read the entering state
-    enter_seg = torch.cat([seg[:, :1, 0], seg[:, :-1, -1]], dim=1)               # [b, c]
+    enter_seg = entering_segments(seg)                                           # [b, c]
     reads = seg == enter_seg.unsqueeze(-1)                                        # [b, c, L]
     keep_state = seg[:, :, -1] == enter_seg                                      # [b, c]
     extra = None if extra_states is None else extra_states(a_cs, seg)

@@ -19,7 +19,7 @@ from .._grouped import buckets, finish_document_states
 from .._segments import Segments
 
 
-def _doc_runs(segs: Segments, chunk: int):
+def _doc_runs(segs: Segments):
     """Start, end (exclusive) and segment of every non-empty document."""
     docs = torch.nonzero(segs.doc_segment >= 0).reshape(-1)
     seg = segs.doc_segment[docs]
@@ -43,7 +43,7 @@ def initial_chunk_states(h0, segs: Segments, a_cs, seg_chunked, chunk: int) -> t
 
 def initial_outputs(h0, segs: Segments, a_cs_flat, c_flat, chunk: int, heads: int) -> torch.Tensor:
     """(a): ``[T, H, P]`` read of ``h0`` by each document's tokens inside its first chunk."""
-    docs, start, end, _ = _doc_runs(segs, chunk)
+    docs, start, end, _ = _doc_runs(segs)
     count = torch.minimum(end - start, chunk - start % chunk)
     g, n = c_flat.shape[1:]
     r, p = heads // g, h0.shape[2]
@@ -61,7 +61,7 @@ def initial_outputs(h0, segs: Segments, a_cs_flat, c_flat, chunk: int, heads: in
 def final_states(h0, segs: Segments, a_cs_flat, xdt_flat, b_flat, h_enter, enter_seg, chunk: int,
                  num_docs: int) -> torch.Tensor:
     """(c) + (d) + (e): ``[D, H, P, N]`` state after every document's last token."""
-    docs, start, end, seg = _doc_runs(segs, chunk)
+    docs, start, end, seg = _doc_runs(segs)
     heads, p = xdt_flat.shape[1:]
     g, n = b_flat.shape[1:]
     r = heads // g

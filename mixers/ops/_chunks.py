@@ -1,0 +1,35 @@
+"""Pieces every chunked reference shares: compute dtype, padding to whole chunks, chunk masks.
+
+    B = rows, T = tokens, C = chunks, L = chunk length
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The references compute half inputs (fp16, bf16) in fp32 and everything else as given."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def pad_tokens(t: torch.Tensor, pad: int, repeat_last: bool = False) -> torch.Tensor:
+    """``[B, T, ...]`` -> ``[B, T + pad, ...]``: zeros, or the last token repeated (segment ids,
+    so the padding joins the last segment and stays neutral)."""
+    if pad == 0:
+        return t
+    filler = t[:, -1:].expand(-1, pad, *t.shape[2:]) if repeat_last else t.new_zeros(t.shape[0], pad, *t.shape[2:])
+    return torch.cat([t, filler], dim=1)
+
+
+def entering_segments(seg: torch.Tensor) -> torch.Tensor:
+    """``[B, C, L]`` -> ``[B, C]``: the segment of the state entering each chunk (the previous
+    chunk's last token; for chunk 0, its own first token)."""
+    return torch.cat([seg[:, :1, 0], seg[:, :-1, -1]], dim=1)
+
+
+def same_segment_causal(seg: torch.Tensor) -> torch.Tensor:
+    """``[..., L]`` segment ids -> ``[..., L, L]`` bool: ``s <= t`` and both in one segment."""
+    length = seg.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=seg.device).tril()
+    return (seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal
