@@ -50,6 +50,24 @@ def buckets(starts: torch.Tensor, counts: torch.Tensor) -> Iterator[Bucket]:
         yield Bucket(ids=ids, index=index, valid=valid)
 
 
+def initial_states_leaving_chunks(s0, segs, seg, decay_last, chunk: int) -> torch.Tensor:
+    """``[1, C, ...]``: the per-document initial state ``s0 [D, ...]`` of the document that starts
+    inside chunk ``c`` and is still running at its end, decayed by ``decay_last [C, ...]`` (from
+    the document start to the chunk end); zero for every other chunk. State passing carries it on.
+
+    ``seg [1, C, L]`` are the chunked segment ids of the packed row, ``segs`` its segments.
+    """
+    c = seg.shape[1]
+    doc_of_seg = torch.full((segs.count,), -1, dtype=torch.int64, device=seg.device)
+    has = segs.doc_segment >= 0
+    doc_of_seg[segs.doc_segment[has]] = torch.nonzero(has).reshape(-1)
+    last_seg = seg[0, :, -1]                                                      # [C]
+    doc = doc_of_seg[last_seg]
+    starts_here = (doc >= 0) & (segs.starts[last_seg] >= torch.arange(c, device=seg.device) * chunk)
+    picked = s0.index_select(0, doc.clamp(min=0)) * decay_last
+    return torch.where(starts_here.reshape(-1, *([1] * (picked.dim() - 1))), picked, 0.0).unsqueeze(0)
+
+
 def finish_document_states(own, decay_end, s_enter, enter_seg, seg, start, last_chunk, chunk, s0, docs, num_docs):
     """Assemble every document's final state ``[D, ...]`` from its parts.
 

@@ -44,6 +44,13 @@ class Segments:
         """``[S]`` flat end (exclusive) of each segment."""
         return self.starts + self.lengths
 
+    def document_runs(self):
+        """``(docs, start, end, seg)`` ``[k]`` each: the non-empty documents, where they start and
+        end (exclusive, flat) and their segments. Needs ``doc_segment`` (``cu_seqlens``)."""
+        docs = torch.nonzero(self.doc_segment >= 0).reshape(-1)
+        seg = self.doc_segment[docs]
+        return docs, self.starts[seg], self.ends[seg], seg
+
     def last_in_row(self, batch: int, length: int) -> torch.Tensor:
         """``[B]`` index of the last segment of every row."""
         return self.seg_id[:, length - 1] if length else torch.full((batch,), -1, dtype=torch.int64)

@@ -25,16 +25,11 @@ from .._segments import segments_from_cu_seqlens
 from ._validate import check_delta_inputs
 from .chunk import delta_rule_chunked
 from .kernel import fla_kernel, unsupported
-from .recurrent import gated_delta_product_step, gated_delta_rule_step, kda_step
+from .recurrent import gated_delta_product_step, gated_delta_rule_step, kda_step, l2_normalize
 from .varlen_states import DocInitialStates, doc_final_states
 
 __all__ = ["chunk_gated_delta_product", "chunk_gated_delta_rule", "chunk_kda", "gated_delta_product_step",
            "gated_delta_rule_step", "kda_step"]
-
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    """fla's ``l2norm``: ``x / sqrt(sum(x^2) + 1e-6)`` over the last dim."""
-    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
 
 
 def _expand_householder(q, g, nh):
@@ -52,7 +47,7 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2nor
     compute = compute_dtype(v.dtype)
     q, k, v, g, beta = (x.to(compute) for x in (q, k, v, g, beta))
     if l2norm:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2_normalize(q), l2_normalize(k)
     q = q * scale
     groups = v.shape[2] // q.shape[2]
     if groups > 1:                                    # grouped values: key head h serves h*G .. h*G+G-1

@@ -14,13 +14,14 @@ import torch
 from ssm_pack._checks import check_tensor
 
 
-def _l2norm(x):
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """fla's ``l2norm``: ``x / sqrt(sum(x^2) + 1e-6)`` over the last dim."""
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
 
 
-def _prepare(q, k, state, scale, l2norm, heads_v):
-    if l2norm:
-        q, k = _l2norm(q), _l2norm(k)
+def _prepare(q, k, scale, normalize, heads_v):
+    if normalize:
+        q, k = l2_normalize(q), l2_normalize(k)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     groups = heads_v // q.shape[-2]
     if groups > 1:
@@ -50,7 +51,7 @@ def gated_delta_rule_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm_
     """One Gated DeltaNet token: q, k ``[N, H, K]``, v ``[N, HV, V]``, g, beta ``[N, HV]``,
     state ``[N, HV, K, V]`` -> ``(o [N, HV, V], state)``."""
     _check_state(state, q.shape[0], v.shape[1], q.shape[2], v.shape[2])
-    q, k = _prepare(q, k, state, scale, use_qk_l2norm_in_kernel, v.shape[1])
+    q, k = _prepare(q, k, scale, use_qk_l2norm_in_kernel, v.shape[1])
     state = _delta_update(_decay(state, g), k, v, beta)
     return (state * q.unsqueeze(-1)).sum(-2), state
 
@@ -65,11 +66,9 @@ def gated_delta_product_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2no
     """One Gated DeltaProduct token: q ``[N, H, K]``, k ``[N, nh, H, K]``, v ``[N, nh, H, V]``,
     beta ``[N, nh, H]``, g ``[N, H]`` or ``None`` -> ``(o [N, H, V], state)``."""
     _check_state(state, q.shape[0], v.shape[2], q.shape[2], v.shape[3])
-    if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k = _prepare(q, k, scale, use_qk_l2norm_in_kernel, q.shape[1])
     if g is not None:
         state = _decay(state, g)
     for j in range(k.shape[1]):
         state = _delta_update(state, k[:, j], v[:, j], beta[:, j])
-    return (state * (q * scale).unsqueeze(-1)).sum(-2), state
+    return (state * q.unsqueeze(-1)).sum(-2), state

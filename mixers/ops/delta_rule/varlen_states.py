@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .._grouped import buckets, finish_document_states
+from .._grouped import buckets, finish_document_states, initial_states_leaving_chunks
 from .._segments import Segments
 
 
@@ -31,18 +31,12 @@ def _chunk_major(t: torch.Tensor, c: int) -> torch.Tensor:
     return t.reshape(c, -1, *t.shape[1:]).transpose(1, 2).unsqueeze(0)
 
 
-def _runs(segs: Segments):
-    docs = torch.nonzero(segs.doc_segment >= 0).reshape(-1)
-    seg = segs.doc_segment[docs]
-    return docs, segs.starts[seg], segs.ends[seg], seg
-
-
 class DocInitialStates:
     """The hooks :func:`.chunk.delta_rule_chunked` calls for per-document initial states."""
 
     def __init__(self, s0: torch.Tensor, segs: Segments, chunk: int):
         self.s0, self.segs, self.chunk = s0, segs, chunk
-        docs, start, end, _ = _runs(segs)
+        docs, start, end, _ = segs.document_runs()
         self.docs, self.start = docs, start
         self.count = torch.minimum(end - start, chunk - start % chunk)    # the first-chunk run
 
@@ -63,22 +57,14 @@ class DocInitialStates:
         return _chunk_major(self._apply(_token_major(q_in)), q_in.shape[1])
 
     def chunk_states(self, G, seg):
-        c = seg.shape[1]
-        seg_doc = torch.full((self.segs.count,), -1, dtype=torch.int64, device=seg.device)
-        has = self.segs.doc_segment >= 0
-        seg_doc[self.segs.doc_segment[has]] = torch.nonzero(has).reshape(-1)
-        last_seg = seg[0, :, -1]
-        doc = seg_doc[last_seg]
-        starts_here = (doc >= 0) & (self.segs.starts[last_seg] >= torch.arange(c, device=seg.device) * self.chunk)
         decay = torch.exp(G[0, :, :, -1, :]).unsqueeze(-1)                        # [C, H, Kg, 1]
-        picked = self.s0.index_select(0, doc.clamp(min=0)) * decay
-        return torch.where(starts_here[:, None, None, None], picked, 0.0).unsqueeze(0)
+        return initial_states_leaving_chunks(self.s0, self.segs, seg, decay, self.chunk)
 
 
 def doc_final_states(ch, segs: Segments, s0, num_docs: int) -> torch.Tensor:
     """``[D, H, K, V]`` state after every document's last token (see the module docstring)."""
     L = ch.chunk
-    docs, start, end, seg = _runs(segs)
+    docs, start, end, seg = segs.document_runs()
     G_tm, k_tm, d_tm = _token_major(ch.G), _token_major(ch.keys), _token_major(ch.delta)
     h, kd, vd = k_tm.shape[1], k_tm.shape[2], d_tm.shape[2]
     last = end - 1

@@ -15,35 +15,19 @@ from __future__ import annotations
 
 import torch
 
-from .._grouped import buckets, finish_document_states
+from .._grouped import buckets, finish_document_states, initial_states_leaving_chunks
 from .._segments import Segments
-
-
-def _doc_runs(segs: Segments):
-    """Start, end (exclusive) and segment of every non-empty document."""
-    docs = torch.nonzero(segs.doc_segment >= 0).reshape(-1)
-    seg = segs.doc_segment[docs]
-    return docs, segs.starts[seg], segs.ends[seg], seg
 
 
 def initial_chunk_states(h0, segs: Segments, a_cs, seg_chunked, chunk: int) -> torch.Tensor:
     """(b): ``[1, C, H, P, N]`` to add to the chunk states before state passing."""
-    c = seg_chunked.shape[1]
-    seg_doc = torch.full((segs.count,), -1, dtype=torch.int64, device=h0.device)
-    has = segs.doc_segment >= 0
-    seg_doc[segs.doc_segment[has]] = torch.nonzero(has).reshape(-1)
-    last_seg = seg_chunked[0, :, -1]                                             # [C]
-    doc = seg_doc[last_seg]
-    chunk_start = torch.arange(c, device=h0.device) * chunk
-    starts_here = (doc >= 0) & (segs.starts[last_seg] >= chunk_start)
-    decay = torch.exp(a_cs[0, :, -1, :])                                        # [C, H]
-    picked = h0.index_select(0, doc.clamp(min=0)) * decay[:, :, None, None]
-    return torch.where(starts_here[:, None, None, None], picked, 0.0).unsqueeze(0)
+    decay = torch.exp(a_cs[0, :, -1, :])[:, :, None, None]                      # [C, H, 1, 1]
+    return initial_states_leaving_chunks(h0, segs, seg_chunked, decay, chunk)
 
 
 def initial_outputs(h0, segs: Segments, a_cs_flat, c_flat, chunk: int, heads: int) -> torch.Tensor:
     """(a): ``[T, H, P]`` read of ``h0`` by each document's tokens inside its first chunk."""
-    docs, start, end, _ = _doc_runs(segs)
+    docs, start, end, _ = segs.document_runs()
     count = torch.minimum(end - start, chunk - start % chunk)
     g, n = c_flat.shape[1:]
     r, p = heads // g, h0.shape[2]
@@ -61,7 +45,7 @@ def initial_outputs(h0, segs: Segments, a_cs_flat, c_flat, chunk: int, heads: in
 def final_states(h0, segs: Segments, a_cs_flat, xdt_flat, b_flat, h_enter, enter_seg, chunk: int,
                  num_docs: int) -> torch.Tensor:
     """(c) + (d) + (e): ``[D, H, P, N]`` state after every document's last token."""
-    docs, start, end, seg = _doc_runs(segs)
+    docs, start, end, seg = segs.document_runs()
     heads, p = xdt_flat.shape[1:]
     g, n = b_flat.shape[1:]
     r = heads // g
