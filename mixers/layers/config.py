@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from ssm_pack._checks import check_int
 
+from ..ops._checks import check_chunk_size
+
 
 def _positive(name: str, value) -> None:
     check_int(name, value, minimum=1)
@@ -86,9 +88,7 @@ class DeltaConfig:
         _divides("num_heads", self.num_heads, "num_v_heads", self.num_v_heads)
         if self.head_v_dim * 1.0 != self.head_dim * self.expand_v or self.head_v_dim < 1:
             raise ValueError(f"head_dim * expand_v = {self.head_dim * self.expand_v} must be a positive integer")
-        chunk = check_int("chunk_size", self.chunk_size, minimum=2)
-        if chunk & (chunk - 1):
-            raise ValueError(f"chunk_size must be a power of two, got {chunk}")
+        check_chunk_size(self.chunk_size)
 
     @property
     def head_v_dim(self) -> int:

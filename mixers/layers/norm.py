@@ -9,12 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops._chunks import compute_dtype
+
 _ACTIVATIONS = {"swish": F.silu, "silu": F.silu, "sigmoid": torch.sigmoid}
 
 
 def upcast(t: torch.Tensor) -> torch.Tensor:
     """fp16 / bf16 -> fp32 for norms, gates and decays; fp32 and fp64 stay as they are."""
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+    return t.to(compute_dtype(t.dtype))
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ssm_pack._checks import check_boundaries
+from ssm_pack._checks import check_boundaries, check_int
 from ssm_pack.seq_idx import seq_idx_from_cu_seqlens
 
 
@@ -24,3 +24,11 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, length: int, seq_idx:
         if not torch.equal(seq_idx.to(torch.int32), seq_idx_from_cu_seqlens(cu_seqlens, length)):
             raise ValueError("seq_idx and cu_seqlens describe different documents; pass only cu_seqlens")
     return cu_seqlens.numel() - 1
+
+
+def check_chunk_size(chunk_size) -> int:
+    """The delta-rule chunk length: an int, a power of two, at least 2 (the Gram recursion halves it)."""
+    chunk_size = check_int("chunk_size", chunk_size, minimum=2)
+    if chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+    return chunk_size

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ssm_pack._checks import check_int, check_tensor
+from ssm_pack._checks import check_tensor
 
-from .._checks import check_cu_seqlens
+from .._checks import check_chunk_size, check_cu_seqlens
 
 
 def _shape(name, t, want, labels):
@@ -34,9 +34,7 @@ def check_delta_inputs(kind, q, k, v, g, beta, initial_state, cu_seqlens, chunk_
         _shape("g", g, (b, t, hv, kd), ("B", "T", "HV", "K"))
     elif g is not None or kind == "gdn":
         _shape("g", g, (b, t, hv), ("B", "T", "HV"))
-    chunk_size = check_int("chunk_size", chunk_size, minimum=2)
-    if chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+    check_chunk_size(chunk_size)
     rows = b
     if cu_seqlens is not None:
         rows = check_cu_seqlens(cu_seqlens, b, t)
