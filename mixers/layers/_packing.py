@@ -86,6 +86,23 @@ def check_kernels(layer: str, backend: str, kernels: tuple[str, ...]) -> None:
             raise RuntimeError(f"{layer}(backend='kernel'): {reason}")
 
 
+def setup(layer, config_cls, hidden_size, config, backend: str, overrides: dict):
+    """A mixer's constructor preamble: its config (given, or built from ``hidden_size`` and the
+    overrides), its backend (kernels checked now for ``"kernel"``) set on ``layer``."""
+    name = type(layer).__name__
+    if config is None:
+        config = config_cls(hidden_size=hidden_size, **overrides)
+    elif not isinstance(config, config_cls):
+        raise TypeError(f"{name}: config must be a {config_cls.__name__}, got {type(config).__name__}")
+    elif hidden_size is not None or overrides:
+        given = ["hidden_size"] * (hidden_size is not None) + sorted(overrides)
+        raise ValueError(f"{name}: config is given, so {', '.join(given)} would be ignored; "
+                         f"set them in the config (dataclasses.replace(config, ...)) instead")
+    check_kernels(name, backend, layer.KERNELS)
+    layer.backend = backend
+    return config
+
+
 def for_layer(layer, hidden_states: torch.Tensor, packed_seq_params) -> Packing:
     """``resolve`` for ``layer`` plus the once-per-type warning when a kernel cannot pack."""
     name = type(layer).__name__

@@ -38,9 +38,7 @@ class AttentionMixer(nn.Module):
     def __init__(self, hidden_size: int | None = None, *, config: AttentionConfig | None = None,
                  backend: str = "auto", **overrides):
         super().__init__()
-        self.config = config if config is not None else AttentionConfig(hidden_size=hidden_size, **overrides)
-        _packing.check_kernels(type(self).__name__, backend, self.KERNELS)
-        self.backend = backend
+        self.config = _packing.setup(self, AttentionConfig, hidden_size, config, backend, overrides)
         c = self.config
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)

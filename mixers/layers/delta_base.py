@@ -11,21 +11,14 @@ only the op call inside ``_scan`` differs, and the op chooses the backend.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import _packing
+from ._init import inverse_softplus_dt
 from .norm import GatedRMSNorm, upcast
 from .short_conv import ShortConvolution
-
-
-def inverse_softplus_dt(n: int, dt_min: float = 0.001, dt_max: float = 0.1, floor: float = 1e-4) -> torch.Tensor:
-    """``dt_bias`` init: ``softplus(dt_bias)`` log-uniform in ``[dt_min, dt_max]`` (mamba / fla)."""
-    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
-    return dt + torch.log(-torch.expm1(-dt))
 
 
 class DeltaMixerBase(nn.Module):
@@ -37,12 +30,7 @@ class DeltaMixerBase(nn.Module):
 
     def __init__(self, hidden_size: int | None = None, *, config=None, backend: str = "auto", **overrides):
         super().__init__()
-        self.config = config if config is not None else self.CONFIG(hidden_size=hidden_size, **overrides)
-        if not isinstance(self.config, self.CONFIG):
-            raise TypeError(f"config must be a {self.CONFIG.__name__}, got {type(self.config).__name__}")
-        name = type(self).__name__
-        _packing.check_kernels(name, backend, self.KERNELS)
-        self.backend = backend
+        self.config = _packing.setup(self, self.CONFIG, hidden_size, config, backend, overrides)
         c, nh = self.config, self.householder
         self.q_proj = nn.Linear(c.hidden_size, c.key_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.key_dim * nh, bias=False)

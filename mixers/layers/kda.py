@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import chunk_kda
+from ._init import inverse_softplus_dt
 from .config import KDAConfig
-from .delta_base import DeltaMixerBase, inverse_softplus_dt
+from .delta_base import DeltaMixerBase
 from .norm import GatedRMSNorm, upcast
 
 

@@ -10,21 +10,15 @@ through ``seq_idx``; gated RMS norm ``rmsnorm(y * silu(z))`` per group; out_proj
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from ..ops import mamba_chunk_scan_combined
 from . import _packing
+from ._init import inverse_softplus_dt
 from .config import Mamba2Config
 from .norm import GatedRMSNorm, upcast
 from .short_conv import ShortConvolution
-
-
-def _inverse_softplus_dt(n, dt_min, dt_max, floor):
-    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
-    return dt + torch.log(-torch.expm1(-dt))
 
 
 class Mamba2Mixer(nn.Module):
@@ -41,15 +35,13 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, hidden_size: int | None = None, *, config: Mamba2Config | None = None, backend: str = "auto",
                  **overrides):
         super().__init__()
-        self.config = config if config is not None else Mamba2Config(hidden_size=hidden_size, **overrides)
-        _packing.check_kernels(type(self).__name__, backend, self.KERNELS)
-        self.backend = backend
+        self.config = _packing.setup(self, Mamba2Config, hidden_size, config, backend, overrides)
         c = self.config
         conv_dim = c.d_inner + 2 * c.num_groups * c.state_size
         self.in_proj = nn.Linear(c.hidden_size, 2 * c.d_inner + 2 * c.num_groups * c.state_size + c.num_heads,
                                  bias=False)
         self.conv = ShortConvolution(conv_dim, c.conv_size, bias=True, activation="silu", backend=backend)
-        self.dt_bias = nn.Parameter(_inverse_softplus_dt(c.num_heads, c.dt_min, c.dt_max, c.dt_init_floor))
+        self.dt_bias = nn.Parameter(inverse_softplus_dt(c.num_heads, c.dt_min, c.dt_max, c.dt_init_floor))
         self.A_log = nn.Parameter(torch.log(torch.empty(c.num_heads).uniform_(1, 16)))
         self.D = nn.Parameter(torch.ones(c.num_heads))
         self.norm = GatedRMSNorm(c.d_inner, c.norm_eps, "swish", norm_before_gate=False,

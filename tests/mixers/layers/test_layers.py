@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from mixers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
+from mixers.layers.config import AttentionConfig, GatedDeltaNetConfig, KDAConfig, Mamba2Config
 from ssm_pack import PackedSeqParams
 from ssm_pack.pytest_plugin import layout
 from ssm_pack.testing import LeakageCheckInconclusive, assert_no_cross_document_leakage, assert_packed_equals_unpacked
@@ -153,3 +154,17 @@ def test_wrong_hidden_states_shape():
         build("gdn", torch.float32)(torch.randn(8, HIDDEN))
     with pytest.raises(TypeError, match="packed_seq_params must be a ssm_pack.PackedSeqParams"):
         build("gdn", torch.float32)(torch.randn(1, 8, HIDDEN), packed_seq_params={"cu_seqlens": [0, 8]})
+
+
+@pytest.mark.parametrize("cls, config", [
+    pytest.param(Mamba2Mixer, Mamba2Config(HIDDEN, head_dim=16, state_size=8), id="mamba2"),
+    pytest.param(GatedDeltaNetMixer, GatedDeltaNetConfig(HIDDEN, head_dim=8), id="gdn"),
+    pytest.param(AttentionMixer, AttentionConfig(HIDDEN, head_dim=8), id="attention"),
+])
+def test_built_from_a_config_which_must_be_the_layers_own_and_alone(cls, config):
+    module = cls(config=config)
+    assert module.config is config and module(torch.randn(1, 4, HIDDEN)).shape == (1, 4, HIDDEN)
+    with pytest.raises(TypeError, match=f"config must be a {type(config).__name__}, got KDAConfig"):
+        cls(config=KDAConfig(HIDDEN, head_dim=8))
+    with pytest.raises(ValueError, match="config is given, so hidden_size, head_dim would be ignored"):
+        cls(HIDDEN, config=config, head_dim=4)
