@@ -17,6 +17,7 @@ from torch import nn
 from ssm_pack import PackedSeqParams, get_cu_seqlens
 
 from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer, RMSNorm
+from .layers.norm import upcast
 
 MIXERS = {"M": Mamba2Mixer, "G": GatedDeltaNetMixer, "K": KDAMixer, "P": GatedDeltaProductMixer, "A": AttentionMixer}
 IGNORE_INDEX = -100
@@ -92,8 +93,7 @@ class HybridLM(nn.Module):
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels must match input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
             targets = next_token_targets(labels, packed_seq_params)
-            wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-            loss = F.cross_entropy(wide.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+            loss = F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                    ignore_index=IGNORE_INDEX)
         return {"logits": logits, "loss": loss}
 
@@ -104,10 +104,11 @@ def next_token_targets(labels: torch.Tensor, packed_seq_params=None) -> torch.Te
     targets = torch.full_like(labels, IGNORE_INDEX)
     targets[:, :-1] = labels[:, 1:]
     if packed_seq_params is not None:
-        starts = get_cu_seqlens(packed_seq_params).to(labels.device, torch.int64)[1:-1]
+        cu = get_cu_seqlens(packed_seq_params).to(labels.device, torch.int64)
+        starts = cu[1:-1]
         ends = starts[(starts > 0) & (starts <= labels.shape[1])] - 1                  # tokens before a new document
         targets[0, ends] = IGNORE_INDEX
-        last = int(get_cu_seqlens(packed_seq_params)[-1])
+        last = int(cu[-1])
         if 0 < last < labels.shape[1]:
             targets[0, last - 1] = IGNORE_INDEX                                       # before the padding tail
     return targets

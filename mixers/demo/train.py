@@ -20,14 +20,30 @@ from ..model import IGNORE_INDEX, HybridLM
 
 @dataclass
 class Batch:
-    """One pack: ``input_ids [1, T]`` and its metadata, plus the same documents right-padded to
-    ``[B, S]`` rows of the plan's ``padded_row_length`` (the longest document of the corpus)."""
+    """One pack: ``input_ids [1, T]``, its ``labels [1, T]`` (``-100`` on alignment padding) and
+    metadata, plus the same documents right-padded to ``[B, S]`` rows of the plan's
+    ``padded_row_length`` (the longest document of the corpus)."""
 
     input_ids: torch.Tensor
+    labels: torch.Tensor
     params: PackedSeqParams
     padded_ids: torch.Tensor
     padded_labels: torch.Tensor
     real_tokens: int
+
+
+def _layout(documents: list[bytes], starts: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, labels)`` ``[len(documents), width]`` rows or, with ``starts``, one packed row:
+    document ``i`` at ``starts[i]`` (row ``i`` when ``starts`` is empty); ``-100`` labels elsewhere."""
+    rows = 1 if starts else len(documents)
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    labels = torch.full((rows, width), IGNORE_INDEX, dtype=torch.long)
+    for i, doc in enumerate(documents):
+        row, start = (0, starts[i]) if starts else (i, 0)
+        tokens = torch.tensor(list(doc), dtype=torch.long)
+        ids[row, start:start + len(tokens)] = tokens
+        labels[row, start:start + len(tokens)] = tokens
+    return ids, labels
 
 
 def make_batches(documents: list[bytes], max_tokens: int, align_to: int, device) -> tuple[list[Batch], object]:
@@ -36,20 +52,12 @@ def make_batches(documents: list[bytes], max_tokens: int, align_to: int, device)
     batches = []
     for i, pack in enumerate(plan.packs):
         params = plan.packed_seq_params(i, fixed_length=False)
-        starts = params.cu_seqlens_q_padded.tolist() if params.cu_seqlens_q_padded is not None else \
-            params.cu_seqlens_q.tolist()
-        ids = torch.zeros(params.total_tokens, dtype=torch.long)
-        width = plan.padded_row_length              # the padded batch the plan's padding figure describes
-        padded = torch.zeros(len(pack), width, dtype=torch.long)
-        labels = torch.full((len(pack), width), IGNORE_INDEX, dtype=torch.long)
-        for row, (d, start) in enumerate(zip(pack, starts)):
-            tokens = torch.tensor(list(documents[d]), dtype=torch.long)
-            ids[start:start + len(tokens)] = tokens
-            padded[row, :len(tokens)] = tokens
-            labels[row, :len(tokens)] = tokens
-        real = sum(len(documents[d]) for d in pack)
-        params = _to(params, device)
-        batches.append(Batch(ids.unsqueeze(0).to(device), params, padded.to(device), labels.to(device), real))
+        docs = [documents[d] for d in pack]
+        ids, labels = _layout(docs, params.cu_seqlens.tolist()[:-1], params.total_tokens)
+        # the padded batch the plan's padding figure describes
+        padded_ids, padded_labels = _layout(docs, [], plan.padded_row_length)
+        batches.append(Batch(ids.to(device), labels.to(device), _to(params, device), padded_ids.to(device),
+                             padded_labels.to(device), sum(len(d) for d in docs)))
     return batches, plan
 
 
@@ -58,17 +66,6 @@ def _to(params: PackedSeqParams, device) -> PackedSeqParams:
              ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "seq_idx")
              if getattr(params, name) is not None}
     return params.replace(**moved)
-
-
-def packed_labels(batch: Batch) -> torch.Tensor:
-    """Labels of a pack: the tokens, ``-100`` on alignment padding and the tail."""
-    labels = torch.full_like(batch.input_ids, IGNORE_INDEX)
-    starts = (batch.params.cu_seqlens_q_padded if batch.params.cu_seqlens_q_padded is not None
-              else batch.params.cu_seqlens_q).tolist()
-    lengths = (batch.params.cu_seqlens_q[1:] - batch.params.cu_seqlens_q[:-1]).tolist()
-    for start, n in zip(starts, lengths):
-        labels[0, start:start + n] = batch.input_ids[0, start:start + n]
-    return labels
 
 
 def progress(step: int, total: int, loss: float, tokens_per_s: float, width: int = 28) -> None:
@@ -89,7 +86,7 @@ def train(model: HybridLM, batches: list[Batch], steps: int, lr: float) -> list[
     losses, seen, start = [], 0, time.perf_counter()
     for step in range(steps):
         batch = batches[step % len(batches)]
-        loss = model(batch.input_ids, batch.params, labels=packed_labels(batch))["loss"]
+        loss = model(batch.input_ids, batch.params, labels=batch.labels)["loss"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -124,7 +121,7 @@ def throughput(model: HybridLM, batches: list[Batch], repeat: int, rounds: int =
     chosen = [batches[min(len(batches) - 1, spread * (i + 1))] for i in range(repeat)]
     best = {"packed": 0.0, "padded": 0.0}
     for b in chosen:
-        runs = {"packed": lambda b=b: timed(b.input_ids, b.params, packed_labels(b)),
+        runs = {"packed": lambda b=b: timed(b.input_ids, b.params, b.labels),
                 "padded": lambda b=b: timed(b.padded_ids, None, b.padded_labels)}
         times = {mode: [] for mode in runs}
         for _ in range(rounds + 1):                            # the first round warms up
@@ -151,10 +148,7 @@ def leakage_check(model: HybridLM, documents: list[bytes], device) -> int:
     """Run :func:`ssm_pack.testing.assert_no_cross_document_leakage` on a packed batch of the model."""
     sample = documents[:4]
     params = PackedSeqParams.from_lengths([len(d) for d in sample], pad_to_multiple_of=8)
-    starts = params.cu_seqlens_q_padded.tolist()
-    ids = torch.zeros(1, params.total_tokens, dtype=torch.long)
-    for doc, start in zip(sample, starts):
-        ids[0, start:start + len(doc)] = torch.tensor(list(doc))
+    ids, _ = _layout(sample, params.cu_seqlens.tolist()[:-1], params.total_tokens)
     with torch.no_grad():
         hidden = model.embed(ids.to(device)).float()
     return assert_no_cross_document_leakage(_Backbone(model).float(), hidden, _to(params, device))
