@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_metadata import random_lengths
-from benchmarks.common import Result, matmul_flops_per_s, measure, results_table
+from benchmarks.common import Result, matmul_flops_per_s, measure, measure_side_by_side, results_table
 from mixers.ops import causal_conv1d_fn, mamba_chunk_scan_combined
+from ssm_pack import lengths_to_cu_seqlens
 
 
 def ssd_inputs(tokens, heads, headdim, state, groups, grad=False):
@@ -42,7 +43,7 @@ def ssd_flops(tokens, heads, headdim, state, groups, chunk):
 
 def run(tokens, docs, repeat, heads=16, headdim=64, state=64, groups=1, chunk=128):
     lengths = random_lengths(tokens, docs)
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
+    cu = lengths_to_cu_seqlens(lengths)
     one = torch.tensor([0, tokens], dtype=torch.int32)
     x, dt, A, B, C = ssd_inputs(tokens, heads, headdim, state, groups)
 
@@ -50,8 +51,9 @@ def run(tokens, docs, repeat, heads=16, headdim=64, state=64, groups=1, chunk=12
         return mamba_chunk_scan_combined(*args, chunk, cu_seqlens=cu_seqlens)
 
     with torch.no_grad():
-        t_one = measure(lambda: scan(one, x, dt, A, B, C), repeat=repeat)
-        t_packed = measure(lambda: scan(cu, x, dt, A, B, C), repeat=repeat)
+        t = measure_side_by_side({"one": lambda: scan(one, x, dt, A, B, C),
+                                  "packed": lambda: scan(cu, x, dt, A, B, C)}, repeat=repeat)
+        t_one, t_packed = t["one"], t["packed"]
         bounds = cu.tolist()
         t_loop = measure(lambda: [scan(torch.tensor([0, e - s], dtype=torch.int32), x[:, s:e], dt[:, s:e], A,
                                        B[:, s:e], C[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])],
@@ -64,7 +66,8 @@ def run(tokens, docs, repeat, heads=16, headdim=64, state=64, groups=1, chunk=12
 
     t_fwd_bwd = measure(fwd_bwd, repeat=repeat)
     peak = matmul_flops_per_s(2048)
-    frac = ssd_flops(tokens, heads, headdim, state, groups, chunk) / t_packed / peak
+    flops = ssd_flops(tokens, heads, headdim, state, groups, chunk)
+    frac = flops / t_packed / peak
 
     channels = heads * headdim + 2 * groups * state
     xc = torch.randn(1, channels, tokens)                       # channel-first: F.conv1d's own layout
@@ -74,10 +77,10 @@ def run(tokens, docs, repeat, heads=16, headdim=64, state=64, groups=1, chunk=12
         def plain():
             return F.silu(F.conv1d(xc, w.unsqueeze(1), b, padding=3, groups=channels)[..., :tokens])
 
-        t_conv_plain = measure(plain, repeat=repeat)
-        t_conv = measure(lambda: causal_conv1d_fn(xl, w, b, activation="silu", cu_seqlens=cu), repeat=repeat)
-        t_conv_cf = measure(lambda: causal_conv1d_fn(xc, w, b, activation="silu", cu_seqlens=cu), repeat=repeat)
-    flops = ssd_flops(tokens, heads, headdim, state, groups, chunk)
+        t = measure_side_by_side({
+            "plain": plain, "last": lambda: causal_conv1d_fn(xl, w, b, activation="silu", cu_seqlens=cu),
+            "first": lambda: causal_conv1d_fn(xc, w, b, activation="silu", cu_seqlens=cu)}, repeat=repeat)
+        t_conv_plain, t_conv, t_conv_cf = t["plain"], t["last"], t["first"]
     g = "conv + SSD"
     return [
         Result(g, f"SSD fwd, {docs} documents vs one", t_packed, t_one, t_packed / t_one, 1.25, False),

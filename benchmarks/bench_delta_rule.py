@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from benchmarks.bench_metadata import random_lengths
 from benchmarks.common import Result, matmul_flops_per_s, measure, measure_side_by_side, results_table
 from mixers.ops import chunk_gated_delta_product, chunk_gated_delta_rule, chunk_kda, varlen_attention
-from ssm_pack import max_seqlen_from_cu_seqlens
+from ssm_pack import lengths_to_cu_seqlens, max_seqlen_from_cu_seqlens
 
 
 def inputs(tokens, heads, dim, grad=False, kda=False, householder=1):
@@ -57,7 +57,7 @@ def fla_naive():
 def delta_rows(tokens, dim, heads, repeat):
     rows, g = [], "delta rule"
     x = inputs(tokens, heads, dim)
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), random_lengths(tokens, 256).cumsum(0)])
+    cu = lengths_to_cu_seqlens(random_lengths(tokens, 256))
     xk = inputs(tokens, heads, dim, kda=True)
     xp = inputs(tokens, heads, dim, householder=2)
     fns = {"gdn": lambda: chunk_gated_delta_rule(*x), "docs": lambda: chunk_gated_delta_rule(*x, cu_seqlens=cu),
@@ -103,10 +103,10 @@ def backward_row(tokens, dim, heads, repeat):
 _ATTN_PROBE = """
 import json, sys, torch, torch.nn.functional as F
 from mixers.ops import varlen_attention
-from ssm_pack import max_seqlen_from_cu_seqlens
+from ssm_pack import lengths_to_cu_seqlens, max_seqlen_from_cu_seqlens
 from benchmarks.bench_metadata import random_lengths
 tokens, docs, which = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-cu = torch.cat([torch.zeros(1, dtype=torch.long), random_lengths(tokens, docs).cumsum(0)])
+cu = lengths_to_cu_seqlens(random_lengths(tokens, docs))
 q, k, v = (torch.randn(tokens, 8, 64) for _ in range(3))
 def status(key):
     for line in open("/proc/self/status"):
@@ -127,7 +127,7 @@ print(json.dumps({"extra_mb": status("VmHWM") - base}))
 
 
 def attention_rows(tokens, repeat, docs=64):
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), random_lengths(tokens, docs).cumsum(0)])
+    cu = lengths_to_cu_seqlens(random_lengths(tokens, docs))
     q, k, v = (torch.randn(tokens, 8, 64) for _ in range(3))
     seg = torch.repeat_interleave(torch.arange(docs), cu[1:] - cu[:-1])
     i = torch.arange(tokens)
