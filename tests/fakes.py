@@ -1,5 +1,5 @@
-"""Fake upstream kernels for CPU tests: each asserts upstream's input contract, records the call,
-and computes through ssm-pack's reference."""
+"""Fake upstream kernels for CPU tests: each asserts upstream's input contract, records the call
+as ``(kind, what it was given)`` in a shared list, and computes through ssm-pack's reference."""
 
 from __future__ import annotations
 
@@ -30,10 +30,25 @@ def fake_conv(calls):
         assert 2 <= weight.shape[1] <= 4 and weight.is_contiguous()
         assert seq_idx is not None and seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
         assert tuple(seq_idx.shape) == (b, t)
-        calls.append(("conv", seq_idx))
+        assert activation in (None, "silu", "swish")
+        calls.append(("conv", dict(seq_idx=seq_idx, initial_states=initial_states)))
         return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states,
                                 activation=activation, backend="reference")
     return conv
+
+
+def fake_conv_states(calls):
+    """causal-conv1d's ``causal_conv1d_varlen_states``: the last ``state_len`` inputs of each document."""
+    def states(x, cu_seqlens, state_len):
+        assert x.dim() == 2 and cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous()
+        calls.append(("states", cu_seqlens))
+        out = x.new_zeros(cu_seqlens.numel() - 1, x.shape[1], state_len)
+        for i, (s, e) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+            n = min(state_len, e - s)
+            if n:
+                out[i, :, state_len - n:] = x[e - n:e].t()
+        return out
+    return states
 
 
 def fake_ssd(calls):
@@ -42,8 +57,13 @@ def fake_ssd(calls):
              return_varlen_states=False):
         assert x.dtype in KERNEL_DTYPES
         assert seq_idx is not None and seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
+        assert tuple(seq_idx.shape) == tuple(x.shape[:2])
         assert (cu_seqlens is not None) == return_varlen_states
-        calls.append(("ssd", seq_idx))
+        if cu_seqlens is not None:
+            assert cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous()
+        if initial_states is not None:
+            assert initial_states.shape[0] == x.shape[0], "upstream takes per-row initial states only"
+        calls.append(("ssd", dict(seq_idx=seq_idx, cu_seqlens=cu_seqlens)))
         return mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
                                          initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
                                          dt_softplus=dt_softplus, dt_limit=dt_limit,
@@ -79,6 +99,11 @@ def fake_flash(calls):
         return varlen_attention(q, k, v, cu_q, max_q, causal=causal, window_size=window_size,
                                 softmax_scale=softmax_scale, backend="reference")
     return flash
+
+
+def of_kind(calls, kind: str) -> list:
+    """What the fakes of ``kind`` were given, call by call."""
+    return [given for k, given in calls if k == kind]
 
 
 def install(monkeypatch, supported=True):

@@ -28,7 +28,7 @@ def test_layer_hands_the_kernels_what_they_need(monkeypatch, name):
     assert {kind for kind, _ in calls} == EXPECTED[name]
     for kind, meta in calls:
         if kind in ("conv", "ssd"):
-            assert meta.tolist()[0] == params.seq_idx.tolist()[0]            # physical seq_idx, int32
+            assert meta["seq_idx"].tolist()[0] == params.seq_idx.tolist()[0]  # physical seq_idx, int32
     monkeypatch.undo()
     # fla's fakes run the reference at fla's own chunk size, so compare within bf16 rounding
     assert rel_rms(out.float(), reference[0](x, packed_seq_params=params).float()) < 1e-2

@@ -9,8 +9,8 @@ import mixers.ops.causal_conv1d.kernel as conv_kernel
 import mixers.ops.ssd.kernel as ssd_kernel
 from mixers.ops import _dispatch, causal_conv1d_fn, mamba_chunk_scan_combined
 from ssm_pack import lengths_to_cu_seqlens
-
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from tests import fakes
+from tests.fakes import of_kind
 
 
 @pytest.fixture
@@ -29,32 +29,9 @@ def fake_cuda(monkeypatch):
 
 @pytest.fixture
 def fake_conv(monkeypatch):
-    calls = {"conv": [], "states": []}
-
-    def conv(x, weight, bias, seq_idx=None, initial_states=None, activation=None):
-        b, d, t = x.shape
-        assert x.dtype in KERNEL_DTYPES
-        assert x.stride(1) == 1, "seq_idx needs channel-last x"
-        assert d % 8 == 0 and x.stride(0) % 8 == 0 and x.stride(2) % 8 == 0
-        assert 2 <= weight.shape[1] <= 4 and weight.is_contiguous()
-        assert seq_idx is not None and seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
-        assert tuple(seq_idx.shape) == (b, t)
-        assert activation in (None, "silu", "swish")
-        calls["conv"].append(dict(seq_idx=seq_idx, initial_states=initial_states))
-        return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states,
-                                activation=activation, backend="reference")
-
-    def states(x, cu_seqlens, state_len):
-        assert x.dim() == 2 and cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous()
-        calls["states"].append(cu_seqlens)
-        out = x.new_zeros(cu_seqlens.numel() - 1, x.shape[1], state_len)
-        for i, (s, e) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
-            n = min(state_len, e - s)
-            if n:
-                out[i, :, state_len - n:] = x[e - n:e].t()
-        return out
-
-    monkeypatch.setattr(conv_kernel, "load_upstream", lambda: (conv, states))
+    calls = []
+    monkeypatch.setattr(conv_kernel, "load_upstream",
+                        lambda: (fakes.fake_conv(calls), fakes.fake_conv_states(calls)))
     return calls
 
 
@@ -69,8 +46,8 @@ def test_conv_hands_upstream_channel_last_int32_seq_idx(fake_cuda, fake_conv):
     x, w, b, cu = conv_case()
     out = causal_conv1d_fn(x, w, b, activation="silu", cu_seqlens=cu)
     ref = causal_conv1d_fn(x, w, b, activation="silu", cu_seqlens=cu, backend="reference")
-    assert len(fake_conv["conv"]) == 1 and torch.allclose(out, ref)
-    assert fake_conv["conv"][0]["seq_idx"].tolist() == [[0] * 3 + [2] * 9 + [3] + [4] * 12]
+    assert len(of_kind(fake_conv, "conv")) == 1 and torch.allclose(out, ref)
+    assert of_kind(fake_conv, "conv")[0]["seq_idx"].tolist() == [[0] * 3 + [2] * 9 + [3] + [4] * 12]
 
 
 def test_conv_final_states_use_varlen_states_without_grad(fake_cuda, fake_conv):
@@ -78,7 +55,7 @@ def test_conv_final_states_use_varlen_states_without_grad(fake_cuda, fake_conv):
     with torch.no_grad():
         _, states = causal_conv1d_fn(x, w, b, return_final_states=True, cu_seqlens=cu)
     _, ref = causal_conv1d_fn(x, w, b, return_final_states=True, cu_seqlens=cu, backend="reference")
-    assert len(fake_conv["states"]) == 1 and torch.equal(states, ref)
+    assert len(of_kind(fake_conv, "states")) == 1 and torch.equal(states, ref)
 
 
 def test_conv_row_initial_states_need_the_1_7_feature(fake_cuda, fake_conv):
@@ -86,7 +63,7 @@ def test_conv_row_initial_states_need_the_1_7_feature(fake_cuda, fake_conv):
     init = torch.randn(1, 16, 3)
     causal_conv1d_fn(x, w, b, seq_idx=torch.zeros(1, 25, dtype=torch.int32), initial_states=init)
     assert ("causal_conv1d", ("seq_idx", "initial_states_with_seq_idx")) in fake_cuda
-    assert fake_conv["conv"][0]["initial_states"] is not None
+    assert of_kind(fake_conv, "conv")[0]["initial_states"] is not None
 
 
 @pytest.mark.parametrize("case,why", [
@@ -97,7 +74,7 @@ def test_conv_row_initial_states_need_the_1_7_feature(fake_cuda, fake_conv):
 def test_conv_unsupported_shapes(fake_cuda, fake_conv, case, why):
     x, w, b, cu = conv_case(**case)
     causal_conv1d_fn(x, w, b, cu_seqlens=cu)                   # auto: the reference, silently exact
-    assert fake_conv["conv"] == []
+    assert of_kind(fake_conv, "conv") == []
     with pytest.raises(ValueError, match=why):
         causal_conv1d_fn(x, w, b, cu_seqlens=cu, backend="kernel")
 
@@ -106,7 +83,7 @@ def test_conv_per_document_initial_states_take_the_reference(fake_cuda, fake_con
     x, w, b, cu = conv_case()
     init = torch.randn(5, 16, 3)
     causal_conv1d_fn(x, w, b, initial_states=init, cu_seqlens=cu)
-    assert fake_conv["conv"] == []
+    assert of_kind(fake_conv, "conv") == []
     with pytest.raises(ValueError, match="per-document initial states"):
         causal_conv1d_fn(x, w, b, initial_states=init, cu_seqlens=cu, backend="kernel")
 
@@ -126,7 +103,7 @@ def test_conv_missing_padding_feature(monkeypatch, fake_conv):
     x, w, b, _ = conv_case()
     seq_idx = torch.tensor([[0] * 10 + [-1] * 5 + [1] * 10], dtype=torch.int32)
     out = causal_conv1d_fn(x, w, b, seq_idx=seq_idx)
-    assert fake_conv["conv"] == [] and bool((out[..., 10:15] == 0).all())
+    assert of_kind(fake_conv, "conv") == [] and bool((out[..., 10:15] == 0).all())
     with pytest.raises(RuntimeError, match="too old for negative seq_idx"):
         causal_conv1d_fn(x, w, b, seq_idx=seq_idx, backend="kernel")
 
@@ -137,7 +114,7 @@ def test_auto_without_support_is_the_reference(monkeypatch, fake_conv):
                         lambda name, features=(): (False, "causal-conv1d is not installed"))
     x, w, b, cu = conv_case()
     causal_conv1d_fn(x, w, b, cu_seqlens=cu)
-    assert fake_conv["conv"] == []
+    assert of_kind(fake_conv, "conv") == []
     with pytest.raises(RuntimeError, match="causal-conv1d is not installed"):
         causal_conv1d_fn(x, w, b, cu_seqlens=cu, backend="kernel")
 
@@ -145,26 +122,7 @@ def test_auto_without_support_is_the_reference(monkeypatch, fake_conv):
 @pytest.fixture
 def fake_ssd(monkeypatch):
     calls = []
-
-    def scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
-             cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
-             return_varlen_states=False):
-        assert x.dtype in KERNEL_DTYPES
-        assert seq_idx is not None and seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
-        assert tuple(seq_idx.shape) == tuple(x.shape[:2])
-        assert (cu_seqlens is not None) == return_varlen_states
-        if cu_seqlens is not None:
-            assert cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous()
-        if initial_states is not None:
-            assert initial_states.shape[0] == x.shape[0], "upstream takes per-row initial states only"
-        calls.append(dict(seq_idx=seq_idx, cu_seqlens=cu_seqlens))
-        return mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
-                                         initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
-                                         dt_softplus=dt_softplus, dt_limit=dt_limit,
-                                         return_final_states=return_final_states,
-                                         return_varlen_states=return_varlen_states, backend="reference")
-
-    monkeypatch.setattr(ssd_kernel, "load_upstream", lambda: scan)
+    monkeypatch.setattr(ssd_kernel, "load_upstream", lambda: fakes.fake_ssd(calls))
     return calls
 
 
@@ -180,8 +138,8 @@ def ssd_case(dtype=torch.float32, grad=False):
 def test_ssd_cu_seqlens_alone_still_resets(fake_cuda, fake_ssd):
     (x, dt, A, B, C), cu = ssd_case()
     out = mamba_chunk_scan_combined(x, dt, A, B, C, 8, cu_seqlens=cu)
-    assert fake_ssd[0]["seq_idx"].tolist() == [[0] * 5 + [2] * 11 + [3] * 4]
-    assert fake_ssd[0]["cu_seqlens"] is None      # upstream only takes cu_seqlens with varlen states
+    assert of_kind(fake_ssd, "ssd")[0]["seq_idx"].tolist() == [[0] * 5 + [2] * 11 + [3] * 4]
+    assert of_kind(fake_ssd, "ssd")[0]["cu_seqlens"] is None      # upstream only takes cu_seqlens with varlen states
     ref = mamba_chunk_scan_combined(x, dt, A, B, C, 8, cu_seqlens=cu, backend="reference")
     assert torch.allclose(out, ref)
 
@@ -190,7 +148,7 @@ def test_ssd_varlen_states_forward_only_is_the_kernel(fake_cuda, fake_ssd):
     (x, dt, A, B, C), cu = ssd_case()
     with torch.no_grad():
         mamba_chunk_scan_combined(x, dt, A, B, C, 8, cu_seqlens=cu, return_varlen_states=True)
-    assert len(fake_ssd) == 1 and fake_ssd[0]["cu_seqlens"] is not None
+    assert len(fake_ssd) == 1 and of_kind(fake_ssd, "ssd")[0]["cu_seqlens"] is not None
 
 
 @pytest.mark.parametrize("what,kwargs,grad", [
@@ -216,9 +174,8 @@ def test_select_backend_is_pure():
 @pytest.fixture
 def fake_fla(monkeypatch):
     import mixers.ops.delta_rule.kernel as fla_kernel
-    from tests.fakes import fake_fla as make_fake
     calls = []
-    monkeypatch.setattr(fla_kernel, "load_upstream", make_fake(calls))
+    monkeypatch.setattr(fla_kernel, "load_upstream", fakes.fake_fla(calls))
     return calls                                           # (kind, cu_seqlens) per call
 
 
