@@ -26,10 +26,17 @@ def _divides(a_name: str, a: int, b_name: str, b: int) -> None:
 
 @dataclass(frozen=True)
 class Mamba2Config:
-    """Mamba2 (SSD) mixer: ``d_inner = expand * hidden_size``, ``d_inner / head_dim`` heads."""
+    """Mamba2 (SSD) mixer: ``d_inner = expand * hidden_size``, ``d_inner / head_dim`` heads.
+
+    ``num_heads`` instead sets ``d_inner = num_heads * head_dim`` for checkpoints whose inner width
+    is not a multiple of ``hidden_size`` (Megatron's / NemotronH's ``mamba_num_heads``, FalconH1's
+    ``mamba_d_ssm``); giving both ``expand`` and ``num_heads`` requires them to agree.
+    ``norm_eps``: 1e-5 in mamba-ssm and Megatron; HF checkpoints carry their own
+    (``layer_norm_epsilon`` / ``rms_norm_eps``, often 1e-6).
+    """
 
     hidden_size: int
-    expand: int = 2
+    expand: int | None = None
     head_dim: int = 64
     state_size: int = 64
     num_groups: int = 1
@@ -40,20 +47,27 @@ class Mamba2Config:
     dt_init_floor: float = 1e-4
     dt_limit: tuple[float, float] = (0.0, math.inf)
     norm_eps: float = 1e-5
+    num_heads: int | None = None
 
     def __post_init__(self):
-        for name in ("hidden_size", "expand", "head_dim", "state_size", "num_groups", "conv_size", "chunk_size"):
+        for name in ("hidden_size", "head_dim", "state_size", "num_groups", "conv_size", "chunk_size"):
             _positive(name, getattr(self, name))
-        _divides("head_dim", self.head_dim, "expand * hidden_size", self.d_inner)
+        if self.num_heads is None:
+            if self.expand is None:
+                object.__setattr__(self, "expand", 2)
+            _positive("expand", self.expand)
+            _divides("head_dim", self.head_dim, "expand * hidden_size", self.expand * self.hidden_size)
+            object.__setattr__(self, "num_heads", self.expand * self.hidden_size // self.head_dim)
+        else:
+            _positive("num_heads", self.num_heads)
+            if self.expand is not None and self.expand * self.hidden_size != self.d_inner:
+                raise ValueError(f"expand={self.expand} gives d_inner={self.expand * self.hidden_size} but "
+                                 f"num_heads * head_dim = {self.d_inner}; give one of them (expand=None)")
         _divides("num_groups", self.num_groups, "num_heads", self.num_heads)
 
     @property
     def d_inner(self) -> int:
-        return self.expand * self.hidden_size
-
-    @property
-    def num_heads(self) -> int:
-        return self.d_inner // self.head_dim
+        return self.num_heads * self.head_dim
 
 
 def _default_heads(hidden_size: int, head_dim: int, share: float) -> int:
@@ -63,7 +77,11 @@ def _default_heads(hidden_size: int, head_dim: int, share: float) -> int:
 @dataclass(frozen=True)
 class DeltaConfig:
     """Shared by GDN, KDA and Gated DeltaProduct: key heads of ``head_dim``, value heads of
-    ``head_dim * expand_v`` (``num_v_heads`` a multiple of ``num_heads``: grouped values)."""
+    ``head_dim * expand_v`` (``num_v_heads`` a multiple of ``num_heads``: grouped values).
+
+    ``norm_eps`` of the gated output norm: 1e-5 in fla; 1e-6 (``rms_norm_eps``) in Hugging Face's
+    Qwen3-Next and Kimi-Linear.
+    """
 
     hidden_size: int
     head_dim: int = 64
@@ -110,10 +128,15 @@ class GatedDeltaNetConfig(DeltaConfig):
 
 @dataclass(frozen=True)
 class KDAConfig(DeltaConfig):
-    """fla's ``KimiDeltaAttention``: per-channel decay, low-rank gate projections, sigmoid output gate."""
+    """fla's ``KimiDeltaAttention``: per-channel decay, low-rank gate projections, sigmoid output gate.
+
+    ``output_gate_bias``: the output gate's second projection has a bias in fla (True) and none in
+    Hugging Face's Kimi-Linear (False).
+    """
 
     expand_v: float = 1.0
     heads_share: float = field(default=1.0, repr=False)
+    output_gate_bias: bool = True
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ class KDAMixer(DeltaMixerBase):
         self.A_log = nn.Parameter(torch.log(torch.empty(c.num_v_heads).uniform_(1, 16)))
         self.dt_bias = nn.Parameter(inverse_softplus_dt(gate_dim))
         self.g_proj = nn.Sequential(nn.Linear(c.hidden_size, c.head_v_dim, bias=False),
-                                    nn.Linear(c.head_v_dim, c.value_dim, bias=True))
+                                    nn.Linear(c.head_v_dim, c.value_dim, bias=c.output_gate_bias))
         self.o_norm = GatedRMSNorm(c.head_v_dim, c.norm_eps, "sigmoid")
 
     def _gate(self, x):
