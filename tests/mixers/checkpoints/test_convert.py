@@ -1,0 +1,232 @@
+"""Converters: bit-exact round trips, every key accounted for, unsupported options refused, safe file reading."""
+
+import io
+import pickle
+
+import pytest
+import torch
+
+from mixers import GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
+from mixers.checkpoints import (SOURCES, from_module, from_state_dict, load_checkpoint, select, source_of, to_module,
+                                to_state_dict)
+from mixers.layers.config import GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig, Mamba2Config
+from tests.mixers.checkpoints.upstream import BUILDERS, falcon_h1_config
+
+MAMBA = Mamba2Config(32, num_heads=3, head_dim=16, state_size=8, num_groups=3)
+GDN = GatedDeltaNetConfig(32, head_dim=16, num_heads=2, num_v_heads=4, expand_v=1.5)
+CONFIGS = {
+    "hf_mamba2": MAMBA, "mamba_ssm": MAMBA, "megatron": MAMBA, "megatron_legacy": MAMBA,
+    "fla_gdn": GDN, "hf_qwen3_next": GDN,
+    "fla_kda": KDAConfig(32, head_dim=16, num_heads=2, num_v_heads=4),
+    "hf_kimi_linear": KDAConfig(32, head_dim=16, num_heads=2, output_gate_bias=False),
+    "fla_gdp": GatedDeltaProductConfig(32, head_dim=16, num_heads=2, num_householder=3),
+}
+
+
+def _random_mixer(source, dtype=torch.float32):
+    mixer = SOURCES[source].mixer(config=CONFIGS[source], backend="reference").to(dtype)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.copy_(torch.randn_like(p))
+    return mixer
+
+
+def _assert_identical(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
+@pytest.mark.parametrize("source", [pytest.param(s, id=s) for s in SOURCES])
+def test_ours_upstream_ours_is_bit_exact(source, dtype):
+    assert set(CONFIGS) == set(SOURCES)
+    mixer = _random_mixer(source, dtype)
+    upstream = to_state_dict(mixer, source)
+    back = from_state_dict(upstream, source, mixer.config, backend="reference")
+    _assert_identical(mixer.state_dict(), back.state_dict())
+    _assert_identical(upstream, to_state_dict(back, source))
+    assert all(p.requires_grad for p in back.parameters())
+    for k, v in upstream.items():          # copies: converting never aliases the source
+        assert all(v.untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p in back.state_dict().values())
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, id=n) for n in BUILDERS])
+def test_upstream_ours_upstream_is_bit_exact(monkeypatch, name):
+    upstream = BUILDERS[name](monkeypatch)
+    ours = from_module(upstream, backend="reference")
+    before = {k: v.clone() for k, v in upstream.state_dict().items()}
+    with torch.no_grad():
+        for p in upstream.parameters():
+            p.zero_()
+    to_module(ours, upstream)
+    _assert_identical(before, upstream.state_dict())
+
+
+def test_negative_control_round_trip_sees_one_bit():
+    """The round-trip check compares bits: one ulp on one entry fails it."""
+    mixer = _random_mixer("hf_qwen3_next")
+    upstream = to_state_dict(mixer, "hf_qwen3_next")
+    upstream["in_proj_qkvz.weight"][5, 3] = torch.nextafter(upstream["in_proj_qkvz.weight"][5, 3], torch.tensor(9.0))
+    back = from_state_dict(upstream, "hf_qwen3_next", mixer.config)
+    with pytest.raises(AssertionError):
+        _assert_identical(mixer.state_dict(), back.state_dict())
+
+
+def test_qwen3_next_layout_by_hand():
+    """One key head's block of in_proj_qkvz is [q, k, v, z] of that group (the interleave)."""
+    mixer = _random_mixer("hf_qwen3_next")
+    fused = to_state_dict(mixer, "hf_qwen3_next")["in_proj_qkvz.weight"]
+    c = mixer.config
+    block = 2 * c.head_dim + 2 * c.head_v_dim * 2           # two value heads per key head
+    second = fused[block:2 * block]
+    assert torch.equal(second[:16], mixer.q_proj.weight[16:32])
+    assert torch.equal(second[16:32], mixer.k_proj.weight[16:32])
+    assert torch.equal(second[32:80], mixer.v_proj.weight[48:96])
+    assert torch.equal(second[80:], mixer.g_proj.weight[48:96])
+
+
+# ---- every key accounted for ----------------------------------------------------------------------
+
+def test_missing_unexpected_and_misshapen_keys_are_all_listed():
+    sd = to_state_dict(_random_mixer("hf_mamba2"), "hf_mamba2")
+    sd.pop("D")
+    sd["extra.weight"] = torch.zeros(1)
+    sd["A_log"] = torch.zeros(7)
+    with pytest.raises(ValueError) as err:
+        from_state_dict(sd, "hf_mamba2", MAMBA)
+    message = str(err.value)
+    assert "missing keys ['D']" in message and "unexpected keys ['extra.weight']" in message
+    assert "'A_log' has shape (7,), expected (3,)" in message
+
+
+def test_wrong_naming_suggests_the_right_source():
+    sd = to_state_dict(_random_mixer("megatron_legacy"), "megatron_legacy")
+    with pytest.raises(ValueError, match="source='megatron_legacy'|source='hf_mamba2'"):
+        from_state_dict(sd, "megatron", MAMBA)
+
+
+def test_megatron_extra_state_is_no_weight_but_a_fused_norm_is_refused():
+    sd = to_state_dict(_random_mixer("megatron"), "megatron")
+    sd["in_proj._extra_state"] = io.BytesIO()
+    sd["out_proj._extra_state"] = None
+    from_state_dict(sd, "megatron", MAMBA)
+    sd["in_proj.layer_norm_weight"] = torch.ones(32)
+    with pytest.raises(ValueError, match="pre-norm that Transformer Engine fuses"):
+        from_state_dict(sd, "megatron", MAMBA)
+    sd.pop("in_proj.layer_norm_weight")
+    sd["in_proj._extra_state"] = torch.randn(4)          # a float tensor is a weight: never passed over
+    with pytest.raises(ValueError, match=r"unexpected keys \['in_proj._extra_state'\]"):
+        from_state_dict(sd, "megatron", MAMBA)
+
+
+def test_d_per_channel_is_refused_with_the_reason():
+    sd = to_state_dict(_random_mixer("mamba_ssm"), "mamba_ssm")
+    sd["D"] = torch.ones(MAMBA.d_inner)
+    with pytest.raises(ValueError, match="D_has_hdim"):
+        from_state_dict(sd, "mamba_ssm", MAMBA)
+
+
+def test_bad_arguments_name_themselves():
+    mixer = _random_mixer("fla_gdn")
+    with pytest.raises(ValueError, match="source must be one of"):
+        to_state_dict(mixer, "fla")
+    with pytest.raises(TypeError, match="converts a Mamba2Mixer, got GatedDeltaNetMixer"):
+        to_state_dict(mixer, "megatron")
+    with pytest.raises(TypeError, match="config must be a GatedDeltaNetConfig"):
+        from_state_dict(to_state_dict(mixer, "fla_gdn"), "fla_gdn", MAMBA)
+    with pytest.raises(TypeError, match="state_dict must be a mapping"):
+        from_state_dict([1, 2], "fla_gdn", GDN)
+    with pytest.raises(TypeError, match="no converter reads a torch:Linear layer"):
+        source_of(torch.nn.Linear(2, 2))
+
+
+# ---- upstream options our mixers cannot express are refused ---------------------------------------
+
+def test_unsupported_upstream_options_are_refused(monkeypatch):
+    t = pytest.importorskip("transformers")
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Model
+    base = dict(hidden_size=32, num_heads=4, head_dim=16, state_size=8, n_groups=2, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="biases"):
+        from_module(HFMamba2(t.Mamba2Config(**base, use_bias=True), 0))
+    with pytest.raises(ValueError, match="no bias"):
+        from_module(HFMamba2(t.Mamba2Config(**base, use_conv_bias=False), 0))
+    with pytest.raises(ValueError, match="mup_vector"):
+        from_module(FalconH1Model(falcon_h1_config(ssm_multipliers=[1.0, 2.0, 1.0, 1.0, 1.0])).layers[0].mamba)
+    with pytest.raises(ValueError, match="mamba_rms_norm=False"):
+        from_module(FalconH1Model(falcon_h1_config(mamba_rms_norm=False)).layers[0].mamba)
+    with pytest.raises(ValueError, match="after the norm"):
+        from_module(FalconH1Model(falcon_h1_config(mamba_norm_before_gate=True)).layers[0].mamba)
+
+
+def test_unsupported_fla_options_are_refused():
+    fla_layers = pytest.importorskip("fla.layers")
+    kwargs = dict(hidden_size=32, head_dim=16, num_heads=2)
+    for layer, match in ((fla_layers.GatedDeltaNet(**kwargs, use_gate=False), "no output gate"),
+                         (fla_layers.GatedDeltaNet(**kwargs, conv_bias=True), "conv_bias"),
+                         (fla_layers.KimiDeltaAttention(**kwargs, lower_bound=-5.0), "lower-bounded"),
+                         (fla_layers.GatedDeltaProduct(**kwargs, use_forget_gate=False), "use_forget_gate"),
+                         (fla_layers.GatedDeltaProduct(**kwargs, num_v_heads=4), "num_v_heads")):
+        with pytest.raises(ValueError, match=match):
+            from_module(layer)
+
+
+def test_our_options_upstream_lacks_are_refused_going_back():
+    with pytest.raises(ValueError, match="output_gate_bias=True"):
+        to_state_dict(KDAMixer(config=KDAConfig(32, head_dim=16)), "hf_kimi_linear")
+    with pytest.raises(ValueError, match="output_gate_bias=False"):
+        to_state_dict(KDAMixer(config=KDAConfig(32, head_dim=16, output_gate_bias=False)), "fla_kda")
+    with pytest.raises(ValueError, match="allow_neg_eigval"):
+        to_state_dict(GatedDeltaNetMixer(config=GatedDeltaNetConfig(32, head_dim=16, allow_neg_eigval=True)),
+                      "hf_qwen3_next")
+
+
+def test_to_module_refuses_a_layer_of_other_sizes_or_eps(monkeypatch):
+    upstream = BUILDERS["hf_qwen3_next"](monkeypatch)
+    ours = GatedDeltaNetMixer(config=GatedDeltaNetConfig(32, head_dim=16, num_heads=2, num_v_heads=4, expand_v=1.5))
+    with pytest.raises(ValueError, match="norm_eps: ours 1e-05, upstream 1e-06"):
+        to_module(ours, upstream)
+
+
+def test_mamba2_config_num_heads_and_expand():
+    assert Mamba2Config(32, num_heads=3, head_dim=16).d_inner == 48
+    assert Mamba2Config(32, head_dim=16).num_heads == 4 and Mamba2Config(32).expand == 2
+    with pytest.raises(ValueError, match="expand=2 gives d_inner=64 but num_heads"):
+        Mamba2Config(32, expand=2, num_heads=3, head_dim=16)
+    assert Mamba2Mixer(config=Mamba2Config(32, num_heads=3, head_dim=16)).out_proj.in_features == 48
+    assert GatedDeltaProductMixer(config=CONFIGS["fla_gdp"]).k_proj.out_features == 3 * 32
+
+
+# ---- files ----------------------------------------------------------------------------------------
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("code ran",))
+
+
+def test_files_are_read_without_running_code(tmp_path):
+    sd = to_state_dict(_random_mixer("fla_gdn"), "fla_gdn")
+    torch.save({f"model.layers.0.attn.{k}": v for k, v in sd.items()}, tmp_path / "a.pt")
+    got = select(load_checkpoint(tmp_path / "a.pt"), "model.layers.0.attn.")
+    _assert_identical(sd, got)
+    with open(tmp_path / "evil.pt", "wb") as f:
+        pickle.dump({"x": _Payload()}, f)
+    with pytest.raises(pickle.UnpicklingError):
+        load_checkpoint(tmp_path / "evil.pt")
+    with pytest.raises(ValueError, match="no key starts with prefix='model.layers.1.'"):
+        select(got, "model.layers.1.")
+
+
+def test_safetensors_shards(tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    sd = to_state_dict(_random_mixer("hf_mamba2"), "hf_mamba2")
+    keys = sorted(sd)
+    st.save_file({k: sd[k] for k in keys[:3]}, str(tmp_path / "model-00001.safetensors"))
+    st.save_file({k: sd[k] for k in keys[3:]}, str(tmp_path / "model-00002.safetensors"))
+    _assert_identical(sd, load_checkpoint(tmp_path))
+    st.save_file({keys[0]: sd[keys[0]]}, str(tmp_path / "model-00003.safetensors"))
+    with pytest.raises(ValueError, match="repeats keys"):
+        load_checkpoint(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(tmp_path / "nope.safetensors")
