@@ -7,8 +7,16 @@ import pytest
 import torch
 
 from mixers import GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
-from mixers.checkpoints import (SOURCES, from_module, from_state_dict, load_checkpoint, select, source_of, to_module,
-                                to_state_dict)
+from mixers.checkpoints import (
+    SOURCES,
+    from_module,
+    from_state_dict,
+    load_checkpoint,
+    select,
+    source_of,
+    to_module,
+    to_state_dict,
+)
 from mixers.layers.config import GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig, Mamba2Config
 from tests.mixers.checkpoints.upstream import BUILDERS, falcon_h1_config
 
@@ -145,8 +153,8 @@ def test_bad_arguments_name_themselves():
 
 def test_unsupported_upstream_options_are_refused(monkeypatch):
     t = pytest.importorskip("transformers")
-    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2
     from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Model
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2
     base = dict(hidden_size=32, num_heads=4, head_dim=16, state_size=8, n_groups=2, num_hidden_layers=1)
     with pytest.raises(ValueError, match="biases"):
         from_module(HFMamba2(t.Mamba2Config(**base, use_bias=True), 0))
