@@ -1,0 +1,186 @@
+"""Exact packing for Hugging Face hybrid models: ``enable_packing(model)``.
+
+    B = rows, T = tokens, D = hidden
+
+Transformers' own torch paths cannot keep the documents of a ``DataCollatorWithFlattening`` batch
+apart (the state of one document flows into the next). ``enable_packing`` swaps every
+SSM / linear-attention layer that :mod:`mixers.checkpoints` reads (Mamba2 and the Mamba2 blocks of
+Bamba / NemotronH / GraniteMoeHybrid / FalconH1, Qwen3-Next's gated delta net, Kimi-Linear's KDA)
+for our mixer holding the same weights, and reads the boundaries the collator passes to the
+model (``cu_seq_lens_q`` / ``cu_seq_lens_k``, ``seq_idx``, ``position_ids`` restarts) once per
+forward, so every document starts from a zero state. Attention layers stay Hugging Face's: their
+masks already follow the same ``position_ids``.
+
+The patched model's ``state_dict`` keeps Hugging Face's names and layout (a ``save_pretrained``
+checkpoint loads into the unpatched model), and ``load_state_dict`` accepts them. Decoding with a
+cache (``generate``) needs Hugging Face's layers back: ``disable_packing(model)``.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from ssm_pack import PackedSeqParams
+
+from ..checkpoints import SOURCES, from_module, source_of
+from ..checkpoints.convert import to_module
+
+_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
+_LENGTH_KEYS = ("input_ids", "inputs_embeds", "labels")
+_CACHE_KEYS = ("cache", "cache_params", "past_key_values")
+_HF_CLASSES = {c for s in SOURCES.values() for c in s.classes if c.startswith("transformers:")}
+
+
+class _Batch:
+    """The current forward's packing, set once per model call by the pre-forward hook."""
+
+    def __init__(self):
+        self.params: PackedSeqParams | None = None
+
+
+def _position_resets(position_ids: torch.Tensor) -> int:
+    return int((position_ids[..., 1:] <= position_ids[..., :-1]).sum())
+
+
+def packing_from_model_kwargs(kwargs: dict) -> PackedSeqParams | None:
+    """:class:`PackedSeqParams` for a model call's keyword arguments, or ``None`` when the batch is
+    not packed (no explicit boundaries and no ``position_ids`` restart)."""
+    batch = {k: kwargs[k] for k in _BOUNDARY_KEYS + _LENGTH_KEYS if kwargs.get(k) is not None}
+    position_ids = batch.get("position_ids")
+    if position_ids is not None and position_ids.dim() == 3:          # MRoPE: the temporal plane
+        position_ids = batch["position_ids"] = position_ids[0]
+    explicit = "cu_seq_lens_q" in batch or "seq_idx" in batch
+    resets = _position_resets(position_ids) if position_ids is not None else 0
+    if not explicit and resets == 0:
+        return None
+    rows = next((v.shape[0] for k, v in batch.items() if k in ("input_ids", "inputs_embeds", "position_ids")), 1)
+    if rows != 1:
+        raise ValueError(f"packed batches must be one row [1, T] (DataCollatorWithFlattening), got {rows} rows "
+                         "whose position_ids restart; flatten them into one row")
+    params = PackedSeqParams.from_hf_batch(batch)
+    documents = params.cu_seqlens_q.numel() - 1
+    if not explicit and documents != resets + 1:
+        raise ValueError(f"position_ids restart {resets} times but only {documents} documents were found from "
+                         "them; pass cu_seq_lens_q (DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
+    return params
+
+
+class PackedMixer(nn.Module):
+    """Stands in for one Hugging Face mixer: same call (``hidden_states [B, T, D]``, a cache,
+    ``attention_mask [B, T]``, extra keywords), runs our mixer with the current batch's packing.
+
+    A padded batch (``attention_mask`` with zeros) runs as one packed row of its real tokens, so
+    padding, left or right, never reaches a real token; padded positions return zeros.
+    """
+
+    def __init__(self, mixer: nn.Module, original: nn.Module, batch: _Batch):
+        super().__init__()
+        self.mixer = mixer
+        self.source = source_of(original).name
+        self.layer_idx = getattr(original, "layer_idx", None)
+        buffers = {name: b.detach().clone() for name, b in original.named_buffers()}
+        self._original = (original.to("meta"), buffers)   # the HF layer without its weights' storage
+        self._batch = batch
+        self._caches = weakref.WeakSet()               # caches this layer ran with but did not fill
+        self.register_state_dict_post_hook(_save_upstream)
+        self.register_load_state_dict_pre_hook(_load_upstream)
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        cache = next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), args[0] if args else None)
+        if cache is not None:
+            if cache in self._caches:
+                raise RuntimeError(f"{type(self._original[0]).__name__} (layer {self.layer_idx}) was replaced by "
+                                   "mixers.integrations.transformers.enable_packing, which does not decode with "
+                                   "a cache; call disable_packing(model) before generate()")
+            self._caches.add(cache)
+        params = self._batch.params
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2 and not bool(mask.all()):
+            if params is not None:
+                raise ValueError("a packed batch (position_ids restarts / cu_seq_lens) must not also carry an "
+                                 "attention_mask with padding; drop one of them")
+            return self._padded(hidden_states, mask.bool())
+        return self.mixer(hidden_states, packed_seq_params=params)
+
+    def _padded(self, hidden_states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        params = PackedSeqParams.from_lengths(keep.sum(1))
+        out = self.mixer(hidden_states[keep].unsqueeze(0), packed_seq_params=params)[0]
+        full = out.new_zeros(*keep.shape, out.shape[-1])
+        full[keep] = out
+        return full
+
+
+def _save_upstream(module: PackedMixer, state_dict, prefix, local_metadata):
+    inner = prefix + "mixer."
+    ours = {k[len(inner):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(inner)]}
+    upstream = SOURCES[module.source].to_upstream(ours, module.mixer.config)
+    state_dict.update({prefix + k: v for k, v in upstream.items()})
+
+
+def _load_upstream(module: PackedMixer, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    source = SOURCES[module.source]
+    names = list(source.to_upstream({k: v for k, v in module.mixer.state_dict().items()}, module.mixer.config))
+    if not all(prefix + k in state_dict for k in names):
+        return                                          # not HF's layout: let load_state_dict report it
+    ours = source.to_ours({k: state_dict.pop(prefix + k) for k in names}, module.mixer.config)
+    state_dict.update({prefix + "mixer." + k: v for k, v in ours.items()})
+
+
+def _hf_mixers(model: nn.Module):
+    """(parent, attribute, module) for every layer a converter reads."""
+    for parent in model.modules():
+        for attr, child in parent.named_children():
+            key = f"{type(child).__module__.split('.')[0]}:{type(child).__name__}"
+            if key in _HF_CLASSES:
+                yield parent, attr, child
+
+
+def enable_packing(model: nn.Module, *, backend: str = "auto") -> nn.Module:
+    """Swap the SSM / linear-attention layers of the Hugging Face model ``model`` for ours (same
+    weights, in place) and read each call's ``DataCollatorWithFlattening`` boundaries.
+
+    Call the returned model (the same object) the way Hugging Face's ``Trainer`` does:
+    ``model(**batch)``. Raises ``ValueError`` when the model has no layer a converter reads, or
+    when a layer uses an option our mixers cannot represent (nothing is swapped then).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    if getattr(model, "_ssm_pack_packing", None) is not None:
+        raise ValueError("enable_packing(model) was already called on this model")
+    found = list(_hf_mixers(model))
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no layer enable_packing converts; it reads "
+                         f"{sorted(c.split(':')[1] for c in _HF_CLASSES)}")
+    converted = [from_module(child, backend=backend) for _, _, child in found]      # all or nothing
+    batch = _Batch()
+    for (parent, attr, child), mixer in zip(found, converted):
+        mixer.train(child.training)
+        setattr(parent, attr, PackedMixer(mixer, child, batch))
+
+    def read_boundaries(module, args, kwargs):
+        batch.params = packing_from_model_kwargs(kwargs)
+
+    model._ssm_pack_packing = (batch, model.register_forward_pre_hook(read_boundaries, with_kwargs=True))
+    return model
+
+
+def disable_packing(model: nn.Module) -> nn.Module:
+    """Put Hugging Face's layers back, holding the current (e.g. fine-tuned) weights."""
+    state = getattr(model, "_ssm_pack_packing", None)
+    if state is None:
+        raise ValueError("enable_packing(model) was not called on this model")
+    for parent in model.modules():
+        for attr, child in list(parent.named_children()):
+            if isinstance(child, PackedMixer):
+                original, buffers = child._original
+                original.to_empty(device=next(child.mixer.parameters()).device)
+                with torch.no_grad():
+                    for name, value in buffers.items():
+                        original.get_buffer(name).copy_(value)
+                setattr(parent, attr, to_module(child.mixer, original).train(child.training))
+    state[1].remove()
+    model._ssm_pack_packing = None
+    return model

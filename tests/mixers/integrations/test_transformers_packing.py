@@ -1,0 +1,242 @@
+"""enable_packing on tiny random-weight Hugging Face hybrid models: a flattened batch of documents
+equals each document alone (outputs and gradients), where the unpatched model leaks."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from mixers.integrations.transformers import PackedMixer, disable_packing, enable_packing  # noqa: E402
+from tests.mixers.checkpoints.upstream import kimi_config, transformers_torch_paths  # noqa: E402
+from tests.oracles import rel_rms  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+VOCAB = 64
+LENGTHS = [5, 17, 1, 30]                     # uneven; a 1-token document; crosses Mamba2's chunk of 8
+
+
+def mamba2(monkeypatch):
+    return transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
+        hidden_size=32, num_heads=4, head_dim=16, expand=2, state_size=8, n_groups=2, chunk_size=8,
+        num_hidden_layers=2, vocab_size=VOCAB))
+
+
+def qwen3_next(monkeypatch):
+    from transformers.models.qwen3_next import modeling_qwen3_next as q
+    transformers_torch_paths(monkeypatch, q, "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        hidden_size=32, intermediate_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, num_experts=0, vocab_size=VOCAB, attn_implementation="sdpa"))
+
+
+def bamba(monkeypatch):
+    return transformers.BambaForCausalLM(transformers.BambaConfig(
+        hidden_size=32, intermediate_size=64, mamba_n_heads=4, mamba_d_head=16, mamba_expand=2, mamba_d_state=8,
+        mamba_n_groups=2, mamba_chunk_size=8, num_hidden_layers=2, attn_layer_indices=[1], num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=VOCAB, attn_implementation="sdpa"))
+
+
+def kimi_linear(monkeypatch):
+    from transformers.models.kimi_linear import modeling_kimi_linear as k
+    transformers_torch_paths(monkeypatch, k, "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
+    config = kimi_config(num_hidden_layers=2, intermediate_size=64, attn_implementation="sdpa", pad_token_id=0,
+                         num_key_value_heads=2, mlp_layer_types=["dense", "dense"],
+                         linear_attn_config={"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4,
+                                             "kda_layers": [1], "full_attn_layers": [2]})
+    model = transformers.KimiLinearForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.self_attn, "forget_gate", None)
+            if gate is not None:
+                gate.A_log.copy_(torch.empty_like(gate.A_log).uniform_(1, 4).log())
+                gate.dt_bias.normal_()
+    return model
+
+
+MODELS = [pytest.param(mamba2, id="mamba2"), pytest.param(qwen3_next, id="qwen3_next"),
+          pytest.param(bamba, id="bamba"), pytest.param(kimi_linear, id="kimi_linear")]
+
+# The boundary forms each matter once per code path (they meet in one helper); every model gets
+# the collator's default (position_ids), the first two models the other forms too.
+BOUNDARIES = [pytest.param({}, id="position_ids"),
+              pytest.param({"return_flash_attn_kwargs": True}, id="cu_seq_lens"),
+              pytest.param({"return_seq_idx": True}, id="seq_idx")]
+
+
+def _build(factory, monkeypatch):
+    torch.manual_seed(0)
+    model = factory(monkeypatch).float().eval()
+    with torch.no_grad():                          # norms and biases away from their inits
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def _documents():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _flattened(docs, **collator):
+    batch = transformers.DataCollatorWithFlattening(**collator)([{"input_ids": d} for d in docs])
+    batch.pop("labels")
+    return batch
+
+
+def _logits(model, **batch):
+    return model(**batch, use_cache=False).logits
+
+
+@torch.no_grad()
+def _leak(model, docs, batch):
+    """Largest |packed - alone| over the documents' logits."""
+    packed = _logits(model, **batch)[0]
+    alone = torch.cat([_logits(model, input_ids=torch.tensor([d]))[0] for d in docs])
+    return float((packed - alone).abs().max()), packed, alone
+
+
+CASES = [pytest.param(m.values[0], b.values[0], id=f"{m.id}-{b.id}") for m in MODELS for b in BOUNDARIES
+         if b.id == "position_ids" or m.id in ("mamba2", "qwen3_next")]
+
+
+@pytest.mark.parametrize(("factory", "collator"), CASES)
+def test_flattened_batch_equals_each_document_alone(monkeypatch, factory, collator):
+    model = _build(factory, monkeypatch)
+    docs = _documents()
+    batch = _flattened(docs, **collator)
+    if not collator:                                  # negative control: Hugging Face's own layers leak
+        before, _, _ = _leak(model, docs, batch)
+        assert before > 1e-2, before
+    enable_packing(model)
+    assert any(isinstance(m, PackedMixer) for m in model.modules())
+    after, packed, alone = _leak(model, docs, batch)
+    assert rel_rms(packed, alone) <= 1e-5, after     # fp32 exactness (DESIGN: relative RMS <= 1e-5)
+
+
+@pytest.mark.parametrize("factory", MODELS[:2])
+def test_gradients_of_a_flattened_batch_are_the_sum_over_documents(monkeypatch, factory):
+    """In fp64: in fp32 the decay parameters' gradients (A_log, dt_bias: one sum over every token
+    with cancellation) move by up to 5e-3 relative between any two summation orders. The bound is
+    1e-6, not fp64's 1e-10, because Hugging Face's norms and rotary tables run in fp32 even in an
+    fp64 model (measured worst 1.4e-7, on an attention norm)."""
+    model = enable_packing(_build(factory, monkeypatch).double())
+    docs = _documents()
+    batch = _flattened(docs)
+    weights = torch.randn(sum(LENGTHS), VOCAB, dtype=torch.float64)
+
+    def grads(loss):
+        model.zero_grad()
+        loss.backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    packed = grads((_logits(model, **batch)[0] * weights).sum())
+    alone, start = {}, 0
+    for d in docs:
+        g = grads((_logits(model, input_ids=torch.tensor([d]))[0] * weights[start:start + len(d)]).sum())
+        alone = {k: alone.get(k, 0) + v for k, v in g.items()}
+        start += len(d)
+    assert packed.keys() == alone.keys()
+    worst = max(rel_rms(packed[k], alone[k]) for k in packed)
+    assert worst <= 1e-6, worst
+
+
+@pytest.mark.parametrize("factory", MODELS)
+def test_patched_model_equals_the_unpatched_one_on_one_document(monkeypatch, factory):
+    model = _build(factory, monkeypatch)
+    ids = torch.tensor([_documents()[3]])
+    want = _logits(model, input_ids=ids)
+    enable_packing(model)
+    assert rel_rms(_logits(model, input_ids=ids), want) <= 1e-5
+
+
+@torch.no_grad()
+def test_padded_batches_run_as_packed_rows(monkeypatch):
+    """Left and right padding: the real tokens equal the documents alone; a padded row without
+    packing (the negative control) differs."""
+    model = enable_packing(_build(mamba2, monkeypatch))
+    docs = _documents()
+    width = max(LENGTHS)
+    ids = torch.zeros(len(docs), width, dtype=torch.long)
+    mask = torch.zeros(len(docs), width, dtype=torch.long)
+    for i, d in enumerate(docs):
+        if i % 2:
+            ids[i, :len(d)], mask[i, :len(d)] = torch.tensor(d), 1                  # right padding
+        else:
+            ids[i, width - len(d):], mask[i, width - len(d):] = torch.tensor(d), 1  # left padding
+    got = _logits(model, input_ids=ids, attention_mask=mask)
+    for i, d in enumerate(docs):
+        alone = _logits(model, input_ids=torch.tensor([d]))[0]
+        assert rel_rms(got[i][mask[i].bool()], alone) <= 1e-5
+    unmasked = _logits(model, input_ids=ids)
+    leak = unmasked[0][mask[0].bool()] - _logits(model, input_ids=torch.tensor([docs[0]]))[0]
+    assert float(leak.abs().max()) > 1e-2
+
+
+def test_state_dict_keeps_hugging_face_layout_and_disable_restores(monkeypatch):
+    model = _build(qwen3_next, monkeypatch)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    classes = {k: type(m) for k, m in model.named_modules()}
+    enable_packing(model)
+    patched = model.state_dict()
+    assert patched.keys() == original.keys()
+    assert all(torch.equal(patched[k], original[k]) for k in original)
+    model.load_state_dict(original)                                        # HF layout loads into the patch
+    with torch.no_grad():                                                  # a "fine-tuning" step
+        for p in model.parameters():
+            p.add_(0.01)
+    ids = torch.tensor([_documents()[1]])
+    tuned = _logits(model, input_ids=ids)
+    disable_packing(model)
+    assert {k: type(m) for k, m in model.named_modules()} == classes
+    assert rel_rms(_logits(model, input_ids=ids), tuned) <= 1e-5
+    assert all(torch.equal(model.state_dict()[k], original[k] + 0.01) for k in original)
+
+
+def test_generation_asks_for_disable_packing(monkeypatch):
+    model = enable_packing(_build(mamba2, monkeypatch))
+    with pytest.raises(RuntimeError, match="disable_packing"):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    disable_packing(model)
+    assert model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, min_new_tokens=3,
+                          do_sample=False).shape == (1, 6)
+
+
+def test_bad_calls_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="has no layer enable_packing converts"):
+        enable_packing(torch.nn.Linear(2, 2))
+    model = enable_packing(_build(mamba2, monkeypatch))
+    with pytest.raises(ValueError, match="already called"):
+        enable_packing(model)
+    with pytest.raises(ValueError, match="one row"):
+        model(input_ids=torch.zeros(2, 6, dtype=torch.long), position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]] * 2))
+    with pytest.raises(TypeError, match="must be a torch.nn.Module"):
+        enable_packing("model")
+
+
+def test_trainer_with_the_flattening_collator(monkeypatch, tmp_path):
+    pytest.importorskip("accelerate")
+    model = enable_packing(_build(qwen3_next, monkeypatch)).train()
+    seen = []
+    monkeypatch.setattr(PackedMixer, "forward", _spy(PackedMixer.forward, seen))
+    g = torch.Generator().manual_seed(2)
+    data = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g).tolist()} for n in (7, 19, 3, 11) * 4]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2,
+                                          learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[],
+                                          use_cpu=True, disable_tqdm=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   data_collator=transformers.DataCollatorWithFlattening())
+    losses = [log["loss"] for log in trainer.train() and trainer.state.log_history if "loss" in log]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert seen and all(n == 4 for n in seen)                        # every step packed 4 documents
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _spy(forward, seen):
+    def wrapped(self, hidden_states, *args, **kwargs):
+        if self._batch.params is not None:
+            seen.append(self._batch.params.cu_seqlens_q.numel() - 1)
+        return forward(self, hidden_states, *args, **kwargs)
+    return wrapped
