@@ -180,6 +180,7 @@ def falcon_h1_config(**overrides):
 
 def hf_falcon_h1(monkeypatch):
     """The mixer of a FalconH1Model (the model sets the muP vector); multipliers all 1."""
+    _quiet_transformers()
     from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Model
     return _perturb(FalconH1Model(falcon_h1_config()).layers[0].mamba)
 
