@@ -97,7 +97,7 @@ class PackedMixer(nn.Module):
                                    "a cache; call disable_packing(model) before generate()")
             self._caches.add(cache)
         params = self._batch.params
-        mask = kwargs.get("attention_mask")
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)   # (cache, mask) positionally
         if mask is not None and mask.dim() == 2 and not bool(mask.all()):
             if params is not None:
                 raise ValueError("a packed batch (position_ids restarts / cu_seq_lens) must not also carry an "

@@ -240,3 +240,21 @@ def _spy(forward, seen):
             seen.append(self._batch.params.cu_seqlens_q.numel() - 1)
         return forward(self, hidden_states, *args, **kwargs)
     return wrapped
+
+
+def test_boundaries_from_model_kwargs():
+    from mixers.integrations.transformers import packing_from_model_kwargs
+    assert packing_from_model_kwargs({"position_ids": torch.arange(6)[None], "input_ids": torch.zeros(1, 6)}) is None
+    explicit = packing_from_model_kwargs({"cu_seq_lens_q": torch.tensor([0, 2, 6], dtype=torch.int32),
+                                          "input_ids": torch.zeros(1, 6, dtype=torch.long)})
+    assert explicit.cu_seqlens_q.tolist() == [0, 2, 6]
+    mrope = packing_from_model_kwargs({"position_ids": torch.tensor([[[0, 1, 0, 1, 2]]] * 3)})
+    assert mrope.cu_seqlens_q.tolist() == [0, 2, 5]
+    # restarts at another value than 0 (DataCollatorWithFlattening(position_ids_start=2)) are
+    # either found or refused, never merged into one document
+    try:
+        shifted = packing_from_model_kwargs({"position_ids": torch.tensor([[2, 3, 4, 2, 3]])})
+    except ValueError as err:
+        assert "cu_seq_lens_q" in str(err)
+    else:
+        assert shifted.cu_seqlens_q.tolist() == [0, 3, 5]
