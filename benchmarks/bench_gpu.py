@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import Result, measure_side_by_side, results_table
-from mixers.ops import _dispatch
+from mixers.ops import dispatch
 
 
 def _compare(op: str, upstream: str, kernel, reference, direct, repeat: int) -> list[Result]:
@@ -36,7 +36,7 @@ def op_results(tokens: int, repeat: int) -> list[Result]:
     cu = lengths_to_cu_seqlens([tokens // 8] * 8, device=dev)
     seq_idx = seq_idx_from_cu_seqlens(cu, tokens)                            # what the upstream kernels take
     results = []
-    if _dispatch.cached_support("causal_conv1d", ("seq_idx",))[0]:
+    if dispatch.cached_support("causal_conv1d", ("seq_idx",))[0]:
         from causal_conv1d import causal_conv1d_fn as upstream_conv
         x = torch.randn(1, tokens, 2048, device=dev, dtype=bf16).transpose(1, 2)
         w, b = torch.randn(2048, 4, device=dev, dtype=bf16), torch.randn(2048, device=dev, dtype=bf16)
@@ -45,7 +45,7 @@ def op_results(tokens: int, repeat: int) -> list[Result]:
             lambda: causal_conv1d_fn(x, w, b, activation="silu", cu_seqlens=cu, backend="kernel"),
             lambda: causal_conv1d_fn(x, w, b, activation="silu", cu_seqlens=cu, backend="reference"),
             lambda: upstream_conv(x, w, b, seq_idx=seq_idx, activation="silu"), repeat)
-    if _dispatch.cached_support("mamba_ssm")[0]:
+    if dispatch.cached_support("mamba_ssd", ("seq_idx",))[0]:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as upstream_ssd
         h, p, n = 32, 64, 128
         x = torch.randn(1, tokens, h, p, device=dev, dtype=bf16)
@@ -56,7 +56,7 @@ def op_results(tokens: int, repeat: int) -> list[Result]:
             lambda: mamba_chunk_scan_combined(x, dt, A, B, C, 256, cu_seqlens=cu, backend="kernel"),
             lambda: mamba_chunk_scan_combined(x, dt, A, B, C, 256, cu_seqlens=cu, backend="reference"),
             lambda: upstream_ssd(x, dt, A, B, C, 256, seq_idx=seq_idx), repeat)
-    if _dispatch.cached_support("fla")[0]:
+    if dispatch.cached_support("fla", ("varlen",))[0]:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as upstream_gdn
         h, d = 16, 128
         q, k, v = (torch.randn(1, tokens, h, d, device=dev, dtype=bf16) for _ in range(3))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssm_pack import PackedSeqParams, get_cu_seqlens
+from ssm_pack import PackedSeqParams, VarlenBatch
 
 from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer, RMSNorm
 from .layers.norm import upcast
@@ -76,9 +76,15 @@ class HybridLM(nn.Module):
         nn.init.normal_(self.embed.weight, std=hidden_size ** -0.5)
 
     def backbone(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
-        """The blocks and the final norm: ``[B, T, D] -> [B, T, D]`` (what the leakage checker probes)."""
+        """The blocks and the final norm: ``[B, T, D] -> [B, T, D]`` (what the leakage checker probes).
+
+        The packing metadata is resolved once here (a :class:`ssm_pack.VarlenBatch`) and handed
+        to every block, so no block derives it again."""
+        varlen = None
+        if packed_seq_params is not None:
+            varlen = VarlenBatch.build(packed_seq_params, hidden_states.shape[1], device=hidden_states.device)
         for block in self.blocks:
-            hidden_states = block(hidden_states, packed_seq_params=packed_seq_params)
+            hidden_states = block(hidden_states, packed_seq_params=varlen)
         return self.norm(hidden_states)
 
     def forward(self, input_ids: torch.Tensor, packed_seq_params: PackedSeqParams | None = None,
@@ -86,29 +92,31 @@ class HybridLM(nn.Module):
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"input_ids must be [B, T] integer token ids, got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
-        hidden = self.backbone(self.embed(input_ids), packed_seq_params)
+        varlen = None
+        if packed_seq_params is not None:
+            varlen = VarlenBatch.build(packed_seq_params, input_ids.shape[1], device=input_ids.device)
+        hidden = self.backbone(self.embed(input_ids), varlen)
         logits = hidden @ self.embed.weight.t()                                     # tied output head
         loss = None
         if labels is not None:
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels must match input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-            targets = next_token_targets(labels, packed_seq_params)
+            targets = next_token_targets(labels, varlen)
             loss = F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                    ignore_index=IGNORE_INDEX)
         return {"logits": logits, "loss": loss}
 
 
 def next_token_targets(labels: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
-    """``[B, T]`` targets: ``labels`` shifted left by one, ``-100`` where the next token starts a
-    new document (or is past the row's end), so no position predicts across a boundary."""
+    """``[B, T]`` targets: ``labels`` shifted left by one, ``-100`` where the next token belongs to
+    another document (or the padding tail, or is past the row's end), so no position predicts
+    across a boundary. Reads no tensor value."""
     targets = torch.full_like(labels, IGNORE_INDEX)
     targets[:, :-1] = labels[:, 1:]
     if packed_seq_params is not None:
-        cu = get_cu_seqlens(packed_seq_params).to(labels.device, torch.int64)
-        starts = cu[1:-1]
-        ends = starts[(starts > 0) & (starts <= labels.shape[1])] - 1                  # tokens before a new document
-        targets[0, ends] = IGNORE_INDEX
-        last = int(cu[-1])
-        if 0 < last < labels.shape[1]:
-            targets[0, last - 1] = IGNORE_INDEX                                       # before the padding tail
+        varlen = VarlenBatch.build(packed_seq_params, labels.shape[1], device=labels.device)
+        doc = varlen.seq_idx
+        crosses = torch.zeros_like(targets, dtype=torch.bool)
+        crosses[:, :-1] = doc[:, 1:] != doc[:, :-1]
+        targets = targets.masked_fill(crosses, IGNORE_INDEX)
     return targets

@@ -18,13 +18,13 @@ from .convert import (
     unpack_to_padded,
 )
 from .hf import hf_batch_from_packed_seq_params, packed_seq_params_from_hf_batch
-from .mimo import assemble_packed_sequence, pack_language_shard
-from .neat import packed_seq_params_from_doc_ids, to_flash_attention_kwargs
-from .parallel import resolve_cp_group, resolve_tp_cp_group
-from .params import PackedSeqParams
-from .planner import PackPlan, plan_packs
-from .segment_attention import segment_attention
-from .segments import (
+from .kernels import (
+    check_causal_conv1d_support,
+    check_fla_sequence_packing_support,
+    check_flash_attn_support,
+    check_mamba_sequence_packing_support,
+)
+from .masks import (
     PackingAlignmentWarning,
     check_block_alignment,
     dense_segment_keep,
@@ -34,18 +34,20 @@ from .segments import (
     segment_of,
     segment_starts,
 )
+from .mimo import assemble_packed_sequence, pack_language_shard
+from .neat import packed_seq_params_from_doc_ids, to_flash_attention_kwargs
+from .parallel import resolve_cp_group, resolve_tp_cp_group
+from .params import PackedSeqParams
+from .planner import PackPlan, plan_packs
+from .segment_attention import segment_attention
+from .segments import Segments
 from .seq_idx import build_packed_seq_idx, get_cu_seqlens, seq_idx_from_cu_seqlens
-from .support import (
-    check_causal_conv1d_support,
-    check_fla_sequence_packing_support,
-    check_flash_attn_support,
-    check_mamba_sequence_packing_support,
-)
+from .varlen import VarlenBatch
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "PackPlan", "PackedSeqParams", "PackingAlignmentWarning", "assemble_packed_sequence",
+    "PackPlan", "PackedSeqParams", "PackingAlignmentWarning", "Segments", "VarlenBatch", "assemble_packed_sequence",
     "attention_mask_from_lengths", "build_packed_seq_idx", "check_block_alignment",
     "check_causal_conv1d_support", "check_fla_sequence_packing_support", "check_flash_attn_support",
     "check_mamba_sequence_packing_support", "cu_seqlens_from_position_ids", "cu_seqlens_from_seq_idx",

@@ -1,5 +1,5 @@
-import sys
+"""``python -m ssm_pack``: print the support report (``ssm-pack report`` adds the per-mixer rows)."""
 
-from .cli import main
+from .report import support_report
 
-sys.exit(main())
+print(support_report())

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ._checks import check_tensor, describe
+from .checks import check_tensor, describe
 from .convert import (
     as_cu_seqlens,
     cu_seqlens_from_position_ids,

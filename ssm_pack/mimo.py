@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ._checks import as_index_tensor, check_lengths, describe
+from .checks import as_index_tensor, check_lengths, describe
 from .convert import _gather_index, lengths_to_cu_seqlens
 
 

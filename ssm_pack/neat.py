@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_tensor
+from .checks import check_tensor
 from .convert import max_seqlen_from_cu_seqlens
 from .params import PackedSeqParams
 from .seq_idx import get_cu_seqlens

@@ -12,6 +12,11 @@ ssm-pack adds two fields: ``doc_ids`` (the NeMo AutoModel ``[B, S]`` document ma
 losses and context-parallel consumers) and ``validate`` (``False`` skips the value checks,
 which read tensor values and therefore synchronise when the boundaries live on a GPU, e.g.
 under CUDA-graph capture).
+
+The boundary fields (``cu_seqlens_*``, ``max_seqlen_*``, ``total_tokens``, ``seq_idx``) are
+fixed at construction: ``seq_idx`` and the checks depend on them, so assigning one raises
+(use :meth:`PackedSeqParams.replace`), and a boundary tensor changed in place is detected
+before use. The parallel-topology fields (``cp_group``, ...) stay assignable.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_boundaries, check_int, check_tensor, describe
+from .checks import as_boundaries, check_boundaries, check_int, check_tensor, describe
 from .convert import max_seqlen_from_cu_seqlens
 from .seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens
 
@@ -29,6 +34,10 @@ _QKV_FORMATS = (None, "thd", "sbhd", "bshd")
 # Fields Transformer Engine's DotProductAttention.forward accepts; everything else is MCore's.
 _TE_FIELDS = ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
               "cu_seqlens_kv_padded", "max_seqlen_q", "max_seqlen_kv", "pad_between_seqs")
+# fixed after construction: seq_idx and the validation depend on them
+_BOUNDARY_FIELDS = ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+                    "max_seqlen_q", "max_seqlen_kv", "total_tokens", "seq_idx", "pad_between_seqs", "validate")
+_TENSOR_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "seq_idx")
 
 
 @dataclass(eq=False)
@@ -60,10 +69,36 @@ class PackedSeqParams:
     validate: bool = field(default=True, repr=False)
 
     def __post_init__(self):
+        for name in _TENSOR_FIELDS[:4]:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.Tensor):
+                object.__setattr__(self, name, as_boundaries(name, value))
         if self.validate:
             self._check()
         if self.seq_idx is None and self.total_tokens is not None and self.cu_seqlens_q is not None:
-            self.seq_idx = seq_idx_from_cu_seqlens(get_cu_seqlens(self), self.total_tokens)
+            self.seq_idx = seq_idx_from_cu_seqlens(get_cu_seqlens(self), self.total_tokens, validate=self.validate)
+        self._versions = self._tensor_versions()
+        self._frozen = True
+
+    def __setattr__(self, name, value):
+        if name in _BOUNDARY_FIELDS and self.__dict__.get("_frozen", False):
+            raise AttributeError(f"PackedSeqParams.{name} is fixed after construction (seq_idx and the "
+                                 f"boundary checks depend on it); build a new one with "
+                                 f"params.replace({name}=...)")
+        object.__setattr__(self, name, value)
+
+    def _tensor_versions(self) -> dict[str, int]:
+        return {name: getattr(self, name)._version for name in _TENSOR_FIELDS
+                if isinstance(getattr(self, name), torch.Tensor)}
+
+    def check_unmodified(self) -> None:
+        """Raise ``ValueError`` if a boundary tensor was changed in place after construction
+        (the precomputed ``seq_idx`` and the checks would be stale). Reads no tensor value."""
+        changed = [name for name, version in self._tensor_versions().items() if version != self._versions.get(name)]
+        if changed:
+            raise ValueError(f"PackedSeqParams.{changed[0]} was modified in place after construction, so the "
+                             f"precomputed seq_idx and the checks no longer hold; build a new PackedSeqParams "
+                             f"(or params.replace({changed[0]}=new_tensor))")
 
     # ----------------------------------------------------------------- validation
     def _check(self) -> None:
@@ -85,12 +120,26 @@ class PackedSeqParams:
         self._check_total_tokens()
         self._check_cp()
         if self.seq_idx is not None:
-            check_tensor("seq_idx", self.seq_idx, ndim=2, integer=True)
-            if self.total_tokens is not None and self.seq_idx.shape != (1, self.total_tokens):
-                raise ValueError(f"seq_idx must be [1, total_tokens] = [1, {self.total_tokens}], "
-                                 f"got {tuple(self.seq_idx.shape)}")
+            self._check_seq_idx()
         if self.doc_ids is not None:
             check_tensor("doc_ids", self.doc_ids, ndim=2, integer=True)
+
+    def _check_seq_idx(self) -> None:
+        """A given ``seq_idx`` is a second copy of the boundaries: it must say the same thing."""
+        check_tensor("seq_idx", self.seq_idx, ndim=2, integer=True)
+        if self.total_tokens is not None and self.seq_idx.shape != (1, self.total_tokens):
+            raise ValueError(f"seq_idx must be [1, total_tokens] = [1, {self.total_tokens}], "
+                             f"got {tuple(self.seq_idx.shape)}")
+        if self.seq_idx.shape[0] != 1:
+            raise ValueError(f"seq_idx must be [1, T] (one packed row), got {tuple(self.seq_idx.shape)}")
+        if self.cu_seqlens_q is None:
+            return
+        want = seq_idx_from_cu_seqlens(get_cu_seqlens(self), self.seq_idx.shape[1])
+        if not torch.equal(want.to(self.seq_idx.device), self.seq_idx.to(torch.int32)):
+            bad = int(torch.nonzero(want.to(self.seq_idx.device) != self.seq_idx)[0, 1])
+            raise ValueError(f"seq_idx disagrees with the boundaries at token {bad}: seq_idx says document "
+                             f"{int(self.seq_idx[0, bad])}, cu_seqlens say {int(want[0, bad])}. Leave seq_idx "
+                             "None (it is derived from the boundaries) or pass the matching one")
 
     def _check_side(self, side: str) -> None:
         real = getattr(self, f"cu_seqlens_{side}")

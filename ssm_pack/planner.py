@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._checks import as_index_tensor, check_int, check_lengths
+from .checks import as_index_tensor, check_int, check_lengths
 from .params import PackedSeqParams
 
 

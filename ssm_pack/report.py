@@ -1,4 +1,9 @@
-"""The support report printed by ``python -m ssm_pack``: what runs packed here, and how to get more."""
+"""The support report printed by ``python -m ssm_pack``: what is installed, and which kernel
+feature of the requirements table (:mod:`ssm_pack.kernels`) runs here.
+
+The per-mixer rows (which backend each mixer's packed training takes) are added by
+``mixers.report`` (``ssm-pack report``), which reads the same table through the mixers' plans.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +11,10 @@ import platform
 
 import torch
 
-from . import support
+from . import kernels, support
 
 _PACKAGES = (("causal_conv1d", "causal-conv1d"), ("mamba_ssm", "mamba-ssm"),
              ("fla", "flash-linear-attention"), ("triton", "triton"), ("flash_attn", "flash-attn"))
-
-_WANTED = (  # (package, strictest minimum, what needs it)
-    ("causal_conv1d", support.MAMBA_INFERENCE_MIN[0], "packed short convolutions, training and inference"),
-    ("mamba_ssm", support.MAMBA_INFERENCE_MIN[1], "the Mamba2 SSD scan, training and inference"),
-    ("fla", support.FLA_MIN, "the GDN / KDA / Gated DeltaProduct scans"),
-    ("triton", support.TRITON_MIN, "the Triton kernels of fla and mamba-ssm"),
-    ("flash_attn", support.FLASH_ATTN_MIN, "varlen attention"),
-)
 
 
 def _package_line(package: str, label: str) -> str:
@@ -36,39 +33,42 @@ def _device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "available"
 
 
-def mixer_backends() -> list[tuple[str, str, tuple[bool, str | None], tuple[bool, str | None]]]:
-    """``(mixer, part, training (ok, reason), inference (ok, reason))`` for every mixer part."""
-    conv_train = support.check_causal_conv1d_support(("seq_idx", "varlen_states"))
-    conv_infer = support.check_causal_conv1d_support(("seq_idx", "varlen_states", "padding_seq_idx"))
-    fla = support.check_fla_sequence_packing_support()
-    rows = [("Mamba2Mixer", "conv + SSD scan", support.check_mamba_sequence_packing_support(False),
-             support.check_mamba_sequence_packing_support(True))]
-    for mixer in ("GatedDeltaNetMixer", "KDAMixer", "GatedDeltaProductMixer"):
-        rows.append((mixer, "short conv", conv_train, conv_infer))
-        rows.append((mixer, "delta-rule scan", fla, fla))
-    attn = support.check_flash_attn_support()
-    rows.append(("AttentionMixer", "varlen attention", attn, attn))
-    return rows
-
-
-def support_report() -> str:
-    """Human-readable report: torch and CUDA, optional packages, backend per mixer."""
+def header_lines() -> list[str]:
+    """Python, torch, the CUDA device and every optional package."""
     cuda = support.probe.cuda_available()
     lines = ["ssm-pack support report", "",
              f"  python                   {platform.python_version()}",
              f"  torch                    {torch.__version__}",
              f"  CUDA device              {_device_name() if cuda else 'none'}", "",
              "optional packages:"]
-    lines += [_package_line(p, label) for p, label in _PACKAGES]
-    lines += ["", "packed backends (kernel = upstream CUDA kernel; reference = ssm-pack's exact PyTorch path):"]
-    for mixer, part, train, infer in mixer_backends():
-        def word(state):
-            return "kernel" if state[0] else "reference"
-        lines.append(f"  {mixer:24s} {part:18s} training: {word(train):9s} inference: {word(infer)}")
-    fixes = [reason for ok, reason in (support.package_state(*want) for want in _WANTED) if not ok]
-    if not cuda:
+    return lines + [_package_line(p, label) for p, label in _PACKAGES]
+
+
+def kernel_lines() -> list[str]:
+    """One line per feature of the requirements table: its minimum and whether it runs here."""
+    lines = ["kernel features (the requirements table):"]
+    for (kernel, feature), row in kernels.FEATURES.items():
+        ok, _ = kernels.kernel_support(kernel, (feature,))
+        lines.append(f"  {kernel:14s} {feature:28s} {row.package} >= {row.minimum:12s} "
+                     f"{'available' if ok else 'unavailable'}")
+    return lines
+
+
+def fix_lines() -> list[str]:
+    """What to install to get every kernel feature of the table (each line once), and the device."""
+    fixes = []
+    for package, minimum in kernels.strictest_minimums().items():
+        ok, reason = support.package_state(package, minimum, "every kernel feature")
+        if not ok:
+            fixes.append(reason)
+    if not support.probe.cuda_available():
         fixes.append("a CUDA device: every kernel above needs one (the reference path runs anywhere)")
-    if fixes:
-        lines += ["", "to get every kernel:"] + [f"  - {reason}" for reason in fixes]
+    fixes = list(dict.fromkeys(fixes))
+    return ["", "to get every kernel:"] + [f"  - {reason}" for reason in fixes] if fixes else []
+
+
+def support_report() -> str:
+    """Human-readable report: torch and CUDA, optional packages, every kernel feature."""
+    lines = header_lines() + [""] + kernel_lines() + fix_lines()
     lines += ["", "The reference path is exact and packs correctly everywhere; kernels are faster on CUDA."]
     return "\n".join(lines)

@@ -1,12 +1,30 @@
-"""Segment-aware attention over chunks of queries, without the dense ``[B, 1, S, S]`` mask.
+"""Attention inside segments, over blocks of queries, without a dense ``[T, T]`` mask.
 
-    B = batch, H = heads, S = tokens, D = head dim, C = query chunk, K = keys a chunk can see
+    T = tokens, Hq / Hk = query / key-value heads (Hk divides Hq), G = Hq // Hk, D = head dim,
+    Q = queries per block, W = keys one block can see, n = blocks, g = blocks in one group
 
-Gives the result of ``scaled_dot_product_attention(q, k, v, attn_mask=dense_segment_keep(p))``
-while holding at most a ``[B, 1, C, K]`` mask: each chunk of queries only looks at keys from the
-start of its earliest query's segment up to its last query (nothing before a query's segment
-start can be attended), so memory is ``O(C * S)`` at worst and the work shrinks with the
-segment lengths.
+One core serves :func:`segment_attention` (segments from position-id resets, ``[B, H, S, D]``)
+and the reference of ``mixers.ops.varlen_attention`` (segments from ``cu_seqlens``, ``[T, H, D]``).
+
+A query attends only keys of its own segment, and no segment is longer than ``span`` tokens, so
+block ``i`` of queries ``[iQ, iQ + Q)`` needs keys ``[iQ - back, iQ + Q + ahead)`` only, where
+``back`` / ``ahead`` are the span (narrowed by a sliding window; ``ahead = 0`` when causal)
+rounded up to a power-of-two multiple of Q. Every block's window is a view into one padded copy
+of K and V; groups of blocks run as batched matmuls. Time and memory grow with ``T * W``, not
+``T^2``; all sizes derive from shapes and ``span``, so nothing reads a tensor value (the rounding
+keeps the number of distinct sizes, hence ``torch.compile`` specialisations, logarithmic).
+
+1. scores ``q k^T * scale`` per group, ``-inf`` outside the keep-mask (same segment, causal,
+   window); 2. ``lse = logsumexp``, ``p = exp(s - lse)``; 3. ``out = p v``. The backward recomputes
+   ``p`` from the saved ``lse`` (flash-attention's recipe) and accumulates the key and value
+   gradients window by window.
+
+Non-finite values stay in their segment. A sum over keys would turn a masked ``0 * nan`` of
+another segment into ``nan``, so q, k, v (and the output gradient) enter the products with
+non-finite entries replaced by 0, and every row that really depends on a non-finite value is
+set back to ``nan``: a query row whose own q is non-finite or that attends a key whose k or v is
+(a finite 0/1 matmul of the keep-mask with per-token flags), and in the backward every row that
+such a query reaches. Other segments see only finite numbers, bitwise as without the bad values.
 """
 
 from __future__ import annotations
@@ -14,24 +32,197 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_int, check_tensor
-from .segments import segment_ids
+from .checks import check_int, check_tensor
+
+BLOCK = 128
+_GROUP_ELEMENTS = 1 << 22          # scores of one group of blocks: ~16 MB in fp32
+
+
+def _reach(span: int, limit: int, block: int) -> int:
+    """Keys needed on one side: ``min(span - 1, limit)`` rounded up to ``block * 2**k`` (0 stays 0)."""
+    need = span - 1 if limit < 0 else min(span - 1, limit)
+    if need <= 0:
+        return 0
+    size = block
+    while size < need:
+        size *= 2
+    return size
+
+
+def _finite(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t with non-finite entries set to 0, [T] bool: the token has a non-finite entry)``."""
+    ok = torch.isfinite(t)
+    return torch.where(ok, t, torch.zeros((), dtype=t.dtype, device=t.device)), ~ok.flatten(1).all(1)
+
+
+class _Layout:
+    """Block and window geometry of one call (plain ints and two small index tensors)."""
+
+    def __init__(self, total, span, causal, window, block, heads, device):
+        left, right = window
+        self.block = block
+        self.back = _reach(span, left, block)
+        self.ahead = 0 if causal else _reach(span, right, block)
+        self.width = self.back + block + self.ahead                     # W
+        self.blocks = -(-total // block)                               # n
+        self.padded = self.blocks * block
+        per_block = heads * block * self.width
+        self.group = max(1, _GROUP_ELEMENTS // max(per_block, 1))
+        rel = torch.arange(self.width, device=device)[None, :] - self.back - torch.arange(block, device=device)[:, None]
+        keep = torch.ones(block, self.width, dtype=torch.bool, device=device)   # [Q, W]: key - query offsets
+        if causal:
+            keep &= rel <= 0
+        if left >= 0:
+            keep &= rel >= -left
+        if right >= 0 and not causal:
+            keep &= rel <= right
+        self.offsets_keep = keep
+
+    def windows(self, t: torch.Tensor, fill) -> torch.Tensor:
+        """``[T, ...]`` -> ``[n, W, ...]`` view: the keys every block can see (padded with ``fill``)."""
+        pad = [0, 0] * (t.dim() - 1) + [self.back, self.padded - t.shape[0] + self.ahead]
+        padded = F.pad(t, pad, value=fill)
+        return padded.unfold(0, self.width, self.block).movedim(-1, 1)
+
+
+def _group_keep(layout, seg_q, seg_w, b0, b1):
+    """``[g, Q, W]`` keep-mask of blocks ``b0:b1``: same segment and the offset rules."""
+    q = seg_q[b0:b1].unsqueeze(-1)                                       # [g, Q, 1]
+    return (q == seg_w[b0:b1].unsqueeze(1)) & layout.offsets_keep
+
+
+def _heads_major(t, b0, b1, block, hk):
+    """``[n*Q, Hq, D]`` rows of blocks ``b0:b1`` -> ``[g, Hk, G*Q, D]`` (group heads fold into rows)."""
+    g = b1 - b0
+    x = t[b0 * block:b1 * block].reshape(g, block, hk, -1, t.shape[-1])   # [g, Q, Hk, G, D]
+    return x.permute(0, 2, 3, 1, 4).reshape(g, hk, -1, t.shape[-1])
+
+
+def _rows_major(t, block, hq):
+    """``[g, Hk, G*Q, D]`` -> ``[g*Q, Hq, D]``."""
+    g, hk, _, d = t.shape
+    return t.reshape(g, hk, hq // hk, block, d).permute(0, 3, 1, 2, 4).reshape(g * block, hq, d)
+
+
+class _BlockAttention(torch.autograd.Function):
+    """``(q [T,Hq,D], k, v [T,Hk,D], seg [T]) -> out [T,Hq,D]`` (shapes in the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seg, span, causal, window, scale, block):
+        total, hq, d = q.shape
+        hk = k.shape[1]
+        layout = _Layout(total, span, causal, window, block, hq, q.device)
+        (qs, bad_q), (ks, bad_k), (vs, bad_v) = _finite(q), _finite(k), _finite(v)
+        pad = layout.padded - total
+        qs, seg_q = F.pad(qs, (0, 0, 0, 0, 0, pad)), F.pad(seg, (0, pad), value=-1).view(layout.blocks, block)
+        bad_q = F.pad(bad_q, (0, pad)).view(layout.blocks, block)
+        k_w, v_w, seg_w = layout.windows(ks, 0.0), layout.windows(vs, 0.0), layout.windows(seg, -1)
+        bad_w = layout.windows((bad_k | bad_v).to(q.dtype), 0.0)                 # [n, W]
+        out = torch.empty_like(qs)
+        lse = torch.empty(layout.padded, hq, dtype=q.dtype, device=q.device)
+        poisoned = torch.empty(layout.blocks, block, dtype=torch.bool, device=q.device)
+        for b0 in range(0, layout.blocks, layout.group):
+            b1 = min(b0 + layout.group, layout.blocks)
+            keep = _group_keep(layout, seg_q, seg_w, b0, b1)                       # [g, Q, W]
+            qb = _heads_major(qs, b0, b1, block, hk)
+            s = (qb @ k_w[b0:b1].transpose(1, 2).transpose(-1, -2)) * scale        # [g, Hk, G*Q, W]
+            s = s.view(b1 - b0, hk, -1, block, layout.width).masked_fill(~keep[:, None, None], float("-inf"))
+            m = torch.logsumexp(s, dim=-1, keepdim=True)
+            p = torch.exp(s - m).view(b1 - b0, hk, -1, layout.width)
+            out[b0 * block:b1 * block] = _rows_major(p @ v_w[b0:b1].transpose(1, 2), block, hq)
+            lse[b0 * block:b1 * block] = _rows_major(m.view(b1 - b0, hk, -1, 1), block, hq)[..., 0]
+            hits = (keep.to(q.dtype) @ bad_w[b0:b1].unsqueeze(-1))[..., 0] > 0      # a bad key is attended
+            poisoned[b0:b1] = hits | bad_q[b0:b1]
+        poisoned = poisoned.reshape(-1)
+        ctx.save_for_backward(qs, ks, vs, seg, out, lse, poisoned)
+        ctx.meta = (span, causal, window, scale, block)
+        result = out[:total].masked_fill(poisoned[:total, None, None], float("nan"))
+        return result
+
+    @staticmethod
+    def backward(ctx, g_out):
+        qs, ks, vs, seg, out, lse, poisoned = ctx.saved_tensors
+        span, causal, window, scale, block = ctx.meta
+        total, hk = ks.shape[0], ks.shape[1]
+        hq = qs.shape[1]
+        layout = _Layout(total, span, causal, window, block, hq, qs.device)
+        pad = layout.padded - total
+        do, bad_do = _finite(g_out)
+        do = F.pad(do, (0, 0, 0, 0, 0, pad))
+        rows_bad = (poisoned | F.pad(bad_do, (0, pad))).view(layout.blocks, block)
+        seg_q = F.pad(seg, (0, pad), value=-1).view(layout.blocks, block)
+        k_w, v_w, seg_w = layout.windows(ks, 0.0), layout.windows(vs, 0.0), layout.windows(seg, -1)
+        dq = torch.empty_like(qs)
+        dk_w = qs.new_zeros(layout.blocks, layout.width, hk, qs.shape[-1])
+        dv_w = torch.zeros_like(dk_w)
+        reached = qs.new_zeros(layout.blocks, layout.width)
+        for b0 in range(0, layout.blocks, layout.group):
+            b1 = min(b0 + layout.group, layout.blocks)
+            g = b1 - b0
+            keep = _group_keep(layout, seg_q, seg_w, b0, b1)
+            qb, dob = _heads_major(qs, b0, b1, block, hk), _heads_major(do, b0, b1, block, hk)
+            ob = _heads_major(out, b0, b1, block, hk)
+            kb, vb = k_w[b0:b1].transpose(1, 2), v_w[b0:b1].transpose(1, 2)       # [g, Hk, W, D]
+            s = (qb @ kb.transpose(-1, -2)) * scale
+            s = s.view(g, hk, -1, block, layout.width).masked_fill(~keep[:, None, None], float("-inf"))
+            m = _heads_major(lse[:, :, None], b0, b1, block, hk).view(g, hk, -1, block, 1)
+            p = torch.exp(s - m).view(g, hk, -1, layout.width)
+            dv_w[b0:b1] = (p.transpose(-1, -2) @ dob).transpose(1, 2)
+            dp = dob @ vb.transpose(-1, -2)
+            ds = p * (dp - (dob * ob).sum(-1, keepdim=True))
+            dq[b0 * block:b1 * block] = _rows_major((ds @ kb) * scale, block, hq)
+            dk_w[b0:b1] = ((ds.transpose(-1, -2) @ qb) * scale).transpose(1, 2)
+            reached[b0:b1] = (rows_bad[b0:b1].to(qs.dtype).unsqueeze(1) @ keep.to(qs.dtype))[:, 0]
+        dk, dv = _overlap_add(dk_w, layout, total), _overlap_add(dv_w, layout, total)
+        key_bad = _overlap_add(reached[..., None, None], layout, total)[:, 0, 0] > 0
+        nan = float("nan")
+        dq = dq[:total].masked_fill(rows_bad.reshape(-1)[:total, None, None], nan)
+        return (dq, dk.masked_fill(key_bad[:, None, None], nan), dv.masked_fill(key_bad[:, None, None], nan),
+                None, None, None, None, None, None)
+
+
+def _overlap_add(windows: torch.Tensor, layout: _Layout, total: int) -> torch.Tensor:
+    """Sum the overlapping per-block windows ``[n, W, ...]`` back onto the ``[T, ...]`` tokens."""
+    q = layout.block
+    parts = layout.width // q
+    rows = layout.blocks + parts - 1
+    acc = windows.new_zeros(rows * q, *windows.shape[2:])
+    for j in range(parts):                  # sub-block j of window i is key block i + j (padded coords)
+        acc[j * q:(layout.blocks + j) * q] += windows[:, j * q:(j + 1) * q].reshape(-1, *windows.shape[2:])
+    return acc[layout.back:layout.back + total]
+
+
+def blockwise_attention(q, k, v, seg, span: int, *, causal: bool = True, window=(-1, -1), scale=None,
+                        block: int = BLOCK) -> torch.Tensor:
+    """Attention of ``q [T, Hq, D]`` over ``k, v [T, Hk, D]`` inside the segments ``seg [T]``.
+
+    ``span`` bounds every segment's length (the longest is enough; no value is read to check
+    it); ``window = (left, right)`` is flash-attn's sliding window (-1 = unbounded);
+    ``scale`` defaults to ``D ** -0.5``. Differentiable; returns ``[T, Hq, D]``.
+    """
+    total, _, d = q.shape
+    if total == 0:
+        return q.clone()
+    scale = d ** -0.5 if scale is None else float(scale)
+    return _BlockAttention.apply(q, k, v, seg, max(int(span), 1), bool(causal), tuple(window), scale, block)
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       position_ids: torch.Tensor, *, scale: float | None = None,
-                      chunk_size: int = 1024, local_window: int | None = None) -> torch.Tensor:
-    """Causal attention restricted to each query's segment, computed chunk by chunk.
+                      chunk_size: int = BLOCK, local_window: int | None = None) -> torch.Tensor:
+    """Causal attention restricted to each query's segment (position-id resets), blockwise.
 
     Args:
         q: ``[B, H, S, D]``; k, v: ``[B, Hk, S, D]`` with ``Hk`` dividing ``H`` (grouped heads).
-        position_ids: ``[B, S]`` positions restarting at 0 at every packed sample.
+        position_ids: ``[B, S]`` positions restarting at 0 at every packed sample (tokens before a
+            row's first 0 form a segment of their own).
         scale: softmax scale, default ``D ** -0.5``.
-        chunk_size: queries per chunk (memory is ``O(chunk_size * S)``).
+        chunk_size: queries per block.
         local_window: optional inclusive sliding window in tokens.
 
     Returns:
-        ``[B, H, S, D]``, equal to SDPA with ``dense_segment_keep(position_ids)`` (and the window).
+        ``[B, H, S, D]``, equal to SDPA with ``dense_segment_keep(position_ids)`` (and the window),
+        without ever holding a ``[B, 1, S, S]`` mask.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, ndim=4)
@@ -41,27 +232,18 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
     if heads % k.shape[1]:
         raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({k.shape[1]})")
-    if position_ids.shape != (batch, seqlen):
+    check_tensor("position_ids", position_ids, integer=True)
+    if tuple(position_ids.shape) != (batch, seqlen):
         raise ValueError(f"position_ids must be [B, S] = [{batch}, {seqlen}], got {tuple(position_ids.shape)}")
     chunk_size = check_int("chunk_size", chunk_size, minimum=1)
     check_int("local_window", local_window, minimum=1, allow_none=True)
-    groups = heads // k.shape[1]
-    seg = segment_ids(position_ids).to(q.device)
-    idx = torch.arange(seqlen, device=q.device)
-    start = torch.cummax(torch.where(position_ids.to(q.device) == 0, idx, 0), dim=1).values
-    chunk_starts = list(range(0, seqlen, chunk_size))
-    lows = start[:, chunk_starts].min(0).values.tolist() if seqlen else []
-    pieces = []
-    for c0, lo in zip(chunk_starts, lows):
-        c1 = min(c0 + chunk_size, seqlen)
-        if local_window is not None:
-            lo = max(lo, c0 - local_window + 1)
-        qi, kp = idx[c0:c1], idx[lo:c1]
-        keep = (seg[:, None, c0:c1, None] == seg[:, None, None, lo:c1]) & (kp[None, :] <= qi[:, None])
-        if local_window is not None:
-            keep = keep & (kp[None, :] > qi[:, None] - local_window)
-        kc, vc = k[:, :, lo:c1], v[:, :, lo:c1]
-        if groups > 1:
-            kc, vc = kc.repeat_interleave(groups, dim=1), vc.repeat_interleave(groups, dim=1)
-        pieces.append(F.scaled_dot_product_attention(q[:, :, c0:c1], kc, vc, attn_mask=keep, scale=scale))
-    return torch.cat(pieces, dim=2) if pieces else q.clone()
+    if batch * seqlen == 0:
+        return q.clone()
+    starts = position_ids.to(q.device) == 0
+    starts[:, 0] = True                                        # every row starts a segment
+    seg = torch.cumsum(starts.reshape(-1), 0) - 1
+    span = int(torch.bincount(seg).max())
+    flat = [t.permute(0, 2, 1, 3).reshape(batch * seqlen, t.shape[1], t.shape[3]) for t in (q, k, v)]
+    window = (-1, -1) if local_window is None else (local_window - 1, -1)
+    out = blockwise_attention(*flat, seg, span, causal=True, window=window, scale=scale, block=chunk_size)
+    return out.reshape(batch, seqlen, heads, -1).permute(0, 2, 1, 3)

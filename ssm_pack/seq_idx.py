@@ -18,7 +18,7 @@ try:  # optional: numpy's repeat is the fastest CPU fill; the torch path below i
 except ImportError:  # pragma: no cover - numpy-less installs
     _np = None
 
-from ._checks import check_boundaries, check_int, describe
+from .checks import check_boundaries, check_int, describe
 
 
 def get_cu_seqlens(packed_seq_params) -> torch.Tensor:
@@ -37,25 +37,26 @@ def get_cu_seqlens(packed_seq_params) -> torch.Tensor:
     return plain
 
 
-def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int, *, validate: bool = True) -> torch.Tensor:
     """``[1, total_tokens]`` int32 document index per token for boundaries ``cu_seqlens``.
 
     One write pass, no loop over documents and no host synchronisation: every document index
     (plus one for the tail) is repeated by its length, with the output size known up front.
-    Requires ``cu_seqlens[-1] <= total_tokens`` (checked on CPU; on an accelerator an
-    asynchronous device assertion guards it).
+    Requires ``cu_seqlens[-1] <= total_tokens``: checked on CPU unless ``validate=False`` (then
+    no value is read at all); on an accelerator an asynchronous device assertion guards it.
     """
     total_tokens = check_int("total_tokens", total_tokens, minimum=0)
-    check_boundaries("cu_seqlens", cu_seqlens, values=cu_seqlens.device.type == "cpu")
-    if cu_seqlens.device.type == "cpu":
+    on_cpu = cu_seqlens.device.type == "cpu"
+    check_boundaries("cu_seqlens", cu_seqlens, values=on_cpu and validate)
+    if on_cpu and validate:
         last = int(cu_seqlens[-1])
         if last > total_tokens:
             raise ValueError(f"total_tokens={total_tokens} is smaller than the last boundary "
                              f"cu_seqlens[-1]={last}; pass the length the kernel really sees")
-    else:  # pragma: no cover - accelerator only
+        if _np is not None:
+            return _seq_idx_numpy(cu_seqlens, total_tokens)
+    elif not on_cpu:  # pragma: no cover - accelerator only
         torch._assert_async(cu_seqlens[-1] <= total_tokens, "cu_seqlens[-1] > total_tokens")
-    if cu_seqlens.device.type == "cpu" and _np is not None:
-        return _seq_idx_numpy(cu_seqlens, total_tokens)
     marks = torch.zeros(total_tokens + 1, dtype=torch.int32, device=cu_seqlens.device)
     ends = cu_seqlens[1:].to(torch.int64)
     marks.index_add_(0, ends, torch.ones_like(ends, dtype=torch.int32))  # +1 after every document

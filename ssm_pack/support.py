@@ -1,10 +1,11 @@
-"""Can the optional CUDA kernels pack sequences here? Answers ``(ok, reason)``.
+"""What is installed here: package versions, CUDA extensions and the device, read without imports.
 
 Versions come from package metadata and extension modules are located with
 ``importlib.util.find_spec``, so nothing here imports ``causal_conv1d``, ``mamba_ssm``, ``fla``
-or their CUDA extensions (importing a broken build can crash the process). Each check tells
+or their CUDA extensions (importing a broken build can crash the process). The states tell
 apart: not installed, installed without its CUDA extension, too old for a named feature, and
-no CUDA device, and says what to install.
+no CUDA device, and say what to install. What each kernel feature needs is the table in
+:mod:`ssm_pack.kernels`.
 """
 
 from __future__ import annotations
@@ -14,17 +15,6 @@ import importlib.util
 
 import torch
 from packaging.version import InvalidVersion, Version
-
-# feature -> (minimum causal-conv1d version, what it gives)
-CAUSAL_CONV1D_FEATURES = {
-    "seq_idx": ("1.1.0", "document resets through seq_idx"),
-    "varlen_states": ("1.4.0", "per-document conv states (causal_conv1d_varlen_states; Megatron's training gate)"),
-    "padding_seq_idx": ("1.5.3.post1", "negative seq_idx marking padding tokens"),
-    "initial_states_with_seq_idx": ("1.7.0", "initial_states together with seq_idx"),
-}
-MAMBA_TRAINING_MIN = ("1.4.0", "2.0.0")        # (causal-conv1d, mamba-ssm) for packed training
-MAMBA_INFERENCE_MIN = ("1.5.3.post1", "2.2.6.post3")  # ... and for packed inference
-FLA_MIN, TRITON_MIN, FLASH_ATTN_MIN = "0.4.0", "3.3.0", "2.3.0"
 
 _DISTS = {  # import name -> (distribution names to try, CUDA extension module or None)
     "causal_conv1d": (("causal-conv1d", "causal_conv1d"), "causal_conv1d_cuda"),
@@ -80,92 +70,38 @@ def _at_least(found: str, minimum: str) -> bool:
         return False
 
 
-def package_state(package: str, minimum: str, feature: str) -> tuple[bool, str | None]:
-    """``(ok, reason)`` for one package: installed, new enough, CUDA extension present."""
+def _install_hint(package: str, minimum: str) -> str:
+    return _INSTALL[package].format(v=minimum)
+
+
+def package_present(package: str, minimum: str) -> tuple[bool, str | None]:
+    """``(ok, reason)``: ``package`` is installed and, where it has one, its CUDA extension too
+    (``minimum`` goes into the install line)."""
     dist = _DISTS[package][0][0]
-    install = _INSTALL[package].format(v=minimum)
     found = installed_version(package)
     if found is None:
-        return False, f"{dist} is not installed ({feature} needs >= {minimum}): {install}"
-    if not _at_least(found, minimum):
-        return False, f"{dist} {found} is too old for {feature}: needs >= {minimum}; {install}"
+        return False, f"{dist} is not installed: {_install_hint(package, minimum)}"
     extension = _DISTS[package][1]
     if extension is not None and not probe.has_module(extension):
         return False, (f"{dist} {found} is installed but its CUDA extension '{extension}' is missing "
                        f"(built with *_SKIP_CUDA_BUILD or without nvcc); reinstall on a CUDA machine: "
-                       f"{install}")
+                       f"{_install_hint(package, minimum)}")
     return True, None
 
 
-def _cuda_state() -> tuple[bool, str | None]:
+def package_state(package: str, minimum: str, feature: str) -> tuple[bool, str | None]:
+    """``(ok, reason)`` for one package: installed, new enough for ``feature``, CUDA extension present."""
+    dist = _DISTS[package][0][0]
+    found = installed_version(package)
+    if found is None:
+        return False, f"{dist} is not installed ({feature} needs >= {minimum}): {_install_hint(package, minimum)}"
+    if not _at_least(found, minimum):
+        return False, f"{dist} {found} is too old for {feature}: needs >= {minimum}; {_install_hint(package, minimum)}"
+    return package_present(package, minimum)
+
+
+def device_state() -> tuple[bool, str | None]:
+    """``(ok, reason)``: is there a CUDA device for the kernels?"""
     if probe.cuda_available():
         return True, None
     return False, f"no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False)"
-
-
-def _first_failure(*states: tuple[bool, str | None]) -> tuple[bool, str | None]:
-    for ok, reason in states:
-        if not ok:
-            return False, reason
-    return True, None
-
-
-def check_causal_conv1d_support(features=("seq_idx", "varlen_states"), *,
-                                require_cuda: bool = True) -> tuple[bool, str | None]:
-    """Can causal-conv1d run the packed short convolution with ``features``?
-
-    ``features`` names keys of :data:`CAUSAL_CONV1D_FEATURES`; the default is Megatron's
-    training gate (``seq_idx`` resets and per-document states, >= 1.4.0).
-    """
-    if isinstance(features, str):
-        features = (features,)
-    unknown = [f for f in features if f not in CAUSAL_CONV1D_FEATURES]
-    if unknown:
-        raise ValueError(f"unknown causal-conv1d feature(s) {unknown}; choose from {sorted(CAUSAL_CONV1D_FEATURES)}")
-    states = []
-    for name in sorted(features, key=lambda f: Version(CAUSAL_CONV1D_FEATURES[f][0]), reverse=True):
-        minimum, what = CAUSAL_CONV1D_FEATURES[name]
-        states.append(package_state("causal_conv1d", minimum, f"{what} [{name}]"))
-    if not states:
-        states.append(package_state("causal_conv1d", "1.0.0", "the causal conv1d kernel"))
-    if require_cuda:
-        states.append(_cuda_state())
-    return _first_failure(*states)
-
-
-def check_mamba_sequence_packing_support(for_inference_not_training: bool = False
-                                         ) -> tuple[bool, str | None]:
-    """Can causal-conv1d and mamba-ssm run packed Mamba2 (training, or inference)?
-
-    Training needs causal-conv1d >= 1.4.0 and mamba-ssm >= 2.0.0; inference needs
-    causal-conv1d >= 1.5.3.post1 (padding through negative ``seq_idx``) and
-    mamba-ssm >= 2.2.6.post3. mamba-ssm's SSD scan is a Triton kernel, so Triton is checked too.
-    """
-    conv_min, mamba_min = MAMBA_INFERENCE_MIN if for_inference_not_training else MAMBA_TRAINING_MIN
-    use = "packed inference" if for_inference_not_training else "packed training"
-    return _first_failure(
-        package_state("causal_conv1d", conv_min, f"Mamba2 {use}"),
-        package_state("mamba_ssm", mamba_min, f"Mamba2 {use}"),
-        package_state("triton", TRITON_MIN, "mamba-ssm's Triton SSD scan"),
-        _cuda_state(),
-    )
-
-
-def check_fla_sequence_packing_support() -> tuple[bool, str | None]:
-    """Can flash-linear-attention's Triton kernels run packed GDN / KDA / Gated DeltaProduct?
-
-    Needs flash-linear-attention >= 0.4.0 (varlen ``cu_seqlens`` in every op), Triton >= 3.3
-    and a CUDA device. The short convolution of those mixers is checked separately by
-    :func:`check_causal_conv1d_support` (without it, the reference convolution runs).
-    """
-    return _first_failure(
-        package_state("fla", FLA_MIN, "packed GDN / KDA / Gated DeltaProduct kernels"),
-        package_state("triton", TRITON_MIN, "flash-linear-attention's Triton kernels"),
-        _cuda_state(),
-    )
-
-
-def check_flash_attn_support() -> tuple[bool, str | None]:
-    """Can flash-attn's ``flash_attn_varlen_func`` run packed attention (sliding window included)?"""
-    return _first_failure(package_state("flash_attn", FLASH_ATTN_MIN, "varlen attention with window_size"),
-                          _cuda_state())

@@ -11,10 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ssm_pack import max_seqlen_from_cu_seqlens
-
 from ..ops import varlen_attention
-from . import _packing
+from .base import MixerBase
 from .config import AttentionConfig
 from .norm import upcast
 
@@ -30,15 +28,14 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-class AttentionMixer(nn.Module):
+class AttentionMixer(MixerBase):
     """GQA attention mixer: ``forward(hidden_states [B, T, D], packed_seq_params=None) -> [B, T, D]``."""
 
-    KERNELS = ("flash_attn",)
+    PLAN = (("varlen attention", "flash_attn", ("varlen",)),)
 
     def __init__(self, hidden_size: int | None = None, *, config: AttentionConfig | None = None,
                  backend: str = "auto", **overrides):
-        super().__init__()
-        self.config = _packing.setup(self, AttentionConfig, hidden_size, config, backend, overrides)
+        super().__init__(AttentionConfig, hidden_size, config, backend, overrides)
         c = self.config
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
@@ -47,19 +44,18 @@ class AttentionMixer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
         c = self.config
-        packing = _packing.for_layer(self, hidden_states, packed_seq_params)
+        varlen = self.varlen(hidden_states, packed_seq_params)
         b, t, _ = hidden_states.shape
-        positions = packing.position_ids
+        if varlen is None:                         # every row is one sequence
+            positions = torch.arange(t, device=hidden_states.device).expand(b, t)
+            varlen = torch.arange(b + 1, device=hidden_states.device, dtype=torch.int32) * t
+        else:
+            positions = varlen.position_ids
         q = rotary(self.q_proj(hidden_states).reshape(b, t, c.num_heads, c.head_dim), positions, c.rope_theta)
         k = rotary(self.k_proj(hidden_states).reshape(b, t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
         v = self.v_proj(hidden_states).reshape(b, t, c.num_kv_heads, c.head_dim)
-        if packing.packed:
-            cu, longest = packing.cu_seqlens, max_seqlen_from_cu_seqlens(packing.cu_seqlens, t)
-        else:                                      # every row is one sequence
-            cu = torch.arange(b + 1, device=hidden_states.device, dtype=torch.int32) * t
-            longest = t
         o = varlen_attention(q.reshape(b * t, c.num_heads, c.head_dim), k.reshape(b * t, c.num_kv_heads, c.head_dim),
-                             v.reshape(b * t, c.num_kv_heads, c.head_dim), cu, longest, causal=True,
+                             v.reshape(b * t, c.num_kv_heads, c.head_dim), varlen, None, causal=True,
                              window_size=c.window_size, backend=self.backend)
         return self.o_proj(o.reshape(b, t, c.num_heads * c.head_dim))
 

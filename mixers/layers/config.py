@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ssm_pack._checks import check_int
+from ssm_pack.checks import check_int
 
 from ..ops._checks import check_chunk_size
 

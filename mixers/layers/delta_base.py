@@ -15,22 +15,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _packing
 from ._init import inverse_softplus_dt
+from .base import MixerBase
 from .norm import GatedRMSNorm, upcast
 from .short_conv import ShortConvolution
 
 
-class DeltaMixerBase(nn.Module):
+class DeltaMixerBase(MixerBase):
     """Base of the delta-rule mixers; subclasses set ``CONFIG`` and build the gates."""
 
     CONFIG = None
-    KERNELS = ("causal_conv1d", "fla")
+    PLAN = (("short convs", "causal_conv1d", ("seq_idx",)), ("delta-rule scan", "fla", ("varlen",)))
     HOUSEHOLDER = 1
 
     def __init__(self, hidden_size: int | None = None, *, config=None, backend: str = "auto", **overrides):
-        super().__init__()
-        self.config = _packing.setup(self, self.CONFIG, hidden_size, config, backend, overrides)
+        super().__init__(self.CONFIG, hidden_size, config, backend, overrides)
         c, nh = self.config, self.householder
         self.q_proj = nn.Linear(c.hidden_size, c.key_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.key_dim * nh, bias=False)
@@ -48,15 +47,15 @@ class DeltaMixerBase(nn.Module):
     def forward(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
         """``[B, T, D]`` -> ``[B, T, D]``; packed input needs ``B == 1``."""
         c, nh = self.config, self.householder
-        packing = _packing.for_layer(self, hidden_states, packed_seq_params)
+        varlen = self.varlen(hidden_states, packed_seq_params)
         b, t, _ = hidden_states.shape
-        q = self.q_conv(self.q_proj(hidden_states), packing.seq_idx).reshape(b, t, c.num_heads, c.head_dim)
-        k = self.k_conv(self.k_proj(hidden_states), packing.seq_idx).reshape(b, t * nh, c.num_heads, c.head_dim)
-        v = self.v_conv(self.v_proj(hidden_states), packing.seq_idx).reshape(b, t * nh, c.num_v_heads, c.head_v_dim)
+        q = self.q_conv(self.q_proj(hidden_states), varlen).reshape(b, t, c.num_heads, c.head_dim)
+        k = self.k_conv(self.k_proj(hidden_states), varlen).reshape(b, t * nh, c.num_heads, c.head_dim)
+        v = self.v_conv(self.v_proj(hidden_states), varlen).reshape(b, t * nh, c.num_v_heads, c.head_v_dim)
         beta = torch.sigmoid(upcast(self.b_proj(hidden_states))).reshape(b, t * nh, c.num_v_heads)
         if c.allow_neg_eigval:
             beta = beta * 2
-        o = self._scan(q, k, v.to(q.dtype), self._gate(hidden_states), beta.to(q.dtype), packing.cu_seqlens)
+        o = self._scan(q, k, v.to(q.dtype), self._gate(hidden_states), beta.to(q.dtype), varlen)
         o = self.o_norm(o, self._output_gate(hidden_states).reshape(b, t, c.num_v_heads, c.head_v_dim))
         return self.o_proj(o.reshape(b, t, c.value_dim))
 

@@ -19,7 +19,7 @@ class GatedDeltaNetMixer(ScalarGateMixer):
 
     CONFIG = GatedDeltaNetConfig
 
-    def _scan(self, q, k, v, g, beta, cu_seqlens):
+    def _scan(self, q, k, v, g, beta, varlen):
         o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
-                                      cu_seqlens=cu_seqlens, chunk_size=self.config.chunk_size, backend=self.backend)
+                                      cu_seqlens=varlen, chunk_size=self.config.chunk_size, backend=self.backend)
         return o

@@ -21,8 +21,8 @@ class GatedDeltaProductMixer(ScalarGateMixer):
 
     CONFIG = GatedDeltaProductConfig
 
-    def _scan(self, q, k, v, g, beta, cu_seqlens):
+    def _scan(self, q, k, v, g, beta, varlen):
         o, _ = chunk_gated_delta_product(q, k, v, g, beta, self.config.num_householder,
-                                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+                                         use_qk_l2norm_in_kernel=True, cu_seqlens=varlen,
                                          chunk_size=self.config.chunk_size, backend=self.backend)
         return o

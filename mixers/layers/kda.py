@@ -44,7 +44,7 @@ class KDAMixer(DeltaMixerBase):
     def _output_gate(self, x):
         return self.g_proj(x)
 
-    def _scan(self, q, k, v, g, beta, cu_seqlens):
-        o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+    def _scan(self, q, k, v, g, beta, varlen):
+        o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=varlen,
                          chunk_size=self.config.chunk_size, backend=self.backend)
         return o

@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 from ..ops import mamba_chunk_scan_combined
-from . import _packing
 from ._init import inverse_softplus_dt
+from .base import MixerBase
 from .config import Mamba2Config
 from .norm import GatedRMSNorm, upcast
 from .short_conv import ShortConvolution
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(MixerBase):
     """Mamba2 mixer: ``forward(hidden_states [B, T, D], packed_seq_params=None) -> [B, T, D]``.
 
     Build it from ``hidden_size`` alone (``Mamba2Mixer(512)``), with overrides
@@ -30,12 +30,11 @@ class Mamba2Mixer(nn.Module):
     ``"reference"``.
     """
 
-    KERNELS = ("causal_conv1d", "mamba_ssm")
+    PLAN = (("short conv", "causal_conv1d", ("seq_idx",)), ("SSD scan", "mamba_ssd", ("seq_idx",)))
 
     def __init__(self, hidden_size: int | None = None, *, config: Mamba2Config | None = None, backend: str = "auto",
                  **overrides):
-        super().__init__()
-        self.config = _packing.setup(self, Mamba2Config, hidden_size, config, backend, overrides)
+        super().__init__(Mamba2Config, hidden_size, config, backend, overrides)
         c = self.config
         conv_dim = c.d_inner + 2 * c.num_groups * c.state_size
         self.in_proj = nn.Linear(c.hidden_size, 2 * c.d_inner + 2 * c.num_groups * c.state_size + c.num_heads,
@@ -50,15 +49,15 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
         c = self.config
-        packing = _packing.for_layer(self, hidden_states, packed_seq_params)
+        varlen = self.varlen(hidden_states, packed_seq_params)
         b, t, _ = hidden_states.shape
         zxbcdt = self.in_proj(hidden_states)
         z, xbc, dt = torch.split(zxbcdt, [c.d_inner, c.d_inner + 2 * c.num_groups * c.state_size, c.num_heads], -1)
-        xbc = self.conv(xbc, packing.seq_idx)
+        xbc = self.conv(xbc, varlen)
         x, B, C = torch.split(xbc, [c.d_inner, c.num_groups * c.state_size, c.num_groups * c.state_size], -1)
         y = mamba_chunk_scan_combined(
             x.reshape(b, t, c.num_heads, c.head_dim), dt, -torch.exp(upcast(self.A_log)),
             B.reshape(b, t, c.num_groups, c.state_size), C.reshape(b, t, c.num_groups, c.state_size), c.chunk_size,
-            D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=c.dt_limit, seq_idx=packing.seq_idx,
+            D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=c.dt_limit, cu_seqlens=varlen,
             backend=self.backend)
         return self.out_proj(self.norm(y.reshape(b, t, c.d_inner), z))

@@ -18,7 +18,8 @@ class ShortConvolution(nn.Module):
     ``[D, 1, W]``.
 
     The input is handed to :func:`mixers.ops.causal_conv1d_fn` channel-last (``[B, D, T]`` with
-    ``stride(1) == 1``, what causal-conv1d's kernel wants) with the packed ``seq_idx``.
+    ``stride(1) == 1``, what causal-conv1d's kernel wants) with the forward's
+    :class:`ssm_pack.VarlenBatch` (``None``: unpacked rows).
     """
 
     def __init__(self, dim: int, width: int = 4, bias: bool = False, activation: str | None = "silu",
@@ -32,7 +33,7 @@ class ShortConvolution(nn.Module):
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
 
-    def forward(self, x: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
-        out = causal_conv1d_fn(x.transpose(1, 2), self.weight[:, 0], self.bias, seq_idx=seq_idx,
-                               activation=self.activation, backend=self.backend)
+    def forward(self, x: torch.Tensor, varlen=None) -> torch.Tensor:
+        out = causal_conv1d_fn(x.transpose(1, 2), self.weight[:, 0], self.bias, activation=self.activation,
+                               cu_seqlens=varlen, backend=self.backend)
         return out.transpose(1, 2)

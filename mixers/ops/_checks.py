@@ -4,26 +4,25 @@ from __future__ import annotations
 
 import torch
 
-from ssm_pack._checks import check_boundaries, check_int
-from ssm_pack.seq_idx import seq_idx_from_cu_seqlens
+from ssm_pack.checks import check_int
+from ssm_pack.varlen import VarlenBatch
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, length: int, seq_idx: torch.Tensor | None = None) -> int:
-    """Validate varlen boundaries of one packed row of ``length`` tokens; return the document count.
+def varlen_of(cu_seqlens, batch: int, length: int, device, seq_idx: torch.Tensor | None = None) -> VarlenBatch:
+    """An op's ``cu_seqlens`` (offsets, or a prebuilt :class:`ssm_pack.VarlenBatch`) for one packed
+    row of ``length`` tokens.
 
-    Values are read only on CPU (on a GPU that would synchronise every call). A ``seq_idx``
+    Offsets are validated where that reads nothing remote (on CPU); a ``VarlenBatch`` was
+    validated when it was built and is only checked to describe ``length`` tokens. A ``seq_idx``
     given alongside must describe the same documents.
     """
-    on_cpu = cu_seqlens.device.type == "cpu"
-    check_boundaries("cu_seqlens", cu_seqlens, values=on_cpu)
     if batch != 1:
         raise ValueError(f"cu_seqlens needs one packed row (B == 1), got B={batch}; flatten the batch first")
-    if on_cpu and int(cu_seqlens[-1]) > length:
-        raise ValueError(f"cu_seqlens[-1]={int(cu_seqlens[-1])} is beyond the {length} tokens of x")
-    if seq_idx is not None and seq_idx.device.type == "cpu" and on_cpu:
-        if not torch.equal(seq_idx.to(torch.int32), seq_idx_from_cu_seqlens(cu_seqlens, length)):
+    varlen = VarlenBatch.build(cu_seqlens, length, device=device)
+    if seq_idx is not None and seq_idx.device.type == "cpu" and varlen.device.type == "cpu":
+        if not torch.equal(seq_idx.to(torch.int32), varlen.seq_idx):
             raise ValueError("seq_idx and cu_seqlens describe different documents; pass only cu_seqlens")
-    return cu_seqlens.numel() - 1
+    return varlen
 
 
 def check_chunk_size(chunk_size) -> int:

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from mixers.cli import main as cli_main
 from mixers.demo import main
 from mixers.demo.corpus import load_documents
-from ssm_pack.cli import main as cli_main
 
 
 def test_corpus_is_real_and_deterministic():

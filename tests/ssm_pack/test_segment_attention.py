@@ -36,15 +36,34 @@ def test_matches_sdpa_with_the_dense_mask(lengths, chunk, window, hk):
 
 
 def test_never_builds_the_dense_mask(monkeypatch):
-    seen = []
-    real = F.scaled_dot_product_attention
+    """Each block of queries only sees a window of keys sized by the longest segment, not the row."""
+    widths = []
+    real = torch.logsumexp
 
-    def spy(q, k, v, attn_mask=None, scale=None):
-        seen.append(attn_mask.numel())
-        return real(q, k, v, attn_mask=attn_mask, scale=scale)
+    def spy(scores, dim, keepdim=False):
+        widths.append(scores.shape[-1])
+        return real(scores, dim, keepdim=keepdim)
 
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    pos = reset_positions([512] * 8)[None]
-    x = torch.randn(1, 2, pos.shape[1], 8)
-    sp.segment_attention(x, x, x, pos, chunk_size=256)
-    assert max(seen) <= 256 * 512  # one chunk times one segment, not S * S = 4096 ** 2
+    monkeypatch.setattr(torch, "logsumexp", spy)
+    for segments in (8, 16):                              # the row doubles, the window does not
+        pos = reset_positions([512] * segments)[None]
+        x = torch.randn(1, 2, pos.shape[1], 8)
+        sp.segment_attention(x, x, x, pos, chunk_size=256)
+    assert set(widths) == {512 + 256}    # 511 keys back (rounded to 2 blocks) + the block itself, not 4096
+
+
+def test_non_finite_values_stay_in_their_segment():
+    pos = reset_positions([30, 50, 20])[None]
+    q, k, v = (torch.randn(1, 2, 100, 8, requires_grad=True) for _ in range(3))
+    k_bad = k.detach().clone()
+    k_bad[0, 1, 45, 3] = float("inf")
+    clean = sp.segment_attention(q, k, v, pos, chunk_size=16)
+    dirty = sp.segment_attention(q, k_bad.requires_grad_(), v, pos, chunk_size=16)
+    others = torch.cat([torch.arange(30), torch.arange(80, 100)])
+    assert torch.equal(clean[:, :, others], dirty[:, :, others])
+    assert torch.isnan(dirty[:, :, 45:80]).all() and torch.isfinite(dirty[:, :, 30:45]).all()
+    g = torch.randn_like(clean)
+    grads_clean = torch.autograd.grad(clean, (q, k, v), g)
+    grads_dirty = torch.autograd.grad(dirty, (q, k_bad, v), g)
+    for a, b in zip(grads_clean, grads_dirty):
+        assert torch.equal(a[:, :, others], b[:, :, others])

@@ -3,7 +3,7 @@
 import pytest
 
 import ssm_pack as sp
-from ssm_pack import support
+from ssm_pack import kernels, support
 from ssm_pack.report import support_report
 
 
@@ -37,7 +37,7 @@ def fake(monkeypatch):
 
 def test_everything_present(fake):
     fake(ALL_GOOD)
-    assert sp.check_causal_conv1d_support(tuple(support.CAUSAL_CONV1D_FEATURES)) == (True, None)
+    assert sp.check_causal_conv1d_support(kernels.features_of("causal_conv1d")) == (True, None)
     assert sp.check_mamba_sequence_packing_support() == (True, None)
     assert sp.check_mamba_sequence_packing_support(for_inference_not_training=True) == (True, None)
     assert sp.check_fla_sequence_packing_support() == (True, None)
@@ -60,8 +60,8 @@ def test_extension_missing(fake):
 
 
 @pytest.mark.parametrize("version,features,minimum,feature", [
-    pytest.param("1.0.2", ("seq_idx",), "1.1.0", "seq_idx", id="seq_idx"),
-    pytest.param("1.3.0", ("seq_idx", "varlen_states"), "1.4.0", "varlen_states", id="varlen-states"),
+    pytest.param("1.3.0", ("seq_idx",), "1.4.0", "seq_idx", id="seq_idx"),
+    pytest.param("1.3.0", ("varlen_states",), "1.4.0", "varlen_states", id="varlen-states"),
     pytest.param("1.5.3", ("padding_seq_idx",), "1.5.3.post1", "padding_seq_idx", id="padding"),
     pytest.param("1.6.0", ("initial_states_with_seq_idx",), "1.7.0", "initial_states_with_seq_idx", id="init"),
 ])
@@ -105,8 +105,15 @@ def test_old_triton_blocks_fla(fake):
 
 
 def test_fla_core_distribution_counts(fake):
-    fake(FakeProbe({"fla-core": "0.5.0", "triton": "3.4.0"}))
+    fake(FakeProbe({"fla-core": "0.5.0", "triton": "3.4.0", "causal-conv1d": "1.4.0"}, {"causal_conv1d_cuda"}))
     assert sp.check_fla_sequence_packing_support() == (True, None)
+
+
+def test_fla_check_includes_the_short_convolution(fake):
+    """Megatron's check_fla_sequence_packing_support: the fla mixers' conv needs causal-conv1d >= 1.4.0."""
+    fake(FakeProbe({**ALL_GOOD.versions, "causal-conv1d": "1.3.0"}, ALL_GOOD.modules))
+    ok, reason = sp.check_fla_sequence_packing_support()
+    assert not ok and "causal-conv1d 1.3.0 is too old" in reason and ">= 1.4.0" in reason
 
 
 def test_no_cuda_device(fake):
@@ -119,16 +126,17 @@ def test_no_cuda_device(fake):
 
 
 def test_unknown_feature():
-    with pytest.raises(ValueError, match="unknown causal-conv1d feature"):
+    with pytest.raises(ValueError, match="unknown causal_conv1d feature"):
         sp.check_causal_conv1d_support(("warp_speed",))
 
 
-def test_report_lists_every_mixer_and_fix(fake):
+def test_report_lists_every_feature_and_one_fix_per_package(fake):
     fake(FakeProbe())
     text = support_report()
-    for mixer in ("Mamba2Mixer", "GatedDeltaNetMixer", "KDAMixer", "GatedDeltaProductMixer", "AttentionMixer"):
-        assert mixer in text
-    assert "pip install 'mamba-ssm>=2.2.6.post3'" in text and "pip install 'causal-conv1d>=1.5.3.post1'" in text
+    for kernel, feature in kernels.FEATURES:
+        assert f"{kernel:14s} {feature}" in text
+    assert "pip install 'mamba-ssm>=2.2.6.post3'" in text and "pip install 'causal-conv1d>=1.7.0'" in text
+    assert text.count("pip install 'causal-conv1d") == 1                    # the strictest minimum, once
 
 
 def test_checks_do_not_import_the_extensions():

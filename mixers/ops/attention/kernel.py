@@ -1,4 +1,9 @@
-"""flash-attn's ``flash_attn_varlen_func``: fp16 / bf16 on CUDA, int32 ``cu_seqlens`` covering every token."""
+"""flash-attn's ``flash_attn_varlen_func``: fp16 / bf16 on CUDA, int32 ``cu_seqlens`` covering every token.
+
+The padding tail after the last document attends among itself, so the call gets
+:attr:`ssm_pack.VarlenBatch.covering_cu_seqlens` (a final boundary at T; the extra document is
+empty when there is no tail, which flash-attn skips). Nothing is read on the host.
+"""
 
 from __future__ import annotations
 
@@ -16,12 +21,7 @@ def load_upstream():
     return flash_attn_varlen_func
 
 
-def flash_varlen(q, k, v, cu_seqlens, max_seqlen, causal, window, scale):
-    total = q.shape[0]
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    tail = total - int(cu[-1])
-    if tail > 0:                                         # the padding tail attends among itself
-        cu = torch.cat([cu, cu.new_tensor([total])])
-        max_seqlen = max(max_seqlen, tail)
+def flash_varlen(q, k, v, covering_cu_seqlens, max_seqlen, causal, window, scale):
+    cu = covering_cu_seqlens.to(device=q.device, dtype=torch.int32)
     return load_upstream()(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal,
                            window_size=window)

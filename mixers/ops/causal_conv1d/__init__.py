@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ssm_pack.seq_idx import seq_idx_from_cu_seqlens
+from ssm_pack.segments import Segments, segments_from_seq_idx
 
-from .. import _dispatch
-from .._segments import Segments, segments_from_cu_seqlens, segments_from_seq_idx
+from .. import dispatch
 from ._validate import check_conv_inputs
 from .kernel import causal_conv1d_kernel, unsupported_shape, varlen_states_kernel
 from .reference import causal_conv1d_reference, gather_final_slots
@@ -67,45 +66,48 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
         return_final_states: also return the final states (per row, or per document with
             ``cu_seqlens``); ``final_states_out`` receives them in place when given.
         activation: ``None``, ``"silu"`` or ``"swish"``.
-        cu_seqlens: keyword-only ``[N+1]`` document boundaries of the single row (``B == 1``);
-            ``seq_idx`` is derived from it when not given.
+        cu_seqlens: keyword-only ``[N+1]`` document boundaries of the single row (``B == 1``), or
+            the forward's prebuilt :class:`ssm_pack.VarlenBatch`.
         backend: ``"auto"``, ``"kernel"`` (causal-conv1d, CUDA) or ``"reference"``.
 
     Returns:
         ``out`` ``[B, D, T]``, or ``(out, final_states)``.
     """
-    init_per_doc = check_conv_inputs(x, weight, bias, seq_idx, initial_states, return_final_states,
-                                     final_states_out, activation, cu_seqlens)
-    batch, dim, length = x.shape
-    state_len = weight.shape[1] - 1
-    user_seq_idx = seq_idx is not None
-    if cu_seqlens is not None:
-        segs = segments_from_cu_seqlens(cu_seqlens, length)
+    init_per_doc, varlen = check_conv_inputs(x, weight, bias, seq_idx, initial_states, return_final_states,
+                                             final_states_out, activation, cu_seqlens)
+    choice = _choose(x, weight, initial_states, init_per_doc, backend, seq_idx)
+    if choice == "kernel":            # the kernel reads seq_idx only: no segment structure is built
+        segs = None
+        kernel_seq_idx = seq_idx if seq_idx is not None else (
+            varlen.seq_idx if varlen is not None else _zeros_seq_idx(x))
+        out = causal_conv1d_kernel(x, weight, bias, kernel_seq_idx, initial_states, activation)
     else:
-        seq_idx = seq_idx if seq_idx is not None else torch.zeros(batch, length, dtype=torch.int32,
-                                                                   device=x.device)
-        segs = segments_from_seq_idx(seq_idx)
-    slots = _initial_slots(initial_states, segs, init_per_doc)
-    doc_init = initial_states if init_per_doc else None
-    choice = _choose(x, weight, initial_states, init_per_doc, backend, seq_idx, user_seq_idx)
-    if choice == "kernel":
-        if seq_idx is None:                          # only the kernel reads seq_idx for cu_seqlens
-            seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, length)
-        out = causal_conv1d_kernel(x, weight, bias, seq_idx, initial_states, activation)
-    else:
-        out = causal_conv1d_reference(x, weight, bias, segs, slots, activation,
-                                      pad_mask=seq_idx < 0 if user_seq_idx else None)
+        segs = _segments(x, seq_idx, varlen)
+        out = causal_conv1d_reference(x, weight, bias, segs, _initial_slots(initial_states, segs, init_per_doc),
+                                      activation, pad_mask=seq_idx < 0 if seq_idx is not None else None)
     if not return_final_states:
         return out
-    final = _gather_final_states(x, cu_seqlens, segs, slots, state_len, doc_init, choice == "kernel")
+    final = _gather_final_states(x, seq_idx, varlen, segs, initial_states, init_per_doc, weight.shape[1] - 1,
+                                 choice == "kernel")
     if final_states_out is not None:
         final_states_out.copy_(final)
         final = final_states_out
     return out, final
 
 
-def _choose(x, weight, initial_states, init_per_doc, backend, seq_idx, user_seq_idx) -> str:
-    on_cuda = _dispatch.is_cuda(x)
+def _zeros_seq_idx(x) -> torch.Tensor:
+    return torch.zeros(x.shape[0], x.shape[2], dtype=torch.int32, device=x.device)
+
+
+def _segments(x, seq_idx, varlen) -> Segments:
+    """The reference's segments: the forward's (built once), or runs of ``seq_idx`` values."""
+    if varlen is not None:
+        return varlen.segments
+    return segments_from_seq_idx(seq_idx if seq_idx is not None else _zeros_seq_idx(x))
+
+
+def _choose(x, weight, initial_states, init_per_doc, backend, seq_idx) -> str:
+    on_cuda = dispatch.is_cuda(x)
     if init_per_doc:
         missing = "per-document initial states"
     else:
@@ -113,18 +115,22 @@ def _choose(x, weight, initial_states, init_per_doc, backend, seq_idx, user_seq_
     features = ("seq_idx",) + (("initial_states_with_seq_idx",) if initial_states is not None else ())
 
     def support_state():
-        padded = user_seq_idx and bool((seq_idx < 0).any())       # one device sync, kernel path only
-        return _dispatch.cached_support("causal_conv1d", features + (("padding_seq_idx",) if padded else ()))
+        padded = seq_idx is not None and bool((seq_idx < 0).any())   # one device sync, kernel path only
+        return dispatch.cached_support("causal_conv1d", features + (("padding_seq_idx",) if padded else ()))
 
-    return _dispatch.select_backend("causal_conv1d_fn", backend, on_cuda=on_cuda, support_state=support_state,
+    return dispatch.select_backend("causal_conv1d_fn", backend, on_cuda=on_cuda, support_state=support_state,
                                     missing_feature=missing)
 
 
-def _gather_final_states(x, cu_seqlens, segs, slots, state_len, doc_init, kernel):
-    per_doc = cu_seqlens is not None
-    if kernel and per_doc and slots is None and not (torch.is_grad_enabled() and x.requires_grad):
-        states = varlen_states_kernel(x, cu_seqlens, state_len)
+def _gather_final_states(x, seq_idx, varlen, segs, initial_states, init_per_doc, state_len, kernel):
+    per_doc = varlen is not None
+    slots_needed = initial_states is not None
+    if kernel and per_doc and not slots_needed and not (torch.is_grad_enabled() and x.requires_grad):
+        states = varlen_states_kernel(x, varlen.cu_seqlens, state_len)
         if states is not None:
             return states
+    segs = segs if segs is not None else _segments(x, seq_idx, varlen)
+    slots = _initial_slots(initial_states, segs, init_per_doc)
     final_slots = gather_final_slots(x, segs, state_len, slots)
-    return _final_states(final_slots, segs, per_doc, doc_init, (x.shape[0], x.shape[2]))
+    return _final_states(final_slots, segs, per_doc, initial_states if init_per_doc else None,
+                         (x.shape[0], x.shape[2]))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ssm_pack._checks import check_tensor
+from ssm_pack.checks import check_tensor
 
-from .._checks import check_cu_seqlens
+from .._checks import varlen_of
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -17,8 +17,9 @@ def _check_states(name, states, rows, dim, state_len, what):
 
 
 def check_conv_inputs(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out,
-                      activation, cu_seqlens) -> bool:
-    """Validate; return whether ``initial_states`` are per document (``cu_seqlens``, ``N`` rows)."""
+                      activation, cu_seqlens):
+    """Validate; return ``(per_doc, varlen)``: whether ``initial_states`` are per document
+    (``cu_seqlens``, ``N`` rows) and the resolved :class:`ssm_pack.VarlenBatch` (or ``None``)."""
     check_tensor("x", x, ndim=3)
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
@@ -35,10 +36,11 @@ def check_conv_inputs(x, weight, bias, seq_idx, initial_states, return_final_sta
         if tuple(seq_idx.shape) != (batch, length):
             raise ValueError(f"seq_idx must be [B, T] = [{batch}, {length}], got {tuple(seq_idx.shape)}")
     state_len = weight.shape[1] - 1
-    per_doc = False
+    per_doc, varlen = False, None
     rows, what = batch, "B"
     if cu_seqlens is not None:
-        docs = check_cu_seqlens(cu_seqlens, batch, length, seq_idx)
+        varlen = varlen_of(cu_seqlens, batch, length, x.device, seq_idx)
+        docs = varlen.num_docs
         if initial_states is not None and initial_states.shape[0] == docs:
             per_doc, rows, what = True, docs, "N"
         elif initial_states is not None and initial_states.shape[0] != batch:
@@ -49,7 +51,7 @@ def check_conv_inputs(x, weight, bias, seq_idx, initial_states, return_final_sta
     if final_states_out is not None:
         if not return_final_states:
             raise ValueError("final_states_out is given but return_final_states=False; set it to True")
-        out_rows = cu_seqlens.numel() - 1 if cu_seqlens is not None else batch
+        out_rows = varlen.num_docs if varlen is not None else batch
         _check_states("final_states_out", final_states_out, out_rows, dim, state_len,
-                      "N" if cu_seqlens is not None else "B")
-    return per_doc
+                      "N" if varlen is not None else "B")
+    return per_doc, varlen

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._chunks import compute_dtype
-from .._segments import Segments
+from ssm_pack.segments import Segments
+
+from ..chunks import compute_dtype
 from .depthwise import conv_anticausal, conv_causal, weight_grad
 
 

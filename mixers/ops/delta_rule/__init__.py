@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _dispatch
-from .._chunks import compute_dtype
-from .._segments import segments_from_cu_seqlens
+from .. import dispatch
+from ..chunks import compute_dtype
 from ._validate import check_delta_inputs
 from .chunk import delta_rule_chunked
 from .kernel import fla_kernel, unsupported
@@ -42,7 +41,7 @@ def _expand_householder(q, g, nh):
     return q_steps.reshape(b, t * nh, *q.shape[2:]), g_steps.reshape(b, t * nh, *g.shape[2:])
 
 
-def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, cu_seqlens, chunk, nh):
+def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, varlen, chunk, nh):
     """The shared reference path of the three ops (``g`` already ``[B, T, HV, Kg]``)."""
     compute = compute_dtype(v.dtype)
     q, k, v, g, beta = (x.to(compute) for x in (q, k, v, g, beta))
@@ -55,34 +54,33 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2nor
     if nh > 1:
         q, g = _expand_householder(q, g, nh)
     b, steps = k.shape[:2]
-    if cu_seqlens is not None:
-        segs = segments_from_cu_seqlens(cu_seqlens.to(torch.int64) * nh, steps)
+    if varlen is not None:
+        segs = varlen.segments.expanded(nh)
         seg_id = segs.seg_id
     else:
         seg_id = torch.arange(b, device=k.device).unsqueeze(1).expand(b, steps)
-    doc_init = cu_seqlens is not None and initial_state is not None
+    doc_init = varlen is not None and initial_state is not None
     extra = DocInitialStates(initial_state.to(compute), segs, chunk) if doc_init else None
     o, ch = delta_rule_chunked(q, k, v, g, beta, seg_id, chunk, initial_state=None if doc_init else initial_state,
-                               extra=extra, keep_intermediates=output_final_state and cu_seqlens is not None)
+                               extra=extra, keep_intermediates=output_final_state and varlen is not None)
     if nh > 1:
         o = o[:, nh - 1::nh]
     final = None
     if output_final_state:
-        if cu_seqlens is None:
+        if varlen is None:
             final = ch.s_final
         else:
-            final = doc_final_states(ch, segs, initial_state.to(compute) if doc_init else None,
-                                     cu_seqlens.numel() - 1)
+            final = doc_final_states(ch, segs, initial_state.to(compute) if doc_init else None, varlen.num_docs)
     return o, final
 
 
-def _empty(q, v, initial_state, output_final_state, cu_seqlens):
+def _empty(q, v, initial_state, output_final_state, varlen):
     """No tokens: the output is empty and every state is its initial state (or zeros)."""
     b, _, _, kd = q.shape
     o = v.new_zeros(b, 0, v.shape[2], v.shape[3])
     if not output_final_state:
         return o, None
-    rows = b if cu_seqlens is None else cu_seqlens.numel() - 1
+    rows = b if varlen is None else varlen.num_docs
     compute = compute_dtype(v.dtype)
     final = initial_state.to(compute) if initial_state is not None else \
         v.new_zeros(rows, v.shape[2], kd, v.shape[3], dtype=compute)
@@ -91,23 +89,24 @@ def _empty(q, v, initial_state, output_final_state, cu_seqlens):
 
 def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, cu_seqlens, chunk_size,
          backend, nh=1):
-    check_delta_inputs(kind, q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, nh)
+    varlen = check_delta_inputs(kind, q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, nh)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     name = {"gdn": "chunk_gated_delta_rule", "kda": "chunk_kda", "gdp": "chunk_gated_delta_product"}[kind]
-    choice = _dispatch.select_backend(name, backend, on_cuda=_dispatch.is_cuda(q),
-                                      support_state=lambda: _dispatch.cached_support("fla"),
-                                      missing_feature=unsupported(kind, q))
+    features = ("varlen",) if varlen is not None else ()
+    choice = dispatch.select_backend(name, backend, on_cuda=dispatch.is_cuda(q),
+                                     support_state=lambda: dispatch.cached_support("fla", features),
+                                     missing_feature=unsupported(kind, q))
     if choice == "kernel":
-        return fla_kernel(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, cu_seqlens, nh)
-    if kind == "kda" and bool((g > 0).any()):
+        return fla_kernel(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, varlen, nh)
+    if kind == "kda" and not torch.compiler.is_compiling() and bool((g > 0).any()):   # a value read: eager only
         raise ValueError("chunk_kda: g holds log-decays <= 0 (a decay exp(g) <= 1); got positive values, "
                          f"max {float(g.max()):.3g}. Pass log(decay), e.g. -exp(A_log) * softplus(x)")
     if g is None:
         g = beta.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     g = g if kind == "kda" else g.unsqueeze(-1)
     if q.shape[1] == 0:
-        return _empty(q, v, initial_state, output_final_state, cu_seqlens)
-    o, final = _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, cu_seqlens,
+        return _empty(q, v, initial_state, output_final_state, varlen)
+    o, final = _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, varlen,
                           chunk_size, nh)
     return o.to(v.dtype), final
 
@@ -131,7 +130,7 @@ def chunk_gated_delta_product(q, k, v, g, beta, num_householder, scale=None, ini
                               chunk_size=64, backend="auto"):
     """Gated DeltaProduct: q ``[B, T, H, K]``; k, v, beta with ``num_householder`` sub-steps per token
     ``[B, T * nh, H, ...]``; g ``[B, T, H]`` or ``None`` (no decay)."""
-    from ssm_pack._checks import check_int
+    from ssm_pack.checks import check_int
     nh = check_int("num_householder", num_householder, minimum=1)
     return _run("gdp", q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 cu_seqlens, chunk_size, backend, nh=nh)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ssm_pack._checks import check_tensor
+from ssm_pack.checks import check_tensor
 
-from .._checks import check_chunk_size, check_cu_seqlens
+from .._checks import check_chunk_size, varlen_of
 
 
 def _shape(name, t, want, labels):
@@ -13,8 +13,9 @@ def _shape(name, t, want, labels):
         raise ValueError(f"{name} must be [{', '.join(labels)}] = {list(want)}, got {list(t.shape)}")
 
 
-def check_delta_inputs(kind, q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, householder=1) -> int:
-    """Validate one of ``gdn`` / ``kda`` / ``gdp``; return the number of state rows expected."""
+def check_delta_inputs(kind, q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, householder=1):
+    """Validate one of ``gdn`` / ``kda`` / ``gdp``; return the resolved :class:`ssm_pack.VarlenBatch`
+    of ``cu_seqlens`` (``None`` without)."""
     check_tensor("q", q, ndim=4)
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):
         if not t.is_floating_point():
@@ -35,10 +36,9 @@ def check_delta_inputs(kind, q, k, v, g, beta, initial_state, cu_seqlens, chunk_
     elif g is not None or kind == "gdn":
         _shape("g", g, (b, t, hv), ("B", "T", "HV"))
     check_chunk_size(chunk_size)
-    rows = b
-    if cu_seqlens is not None:
-        rows = check_cu_seqlens(cu_seqlens, b, t)
+    varlen = None if cu_seqlens is None else varlen_of(cu_seqlens, b, t, q.device)
+    rows = b if varlen is None else varlen.num_docs
     if initial_state is not None:
         _shape("initial_state", initial_state, (rows, hv, kd, vd),
-               ("N" if cu_seqlens is not None else "B", "HV", "K", "V"))
-    return rows
+               ("N" if varlen is not None else "B", "HV", "K", "V"))
+    return varlen

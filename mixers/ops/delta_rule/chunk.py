@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._chunks import entering_segments, pad_tokens
+from ..chunks import entering_segments, pad_tokens
 from .blocked import DeltaRuleBlocked
 from .prep import chunk_prep
 

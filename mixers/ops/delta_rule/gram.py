@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .._chunks import same_segment_causal
+from ..chunks import same_segment_causal
 
 
 def _exp_masked(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

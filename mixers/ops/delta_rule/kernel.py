@@ -1,9 +1,12 @@
 """flash-linear-attention's chunk kernels, called the way fla wants them.
 
-fla's varlen contract: batch 1, ``cu_seqlens`` int64 with ``cu_seqlens[-1] == T``, no repeated
-offsets (an empty document confuses its chunk indexing), ``initial_state`` one row per
-document. So a padding tail is appended as a document of its own, empty documents are removed
-before the call, and their states (the initial state, or zeros) are put back after it.
+fla's varlen contract: batch 1, ``cu_seqlens`` int64 with ``cu_seqlens[-1] == T``,
+``initial_state`` one row per document. Releases before 0.6 count documents by the chunks that
+start them, so an empty document followed by a non-empty one shifts every later document's
+index. So the call gets :attr:`ssm_pack.VarlenBatch.nonempty_layout`: the padding tail as a
+document of its own and every empty document moved to the end (no token moves; nothing is read
+on the host). fla returns an empty document's initial state (zeros without one) as its final
+state; the states are put back in the documents' order after the call.
 """
 
 from __future__ import annotations
@@ -32,27 +35,19 @@ def load_upstream(kind: str):
     return op
 
 
-def fla_kernel(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, cu_seqlens, nh):
+def fla_kernel(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, varlen, nh):
     op = load_upstream(kind)
     extra = {"num_householder": nh} if kind == "gdp" else {}
-    if cu_seqlens is None:
+    if varlen is None:
         return op(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   use_qk_l2norm_in_kernel=l2norm, **extra)
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
-    total = q.shape[1]
-    nonempty = torch.nonzero(cu[1:] > cu[:-1]).reshape(-1)
-    bounds = torch.cat([cu[:1], cu[1:][nonempty]])
-    tail = total - int(cu[-1])
-    init = None if initial_state is None else initial_state.index_select(0, nonempty)
-    if tail > 0:                                          # the padding tail: a document of its own
-        bounds = torch.cat([bounds, bounds.new_tensor([total])])
-        if init is not None:
-            init = torch.cat([init, init.new_zeros(1, *init.shape[1:])])
+    bounds, order = varlen.nonempty_layout                       # [N+2] int64, [N+1]: entry N is the tail
+    init = None
+    if initial_state is not None:
+        init = torch.cat([initial_state, initial_state.new_zeros(1, *initial_state.shape[1:])]).index_select(0, order)
     o, final = op(q, k, v, g, beta, scale=scale, initial_state=init, output_final_state=output_final_state,
                   use_qk_l2norm_in_kernel=l2norm, cu_seqlens=bounds, **extra)
     if not output_final_state:
         return o, None
-    docs = cu.numel() - 1
-    base = initial_state.to(final.dtype) if initial_state is not None else \
-        final.new_zeros(docs, *final.shape[1:])
-    return o, base.index_copy(0, nonempty, final[: nonempty.numel()])
+    restored = torch.empty_like(final).index_copy(0, order, final)
+    return o, restored[: varlen.num_docs]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._chunks import same_segment_causal
+from ..chunks import same_segment_causal
 from .gram import DecayedGrams
 
 

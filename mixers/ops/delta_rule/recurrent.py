@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ssm_pack._checks import check_tensor
+from ssm_pack.checks import check_tensor
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:

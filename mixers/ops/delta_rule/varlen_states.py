@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from ssm_pack.segments import Segments
+
 from .._grouped import buckets, finish_document_states, initial_states_leaving_chunks
-from .._segments import Segments
 
 
 def _token_major(t: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ssm_pack.seq_idx import seq_idx_from_cu_seqlens
+from ssm_pack.segments import segments_from_seq_idx
 
-from .. import _dispatch
-from .._chunks import compute_dtype
-from .._segments import segments_from_cu_seqlens, segments_from_seq_idx
+from .. import dispatch
+from ..chunks import compute_dtype
 from ._validate import check_ssd_inputs, default_limit
 from .kernel import KERNEL_DTYPES, ssd_kernel
 from .reference import ssd_chunked_reference
@@ -57,7 +56,7 @@ def _missing_feature(x, per_doc, initial_states, return_varlen_states, tensors) 
     return None
 
 
-def _empty_result(x, B, initial_states, per_doc, cu_seqlens, return_final_states, return_varlen_states):
+def _empty_result(x, B, initial_states, per_doc, varlen, return_final_states, return_varlen_states):
     """No tokens: every state is its initial state (or zeros)."""
     batch, _, heads, p = x.shape
     n = B.shape[-1]
@@ -66,7 +65,7 @@ def _empty_result(x, B, initial_states, per_doc, cu_seqlens, return_final_states
         rows = initial_states if initial_states is not None and not per_doc else x.new_zeros(batch, heads, p, n)
         results.append(rows)
     if return_varlen_states:
-        docs = cu_seqlens.numel() - 1
+        docs = varlen.num_docs
         results.append(initial_states if per_doc else x.new_zeros(docs, heads, p, n))
     return results[0] if len(results) == 1 else tuple(results)
 
@@ -82,34 +81,34 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         D: ``[H]`` or ``[H, P]`` skip; z: ``[B, T, H, P]`` gate (``out * silu(z)``).
         dt_bias: ``[H]``; dt_softplus: apply softplus to ``dt + dt_bias``; dt_limit: clamp.
         initial_states: ``[B, H, P, N]`` per row, or ``[D, H, P, N]`` per document with cu_seqlens.
-        seq_idx: ``[B, T]`` int document index per token; cu_seqlens: ``[D+1]`` (``B == 1``).
+        seq_idx: ``[B, T]`` int document index per token; cu_seqlens: ``[D+1]`` (``B == 1``) or the
+            forward's prebuilt :class:`ssm_pack.VarlenBatch`.
         return_final_states: also return ``[B, H, P, N]``, the state after each row.
         return_varlen_states: also return ``[D, H, P, N]``, the state after each document.
         backend: ``"auto"``, ``"kernel"`` (mamba-ssm, CUDA) or ``"reference"``.
     """
-    per_doc = check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                               cu_seqlens, dt_limit, return_varlen_states)
+    per_doc, varlen = check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                                       cu_seqlens, dt_limit, return_varlen_states)
     batch, length, heads, _ = x.shape
     if length == 0:
-        return _empty_result(x, B, initial_states, per_doc, cu_seqlens, return_final_states, return_varlen_states)
+        return _empty_result(x, B, initial_states, per_doc, varlen, return_final_states, return_varlen_states)
     missing = _missing_feature(x, per_doc, initial_states, return_varlen_states,
                                (x, dt, A, B, C, D, z, dt_bias, initial_states))
-    choice = _dispatch.select_backend("mamba_chunk_scan_combined", backend, on_cuda=_dispatch.is_cuda(x),
-                                      support_state=lambda: _dispatch.cached_support("mamba_ssm"),
+    choice = dispatch.select_backend("mamba_chunk_scan_combined", backend, on_cuda=dispatch.is_cuda(x),
+                                      support_state=lambda: dispatch.cached_support("mamba_ssd", ("seq_idx",)),
                                       missing_feature=missing)
     if choice == "kernel":                       # upstream resets only at seq_idx, so always pass one
-        if seq_idx is None and cu_seqlens is not None:
-            seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, length)
-        elif seq_idx is None:
-            seq_idx = torch.zeros(batch, length, dtype=torch.int32, device=x.device)
+        if seq_idx is None:
+            seq_idx = varlen.seq_idx if varlen is not None else \
+                torch.zeros(batch, length, dtype=torch.int32, device=x.device)
         return ssd_kernel(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                          cu_seqlens if return_varlen_states else None, dt_softplus, dt_limit,
+                          varlen.cu_seqlens if return_varlen_states else None, dt_softplus, dt_limit,
                           return_final_states, return_varlen_states)
     compute = compute_dtype(x.dtype)
     dtp = _process_dt(dt, dt_bias, dt_softplus, dt_limit, compute)
     xc, Bc, Cc, Ac = x.to(compute), B.to(compute), C.to(compute), A.to(compute)
-    if cu_seqlens is not None:
-        segs = segments_from_cu_seqlens(cu_seqlens, length)
+    if varlen is not None:
+        segs = varlen.segments
     elif seq_idx is not None:
         segs = segments_from_seq_idx(seq_idx)
     else:
@@ -137,6 +136,6 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     if return_varlen_states:
         xdt = (xc * dtp.unsqueeze(-1))[0]
         states = final_states(h0 if per_doc else None, segs, a_cs_flat, xdt, Bc[0], ch.h_enter, ch.enter_seg,
-                              chunk_size, cu_seqlens.numel() - 1)
+                              chunk_size, varlen.num_docs)
         results.append(states.to(x.dtype))
     return results[0] if len(results) == 1 else tuple(results)

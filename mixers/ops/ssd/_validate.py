@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from ssm_pack._checks import check_int, check_tensor
+from ssm_pack.checks import check_int, check_tensor
 
-from .._checks import check_cu_seqlens
+from .._checks import varlen_of
 
 
 def _shape(name, t, want, labels):
@@ -16,8 +16,9 @@ def _shape(name, t, want, labels):
 
 
 def check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
-                     dt_limit, return_varlen_states) -> bool:
-    """Validate; return whether ``initial_states`` are per document (``cu_seqlens``, ``N`` rows)."""
+                     dt_limit, return_varlen_states):
+    """Validate; return ``(per_doc, varlen)``: whether ``initial_states`` are per document
+    (``cu_seqlens``, ``N`` rows) and the resolved :class:`ssm_pack.VarlenBatch` (or ``None``)."""
     check_tensor("x", x, ndim=4)
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
@@ -47,14 +48,14 @@ def check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, 
         check_tensor("seq_idx", seq_idx, integer=True)
     if return_varlen_states and cu_seqlens is None:
         raise ValueError("return_varlen_states=True needs cu_seqlens (the document boundaries)")
-    per_doc = False
+    per_doc, varlen = False, None
     if cu_seqlens is not None:
-        docs = check_cu_seqlens(cu_seqlens, b, t, seq_idx)
-        per_doc = initial_states is not None and initial_states.shape[0] == docs
+        varlen = varlen_of(cu_seqlens, b, t, x.device, seq_idx)
+        per_doc = initial_states is not None and initial_states.shape[0] == varlen.num_docs
     if initial_states is not None:
         rows = initial_states.shape[0] if per_doc else b
         _shape("initial_states", initial_states, (rows, h, p, n), ("N" if per_doc else "B", "H", "P", "N_state"))
-    return per_doc
+    return per_doc, varlen
 
 
 def default_limit(dt_limit) -> bool:

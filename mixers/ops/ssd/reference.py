@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._chunks import entering_segments, pad_tokens, same_segment_causal
+from ..chunks import entering_segments, pad_tokens, same_segment_causal
 from .chunk_scan import SSDChunkScan
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from ssm_pack.segments import Segments
+
 from .._grouped import buckets, finish_document_states, initial_states_leaving_chunks
-from .._segments import Segments
 
 
 def initial_chunk_states(h0, segs: Segments, a_cs, seg_chunked, chunk: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ def test_layer_hands_the_kernels_what_they_need(monkeypatch, name):
 
 @pytest.mark.parametrize("name", list(LAYERS))
 def test_auto_warns_once_when_a_kernel_cannot_pack(monkeypatch, name):
-    import mixers.layers._packing as packing
+    import mixers.layers.base as packing
     monkeypatch.setattr(packing, "_WARNED", set())
     module = LAYERS[name]().to(torch.bfloat16)
     x, params = layout([5, 7], hidden=HIDDEN, dtype=torch.bfloat16)

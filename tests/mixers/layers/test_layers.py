@@ -152,7 +152,7 @@ def test_defaults_from_hidden_size_alone():
 def test_wrong_hidden_states_shape():
     with pytest.raises(ValueError, match=r"hidden_states must be \[B, T, D\]"):
         build("gdn", torch.float32)(torch.randn(8, HIDDEN))
-    with pytest.raises(TypeError, match="packed_seq_params must be a ssm_pack.PackedSeqParams"):
+    with pytest.raises(TypeError, match="GatedDeltaNetMixer: packed_seq_params must be a PackedSeqParams"):
         build("gdn", torch.float32)(torch.randn(1, 8, HIDDEN), packed_seq_params={"cu_seqlens": [0, 8]})
 
 

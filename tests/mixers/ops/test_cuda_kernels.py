@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mixers.ops import _dispatch, causal_conv1d_fn, mamba_chunk_scan_combined
+from mixers.ops import causal_conv1d_fn, dispatch, mamba_chunk_scan_combined
 from ssm_pack import lengths_to_cu_seqlens
 from tests.oracles import rel_rms
 
@@ -12,7 +12,7 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}   # kernel and reference round
 
 
 def need(name, features=()):
-    ok, reason = _dispatch.cached_support(name, features) if features else _dispatch.cached_support(name)
+    ok, reason = dispatch.cached_support(name, features) if features else dispatch.cached_support(name)
     if not ok:
         pytest.skip(reason)
 

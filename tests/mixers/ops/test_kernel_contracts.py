@@ -7,7 +7,7 @@ import torch
 
 import mixers.ops.causal_conv1d.kernel as conv_kernel
 import mixers.ops.ssd.kernel as ssd_kernel
-from mixers.ops import _dispatch, causal_conv1d_fn, mamba_chunk_scan_combined
+from mixers.ops import causal_conv1d_fn, dispatch, mamba_chunk_scan_combined
 from ssm_pack import lengths_to_cu_seqlens
 from tests import fakes
 from tests.fakes import of_kind
@@ -22,8 +22,8 @@ def fake_cuda(monkeypatch):
         asked.append((name, features))
         return (True, None)
 
-    monkeypatch.setattr(_dispatch, "is_cuda", lambda t: True)
-    monkeypatch.setattr(_dispatch, "cached_support", support)
+    monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
+    monkeypatch.setattr(dispatch, "cached_support", support)
     return asked
 
 
@@ -96,8 +96,8 @@ def test_conv_negative_seq_idx_asks_for_the_padding_feature(fake_cuda, fake_conv
 
 
 def test_conv_missing_padding_feature(monkeypatch, fake_conv):
-    monkeypatch.setattr(_dispatch, "is_cuda", lambda t: True)
-    monkeypatch.setattr(_dispatch, "cached_support", lambda name, features=(): (
+    monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
+    monkeypatch.setattr(dispatch, "cached_support", lambda name, features=(): (
         (False, "causal-conv1d 1.4.0 is too old for negative seq_idx") if "padding_seq_idx" in features
         else (True, None)))
     x, w, b, _ = conv_case()
@@ -109,8 +109,8 @@ def test_conv_missing_padding_feature(monkeypatch, fake_conv):
 
 
 def test_auto_without_support_is_the_reference(monkeypatch, fake_conv):
-    monkeypatch.setattr(_dispatch, "is_cuda", lambda t: True)
-    monkeypatch.setattr(_dispatch, "cached_support",
+    monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
+    monkeypatch.setattr(dispatch, "cached_support",
                         lambda name, features=(): (False, "causal-conv1d is not installed"))
     x, w, b, cu = conv_case()
     causal_conv1d_fn(x, w, b, cu_seqlens=cu)
@@ -165,10 +165,10 @@ def test_ssd_features_upstream_lacks(fake_cuda, fake_ssd, what, kwargs, grad):
 
 def test_select_backend_is_pure():
     never = lambda: pytest.fail("support must not be read on CPU")  # noqa: E731
-    assert _dispatch.select_backend("op", "auto", on_cuda=False, support_state=never) == "reference"
-    assert _dispatch.select_backend("op", "reference", on_cuda=True, support_state=never) == "reference"
-    assert _dispatch.select_backend("op", "auto", on_cuda=True, support_state=lambda: (True, None)) == "kernel"
-    assert _dispatch.select_backend("op", "auto", on_cuda=True, support_state=lambda: (False, "x")) == "reference"
+    assert dispatch.select_backend("op", "auto", on_cuda=False, support_state=never) == "reference"
+    assert dispatch.select_backend("op", "reference", on_cuda=True, support_state=never) == "reference"
+    assert dispatch.select_backend("op", "auto", on_cuda=True, support_state=lambda: (True, None)) == "kernel"
+    assert dispatch.select_backend("op", "auto", on_cuda=True, support_state=lambda: (False, "x")) == "reference"
 
 
 @pytest.fixture
@@ -194,7 +194,8 @@ def test_fla_gets_clean_boundaries_and_empty_documents_keep_their_state(fake_cud
     from mixers.ops import chunk_gated_delta_rule
     q, k, v, gate, beta, h0, cu = delta_case()
     out, final = chunk_gated_delta_rule(q, k, v, gate, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
-    assert fake_fla[0][1].tolist() == [0, 4, 13, 16, 19]
+    # the documents 4, 9, 3, the 3-token padding tail, then the two empty documents (moved last)
+    assert fake_fla[0][1].tolist() == [0, 4, 13, 16, 19, 19, 19]
     ref, ref_final = chunk_gated_delta_rule(q, k, v, gate, beta, initial_state=h0, output_final_state=True,
                                             cu_seqlens=cu, backend="reference")
     assert torch.allclose(out.float(), ref.float()) and torch.allclose(final.float(), ref_final.float())

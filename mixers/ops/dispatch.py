@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import ssm_pack.support as support
+from ssm_pack import kernels
 
 BACKENDS = ("auto", "kernel", "reference")
 
@@ -59,16 +59,7 @@ def is_cuda(t) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def cached_support(name: str, features: tuple[str, ...] = ()) -> tuple[bool, str | None]:
-    """Support state of an upstream package, read once per process (``cache_clear()`` resets).
-
-    ``features`` are causal-conv1d feature names (see ``ssm_pack.support.CAUSAL_CONV1D_FEATURES``).
-    """
-    if name == "causal_conv1d":
-        return support.check_causal_conv1d_support(features)
-    checks = {
-        "mamba_ssm": lambda: support.check_mamba_sequence_packing_support(False),
-        "fla": support.check_fla_sequence_packing_support,
-        "flash_attn": support.check_flash_attn_support,
-    }
-    return checks[name]()
+def cached_support(kernel: str, features: tuple[str, ...] = ()) -> tuple[bool, str | None]:
+    """``(ok, reason)`` of ``kernel`` with ``features`` from the requirements table
+    (:mod:`ssm_pack.kernels`), read once per process (``cache_clear()`` resets)."""
+    return kernels.kernel_support(kernel, tuple(features))

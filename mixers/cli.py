@@ -8,8 +8,8 @@ import sys
 
 
 def _report(_args) -> int:
-    from .report import support_report
-    print(support_report())
+    from .report import full_report
+    print(full_report())
     return 0
 
 
@@ -25,8 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "demo":                 # the demo owns its flags (mixers is imported only here)
-        from mixers.demo import main as demo_main
+    if argv and argv[0] == "demo":                 # the demo owns its flags
+        from .demo import main as demo_main
         return demo_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)

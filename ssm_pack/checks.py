@@ -1,4 +1,4 @@
-"""Argument checks shared by every public function of ``ssm_pack``.
+"""Argument checks shared by every public function of ``ssm_pack`` and ``mixers``.
 
 Each check raises ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong shape
 or value) with a message that names the argument, the value seen and the fix. ``assert`` is
@@ -73,6 +73,8 @@ def check_lengths(name: str, lengths: torch.Tensor) -> None:
 def check_boundaries(name: str, cu: torch.Tensor, *, values: bool = True) -> None:
     """``cu`` must be a 1-D integer tensor of offsets starting at 0 and non-decreasing.
 
+    Any integer dtype is checked exactly: differences are taken in int64, so unsigned offsets
+    cannot wrap around and narrow offsets that overflowed show up as a decrease.
     ``values=False`` skips the checks that read the tensor's values (they synchronise with
     the device when ``cu`` lives on an accelerator).
     """
@@ -81,15 +83,33 @@ def check_boundaries(name: str, cu: torch.Tensor, *, values: bool = True) -> Non
         raise ValueError(f"{name} must hold at least one offset (the leading 0), got an empty tensor")
     if not values:
         return
-    first = int(cu[0])
+    wide = cu.to(torch.int64)
+    first = int(wide[0])
     if first != 0:
         raise ValueError(f"{name} must start at 0, got {first}")
-    if cu.numel() > 1:
-        steps = cu[1:] - cu[:-1]
+    if wide.numel() > 1:
+        steps = wide[1:] - wide[:-1]
         if bool((steps < 0).any()):
             i = int(torch.nonzero(steps < 0)[0, 0])
-            raise ValueError(f"{name} must be non-decreasing, got {int(cu[i])} then {int(cu[i + 1])} "
-                             f"at positions {i} and {i + 1}")
+            hint = (f" ({cu.dtype} holds at most {torch.iinfo(cu.dtype).max}: use int32)"
+                    if cu.dtype in (torch.int8, torch.uint8, torch.int16) else "")
+            raise ValueError(f"{name} must be non-decreasing, got {int(wide[i])} then {int(wide[i + 1])} "
+                             f"at positions {i} and {i + 1}{hint}")
+
+
+def as_boundaries(name: str, value, *, device=None) -> torch.Tensor:
+    """Offsets given as a tensor, a list / tuple of ints or a numpy array -> a 1-D integer tensor.
+
+    Anything else is refused by name (a ``TypeError`` rather than an ``AttributeError`` later).
+    The values are not checked here (see :func:`check_boundaries`).
+    """
+    if isinstance(value, torch.Tensor):
+        return check_tensor(name, value, ndim=1, integer=True)
+    if type(value).__module__ == "numpy" and hasattr(value, "dtype"):
+        if value.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got a numpy array of dtype {value.dtype}")
+        return check_tensor(name, torch.as_tensor(value, device=device), ndim=1)
+    return as_index_tensor(name, value, device=device)
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> None:

@@ -1,0 +1,35 @@
+"""``ssm-pack report``: the ``ssm_pack`` support report plus, for every mixer, which backend each
+part of its packed forward takes here, read from the mixer's own ``PLAN`` (the rows a
+``backend="kernel"`` mixer checks at construction and ``auto`` warns about), so the report and
+the layers cannot disagree.
+"""
+
+from __future__ import annotations
+
+from ssm_pack.report import fix_lines, header_lines, kernel_lines
+
+from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
+from .layers.base import plan_support
+
+MIXERS = (Mamba2Mixer, GatedDeltaNetMixer, KDAMixer, GatedDeltaProductMixer, AttentionMixer)
+
+
+def mixer_backends(mixers=MIXERS) -> list[tuple[str, str, str, str | None]]:
+    """``(mixer, part, backend, reason)``: what each part of each mixer's packed training runs on
+    a CUDA device here (``reason`` says why not the kernel)."""
+    rows = []
+    for cls in mixers:
+        for part, kernel, ok, reason in plan_support(cls.PLAN):
+            rows.append((cls.__name__, part, kernel if ok else "reference", reason))
+    return rows
+
+
+def full_report() -> str:
+    """Packages, kernel features and the backend of every mixer part."""
+    lines = header_lines() + [""] + kernel_lines() + ["", "packed training backends per mixer "
+                                                       "(kernel name, or reference = ssm-pack's exact PyTorch path):"]
+    for mixer, part, backend, _ in mixer_backends():
+        lines.append(f"  {mixer:24s} {part:18s} {backend}")
+    lines += fix_lines()
+    lines += ["", "The reference path is exact and packs correctly everywhere; kernels are faster on CUDA."]
+    return "\n".join(lines)
