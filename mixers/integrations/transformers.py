@@ -23,7 +23,7 @@ import weakref
 import torch
 from torch import nn
 
-from ssm_pack import PackedSeqParams
+from ssm_pack import PackedSeqParams, VarlenBatch
 
 from ..checkpoints import SOURCES, from_module, source_of
 from ..checkpoints.convert import to_module
@@ -35,10 +35,11 @@ _HF_CLASSES = {c for s in SOURCES.values() for c in s.classes if c.startswith("t
 
 
 class _Batch:
-    """The current forward's packing, set once per model call by the pre-forward hook."""
+    """The current forward's packing, resolved once per model call by the pre-forward hook (every
+    swapped layer reads the same :class:`ssm_pack.VarlenBatch`)."""
 
     def __init__(self):
-        self.params: PackedSeqParams | None = None
+        self.params: VarlenBatch | None = None
 
 
 def _position_resets(position_ids: torch.Tensor) -> int:
@@ -129,6 +130,14 @@ def _load_upstream(module: PackedMixer, state_dict, prefix, local_metadata, stri
     state_dict.update({prefix + "mixer." + k: v for k, v in ours.items()})
 
 
+def _resolve(params: PackedSeqParams, kwargs: dict) -> VarlenBatch:
+    """The call's metadata, built once on the tokens' device for all swapped layers."""
+    tokens = next(kwargs[k] for k in ("input_ids", "inputs_embeds", "position_ids", "labels")
+                  if kwargs.get(k) is not None)
+    return VarlenBatch.build(params, tokens.shape[-2] if tokens.dim() == 3 and tokens.is_floating_point()
+                             else tokens.shape[-1], device=tokens.device)
+
+
 def _hf_mixers(model: nn.Module):
     """(parent, attribute, module) for every layer a converter reads."""
     for parent in model.modules():
@@ -161,7 +170,8 @@ def enable_packing(model: nn.Module, *, backend: str = "auto") -> nn.Module:
         setattr(parent, attr, PackedMixer(mixer, child, batch))
 
     def read_boundaries(module, args, kwargs):
-        batch.params = packing_from_model_kwargs(kwargs)
+        params = packing_from_model_kwargs(kwargs)
+        batch.params = None if params is None else _resolve(params, kwargs)
 
     model._ssm_pack_packing = (batch, model.register_forward_pre_hook(read_boundaries, with_kwargs=True))
     return model

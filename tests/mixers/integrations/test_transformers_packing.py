@@ -237,7 +237,7 @@ def test_trainer_with_the_flattening_collator(monkeypatch, tmp_path):
 def _spy(forward, seen):
     def wrapped(self, hidden_states, *args, **kwargs):
         if self._batch.params is not None:
-            seen.append(self._batch.params.cu_seqlens_q.numel() - 1)
+            seen.append(self._batch.params.num_docs)
         return forward(self, hidden_states, *args, **kwargs)
     return wrapped
 
