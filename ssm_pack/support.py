@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 
 import torch
 from packaging.version import InvalidVersion, Version
@@ -25,6 +26,11 @@ CAUSAL_CONV1D_FEATURES = {
 MAMBA_TRAINING_MIN = ("1.4.0", "2.0.0")        # (causal-conv1d, mamba-ssm) for packed training
 MAMBA_INFERENCE_MIN = ("1.5.3.post1", "2.2.6.post3")  # ... and for packed inference
 FLA_MIN, TRITON_MIN, FLASH_ATTN_MIN = "0.4.0", "3.3.0", "2.3.0"
+# fla's Triton causal_conv1d (fla.modules.causal_conv1d: varlen, [N, D, W] initial and final states):
+# the release whose semantics the interpreter lane checked; older ones take causal-conv1d or the reference.
+FLA_CONV_MIN = "0.6.0"
+# The one switch for the interpreter lane (see triton_interpreter).
+TRITON_INTERPRET_SWITCH = "SSM_PACK_TRITON_INTERPRET"
 
 _DISTS = {  # import name -> (distribution names to try, CUDA extension module or None)
     "causal_conv1d": (("causal-conv1d", "causal_conv1d"), "causal_conv1d_cuda"),
@@ -97,8 +103,22 @@ def package_state(package: str, minimum: str, feature: str) -> tuple[bool, str |
     return True, None
 
 
-def _cuda_state() -> tuple[bool, str | None]:
-    if probe.cuda_available():
+def triton_interpreter() -> bool:
+    """Whether the Triton kernel paths may run on CPU tensors (the interpreter test lane).
+
+    True only when ``SSM_PACK_TRITON_INTERPRET=1`` *and* ``TRITON_INTERPRET=1`` are set. Triton then
+    runs its kernels on CPU through numpy, so ssm-pack treats CPU tensors like CUDA tensors for the
+    Triton kernels (mamba-ssm's SSD scan, fla's delta-rule scans and causal_conv1d) and their
+    support checks accept the interpreter as the device. The CUDA C++ kernels (causal-conv1d,
+    flash-attn) still need a real CUDA device. For tests only: the interpreter is orders of
+    magnitude slower than the reference (see README "Interpreter lane").
+    """
+    return os.environ.get(TRITON_INTERPRET_SWITCH) == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _cuda_state(triton_kernel: bool = False) -> tuple[bool, str | None]:
+    """A CUDA device, or (for a Triton kernel with :func:`triton_interpreter` on) the interpreter."""
+    if probe.cuda_available() or (triton_kernel and triton_interpreter()):
         return True, None
     return False, f"no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False)"
 
@@ -161,7 +181,37 @@ def check_fla_sequence_packing_support() -> tuple[bool, str | None]:
     return _first_failure(
         package_state("fla", FLA_MIN, "packed GDN / KDA / Gated DeltaProduct kernels"),
         package_state("triton", TRITON_MIN, "flash-linear-attention's Triton kernels"),
-        _cuda_state(),
+        _cuda_state(triton_kernel=True),
+    )
+
+
+def check_mamba_ssd_support() -> tuple[bool, str | None]:
+    """Can mamba-ssm's Triton SSD scan (``mamba_chunk_scan_combined``) run packed here?
+
+    The scan alone: mamba-ssm >= 2.0.0 (``seq_idx`` resets) with its CUDA extension (importing
+    ``mamba_ssm`` loads it), Triton >= 3.3 and a device. Unlike
+    :func:`check_mamba_sequence_packing_support` (Megatron's gate for the whole Mamba2 layer) it
+    does not ask for causal-conv1d: the short convolution is checked on its own, and may run
+    on fla's Triton conv (:func:`check_fla_conv_support`).
+    """
+    return _first_failure(
+        package_state("mamba_ssm", MAMBA_TRAINING_MIN[1], "the packed SSD scan (seq_idx resets)"),
+        package_state("triton", TRITON_MIN, "mamba-ssm's Triton SSD scan"),
+        _cuda_state(triton_kernel=True),
+    )
+
+
+def check_fla_conv_support() -> tuple[bool, str | None]:
+    """Can flash-linear-attention's Triton ``causal_conv1d`` run the packed short convolution?
+
+    The second conv kernel, used where causal-conv1d's CUDA kernel cannot run: fla >= 0.6.0
+    (varlen ``cu_seqlens`` with per-sequence initial and final states, the release checked in
+    the interpreter lane), Triton >= 3.3 and a device. fla is pure Python: nothing to compile.
+    """
+    return _first_failure(
+        package_state("fla", FLA_CONV_MIN, "the Triton short convolution (fla.modules.causal_conv1d)"),
+        package_state("triton", TRITON_MIN, "flash-linear-attention's Triton causal_conv1d"),
+        _cuda_state(triton_kernel=True),
     )
 
 

@@ -4,6 +4,11 @@
 or raises (never a silent fallback when a kernel was asked for). ``"auto"`` takes the kernel
 when the tensors are on CUDA, the support check passes and the kernel can do every requested
 feature; otherwise the reference, which is exact, so "auto" never runs an unpacked kernel.
+
+Interpreter lane: with ``SSM_PACK_TRITON_INTERPRET=1`` and ``TRITON_INTERPRET=1`` (see
+:func:`ssm_pack.support.triton_interpreter`, the one switch) :func:`is_cuda` also answers yes
+for CPU tensors, and the Triton kernels' support checks accept the interpreter as the device,
+so the real upstream Triton kernels run through these wrappers on CPU in tests.
 """
 
 from __future__ import annotations
@@ -54,8 +59,9 @@ def select_backend(op: str, backend: str, *, on_cuda: bool,
 
 
 def is_cuda(t) -> bool:
-    """Whether ``t`` lives on a CUDA device (one place, so kernel-contract tests can pretend)."""
-    return t.is_cuda
+    """Whether ``t`` lives on a CUDA device (one place, so kernel-contract tests can pretend), or
+    on the CPU with the interpreter switch on (:func:`ssm_pack.support.triton_interpreter`)."""
+    return t.is_cuda or (t.device.type == "cpu" and support.triton_interpreter())
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,12 +69,16 @@ def cached_support(name: str, features: tuple[str, ...] = ()) -> tuple[bool, str
     """Support state of an upstream package, read once per process (``cache_clear()`` resets).
 
     ``features`` are causal-conv1d feature names (see ``ssm_pack.support.CAUSAL_CONV1D_FEATURES``).
+    Names: ``causal_conv1d`` (CUDA conv), ``fla_conv`` (fla's Triton conv, the second conv kernel),
+    ``mamba_ssm`` (the SSD scan alone: the conv is its own entry), ``fla`` (delta-rule scans),
+    ``flash_attn``.
     """
     if name == "causal_conv1d":
         return support.check_causal_conv1d_support(features)
     checks = {
-        "mamba_ssm": lambda: support.check_mamba_sequence_packing_support(False),
+        "mamba_ssm": support.check_mamba_ssd_support,
         "fla": support.check_fla_sequence_packing_support,
+        "fla_conv": support.check_fla_conv_support,
         "flash_attn": support.check_flash_attn_support,
     }
     return checks[name]()
