@@ -57,8 +57,15 @@ def resolve(hidden_states: torch.Tensor, packed_seq_params, layer: str) -> Packi
 
 
 def _packing_support(kernel: str) -> tuple[bool, str]:
-    """Can ``kernel`` run packed input? The short convolution needs its ``seq_idx`` feature."""
-    return _dispatch.cached_support(kernel, ("seq_idx",) if kernel == "causal_conv1d" else ())
+    """Can ``kernel`` run packed input? The short convolution (``"causal_conv1d"``) may run on
+    causal-conv1d's CUDA kernel (with its ``seq_idx`` feature) or on fla's Triton conv."""
+    if kernel != "causal_conv1d":
+        return _dispatch.cached_support(kernel)
+    ok, reason = _dispatch.cached_support("causal_conv1d", ("seq_idx",))
+    if ok:
+        return ok, reason
+    fla_ok, fla_reason = _dispatch.cached_support("fla_conv")
+    return (True, None) if fla_ok else (False, f"{reason}; and fla's Triton conv: {fla_reason}")
 
 
 def warn_reference_once(layer: str, hidden_states: torch.Tensor, backend: str, kernels: tuple[str, ...]) -> None:

@@ -137,3 +137,59 @@ def test_checks_do_not_import_the_extensions():
                   sp.check_fla_sequence_packing_support):
         check()
     assert not {"causal_conv1d_cuda", "selective_scan_cuda", "mamba_ssm", "causal_conv1d"} & set(sys.modules)
+
+
+FLA_ONLY = FakeProbe({"causal-conv1d": "1.7.0", "mamba-ssm": "2.3.2.post1", "triton": "3.4.0",
+                      "flash-linear-attention": "0.6.0"}, {"selective_scan_cuda"})
+
+
+def test_fla_conv_needs_the_checked_release(fake):
+    fake(FakeProbe({"flash-linear-attention": "0.5.2", "triton": "3.4.0"}))
+    ok, reason = sp.check_fla_conv_support()
+    assert not ok and "flash-linear-attention 0.5.2 is too old" in reason and ">= 0.6.0" in reason
+    assert sp.check_fla_sequence_packing_support() == (True, None)      # the scans are fine with 0.5.2
+    fake(FLA_ONLY)
+    assert sp.check_fla_conv_support() == (True, None)
+
+
+def test_ssd_check_does_not_ask_for_causal_conv1d(fake):
+    fake(FLA_ONLY)
+    assert sp.check_mamba_ssd_support() == (True, None)
+    ok, reason = sp.check_mamba_sequence_packing_support()               # Megatron's whole-layer gate
+    assert not ok and "causal_conv1d_cuda" in reason
+
+
+def test_report_names_the_conv_kernel(fake):
+    fake(FLA_ONLY)
+    text = support_report()
+    assert "training  fla Triton conv  (not causal-conv1d: causal-conv1d 1.7.0 is installed but its CUDA " \
+           "extension 'causal_conv1d_cuda' is missing" in text
+    assert "Mamba2Mixer              short conv         training: kernel" in text
+    fake(ALL_GOOD)
+    assert "training  causal-conv1d\n" in support_report()
+    fake(FakeProbe())
+    assert "training  reference  (causal-conv1d is not installed" in support_report()
+
+
+@pytest.mark.parametrize("switch,interpret,on", [
+    pytest.param("1", "1", True, id="both"),
+    pytest.param("1", None, False, id="switch-without-TRITON_INTERPRET"),
+    pytest.param(None, "1", False, id="TRITON_INTERPRET-alone"),
+])
+def test_interpreter_switch(fake, monkeypatch, switch, interpret, on):
+    """The one switch: only with TRITON_INTERPRET=1, and only for the Triton kernels."""
+    import torch
+
+    from mixers.ops import _dispatch
+    for name, value in ((support.TRITON_INTERPRET_SWITCH, switch), ("TRITON_INTERPRET", interpret)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    fake(FakeProbe({**ALL_GOOD.versions, "flash-linear-attention": "0.6.0"}, ALL_GOOD.modules, cuda=False))
+    assert support.triton_interpreter() is on and _dispatch.is_cuda(torch.zeros(1)) is on
+    for check in (sp.check_fla_sequence_packing_support, sp.check_fla_conv_support, sp.check_mamba_ssd_support):
+        assert check()[0] is on
+    for check in (sp.check_causal_conv1d_support, sp.check_flash_attn_support, sp.check_mamba_sequence_packing_support):
+        ok, reason = check()                                           # CUDA C++ kernels: never the interpreter
+        assert not ok and "no CUDA device" in reason

@@ -11,6 +11,11 @@ Beyond upstream (keyword-only): ``cu_seqlens`` (``B == 1``) gives per-document
 ``initial_states`` ``[N, D, J]`` and per-document final states ``[N, D, J]`` (the last J inputs
 of each document, reaching into its initial state when it is shorter), differentiable; final
 states are also returned together with ``seq_idx``, which upstream refuses.
+
+Kernels, in order: causal-conv1d's CUDA kernel (``kernel.py``), then fla's Triton
+``causal_conv1d`` (``fla_kernel.py``: no compilation needed; also takes per-document initial
+states, any width and channel count); ``backend="kernel"`` takes the first that can run and
+raises when neither can, ``"auto"`` falls back to the exact reference.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from ssm_pack.seq_idx import seq_idx_from_cu_seqlens
 
 from .. import _dispatch
 from .._segments import Segments, segments_from_cu_seqlens, segments_from_seq_idx
+from . import fla_kernel
 from ._validate import check_conv_inputs
 from .kernel import causal_conv1d_kernel, unsupported_shape, varlen_states_kernel
 from .reference import causal_conv1d_reference, gather_final_slots
@@ -88,16 +94,23 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     slots = _initial_slots(initial_states, segs, init_per_doc)
     doc_init = initial_states if init_per_doc else None
     choice = _choose(x, weight, initial_states, init_per_doc, backend, seq_idx, user_seq_idx)
-    if choice == "kernel":
-        if seq_idx is None:                          # only the kernel reads seq_idx for cu_seqlens
+    pad_mask = seq_idx < 0 if user_seq_idx else None
+    fla_final = None
+    if choice == "causal_conv1d":
+        if seq_idx is None:                          # only this kernel reads seq_idx for cu_seqlens
             seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, length)
         out = causal_conv1d_kernel(x, weight, bias, seq_idx, initial_states, activation)
+    elif choice == "fla":
+        out, fla_final = fla_kernel.fla_conv(x, weight, bias, segs, slots, activation, pad_mask,
+                                             return_final_states)
     else:
-        out = causal_conv1d_reference(x, weight, bias, segs, slots, activation,
-                                      pad_mask=seq_idx < 0 if user_seq_idx else None)
+        out = causal_conv1d_reference(x, weight, bias, segs, slots, activation, pad_mask=pad_mask)
     if not return_final_states:
         return out
-    final = _gather_final_states(x, cu_seqlens, segs, slots, state_len, doc_init, choice == "kernel")
+    if fla_final is not None:
+        final = _final_states(fla_final, segs, cu_seqlens is not None, doc_init, (batch, length))
+    else:
+        final = _gather_final_states(x, cu_seqlens, segs, slots, state_len, doc_init, choice == "causal_conv1d")
     if final_states_out is not None:
         final_states_out.copy_(final)
         final = final_states_out
@@ -105,6 +118,7 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
 
 
 def _choose(x, weight, initial_states, init_per_doc, backend, seq_idx, user_seq_idx) -> str:
+    """``"causal_conv1d"`` (CUDA kernel), else ``"fla"`` (Triton kernel), else ``"reference"``."""
     on_cuda = _dispatch.is_cuda(x)
     if init_per_doc:
         missing = "per-document initial states"
@@ -116,8 +130,33 @@ def _choose(x, weight, initial_states, init_per_doc, backend, seq_idx, user_seq_
         padded = user_seq_idx and bool((seq_idx < 0).any())       # one device sync, kernel path only
         return _dispatch.cached_support("causal_conv1d", features + (("padding_seq_idx",) if padded else ()))
 
-    return _dispatch.select_backend("causal_conv1d_fn", backend, on_cuda=on_cuda, support_state=support_state,
-                                    missing_feature=missing)
+    first = _dispatch.select_backend("causal_conv1d_fn", "auto" if backend == "kernel" else backend,
+                                     on_cuda=on_cuda, support_state=support_state, missing_feature=missing)
+    if first == "kernel":
+        return "causal_conv1d"
+    if backend == "reference":
+        return "reference"
+    second = _dispatch.select_backend("causal_conv1d_fn", "auto", on_cuda=on_cuda,
+                                      support_state=lambda: _dispatch.cached_support("fla_conv"),
+                                      missing_feature=fla_kernel.unsupported(x))
+    if second == "kernel":
+        return "fla"
+    if backend == "kernel":
+        _raise_no_conv_kernel(on_cuda, missing, support_state, x)
+    return "reference"
+
+
+def _raise_no_conv_kernel(on_cuda, missing, support_state, x):
+    """``backend="kernel"`` and neither kernel can run: say why for each."""
+    if not on_cuda:
+        raise ValueError("causal_conv1d_fn: backend='kernel' needs CUDA tensors; use backend='reference' on CPU")
+    fla_missing = fla_kernel.unsupported(x)
+    reasons = [f"causal-conv1d cannot do {missing}" if missing else f"causal-conv1d: {support_state()[1]}",
+               f"fla's Triton conv cannot do {fla_missing}" if fla_missing else
+               f"fla's Triton conv: {_dispatch.cached_support('fla_conv')[1]}"]
+    error = ValueError if missing and fla_missing else RuntimeError
+    raise error(f"causal_conv1d_fn: backend='kernel' is unavailable ({'; '.join(reasons)}); "
+                "use backend='reference' (or 'auto', which picks it)")
 
 
 def _gather_final_states(x, cu_seqlens, segs, slots, state_len, doc_init, kernel):
