@@ -1,7 +1,8 @@
 """The interpreter lane (``TRITON_INTERPRET=1 python -m pytest -m interpret``): real upstream Triton
-kernels on CPU through ssm-pack's wrappers and dispatch. Shims (``shims.py``) are installed once
-for the session and removed after it; every test runs with ssm-pack's switch on and the lane's
-support probe, and can count the upstream calls through ``upstream_calls``."""
+kernels on CPU through ssm-pack's wrappers and dispatch. Shims (``shims.py``) are installed for
+each lane module and removed after it (so tests outside the lane never see them, even in one
+process); every test runs with ssm-pack's switch on and the lane's support probe, and can count
+the upstream calls through ``upstream_calls``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from tests.interpret import shims
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def _shims():
     remove = shims.install()
     yield

@@ -127,7 +127,8 @@ def _loop_indices(undo):
                 or (isinstance(call.func, ast.Attribute) and call.func.attr == "range"))
             if dynamic and isinstance(node.target, ast.Name):
                 index = node.target.id
-                rebind = ast.Assign(targets=[ast.Name(id=index, ctx=ast.Store())], value=ast.Name(id=index, ctx=ast.Load()))
+                rebind = ast.Assign(targets=[ast.Name(id=index, ctx=ast.Store())],
+                                    value=ast.Name(id=index, ctx=ast.Load()))
                 node.body.insert(0, self.visit_Assign(rebind))
             return node
 

@@ -119,6 +119,7 @@ def test_upstream_leaves_the_tail_after_cu_seqlens_uncomputed(upstream_calls):
     """Tokens after ``cu_seqlens[-1]`` get no output from fla (NaN-filled memory stays NaN here);
     ssm-pack's segments always end at the row's length, so the tail is computed as its own segment."""
     import fla.modules.causal_conv1d.ops as fla_ops
+
     from mixers.ops.causal_conv1d.fla_kernel import load_upstream
     cu = lengths_to_cu_seqlens([9, 13])
     x, w, b, _ = tensors(16, 30, 4)
