@@ -28,8 +28,8 @@ def full_report() -> str:
     """Packages, kernel features and the backend of every mixer part."""
     lines = header_lines() + [""] + kernel_lines() + ["", "packed training backends per mixer "
                                                        "(kernel name, or reference = ssm-pack's exact PyTorch path):"]
-    for mixer, part, backend, _ in mixer_backends():
-        lines.append(f"  {mixer:24s} {part:18s} {backend}")
+    for mixer, part, backend, reason in mixer_backends():
+        lines.append(f"  {mixer:24s} {part:18s} {backend}" + (f"  ({reason})" if reason else ""))
     lines += fix_lines()
     lines += ["", "The reference path is exact and packs correctly everywhere; kernels are faster on CUDA."]
     return "\n".join(lines)

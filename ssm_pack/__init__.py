@@ -20,9 +20,11 @@ from .convert import (
 from .hf import hf_batch_from_packed_seq_params, packed_seq_params_from_hf_batch
 from .kernels import (
     check_causal_conv1d_support,
+    check_fla_conv_support,
     check_fla_sequence_packing_support,
     check_flash_attn_support,
     check_mamba_sequence_packing_support,
+    check_mamba_ssd_support,
 )
 from .masks import (
     PackingAlignmentWarning,
@@ -49,8 +51,8 @@ __version__ = "0.1.0"
 __all__ = [
     "PackPlan", "PackedSeqParams", "PackingAlignmentWarning", "Segments", "VarlenBatch", "assemble_packed_sequence",
     "attention_mask_from_lengths", "build_packed_seq_idx", "check_block_alignment",
-    "check_causal_conv1d_support", "check_fla_sequence_packing_support", "check_flash_attn_support",
-    "check_mamba_sequence_packing_support", "cu_seqlens_from_position_ids", "cu_seqlens_from_seq_idx",
+    "check_causal_conv1d_support", "check_fla_conv_support", "check_fla_sequence_packing_support",
+    "check_flash_attn_support", "check_mamba_sequence_packing_support", "check_mamba_ssd_support", "cu_seqlens_from_position_ids", "cu_seqlens_from_seq_idx",
     "cu_seqlens_to_lengths", "dense_segment_keep", "get_cu_seqlens", "hf_batch_from_packed_seq_params",
     "is_packed", "lengths_from_attention_mask", "lengths_to_cu_seqlens", "max_seqlen_from_cu_seqlens",
     "pack_language_shard", "pack_padded", "packed_masks", "packed_seq_params_from_doc_ids",

@@ -20,11 +20,13 @@ from . import support
 
 @dataclass(frozen=True)
 class Kernel:
-    """One upstream kernel family: the packages it needs (with the kernel's own minimum)."""
+    """One upstream kernel family: the packages it needs (with the kernel's own minimum); a
+    Triton kernel also runs under the interpreter lane's switch (:func:`support.triton_interpreter`)."""
 
     name: str
     label: str
     packages: tuple[tuple[str, str], ...]
+    triton: bool = False
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,13 @@ class Feature:
 
 KERNELS = {k.name: k for k in (
     Kernel("causal_conv1d", "causal-conv1d's CUDA short convolution", (("causal_conv1d", "1.0.0"),)),
-    Kernel("mamba_ssd", "mamba-ssm's Triton SSD scan", (("mamba_ssm", "2.0.0"), ("triton", "3.3.0"))),
-    Kernel("fla", "flash-linear-attention's Triton delta-rule kernels", (("fla", "0.4.0"), ("triton", "3.3.0"))),
+    # fla's Triton causal_conv1d: the second conv kernel (pure Python, nothing to compile); 0.6.0 is
+    # the release whose varlen and [N, D, W] state semantics the interpreter lane checked
+    Kernel("fla_conv", "flash-linear-attention's Triton short convolution", (("fla", "0.6.0"), ("triton", "3.3.0")),
+           triton=True),
+    Kernel("mamba_ssd", "mamba-ssm's Triton SSD scan", (("mamba_ssm", "2.0.0"), ("triton", "3.3.0")), triton=True),
+    Kernel("fla", "flash-linear-attention's Triton delta-rule kernels", (("fla", "0.4.0"), ("triton", "3.3.0")),
+           triton=True),
     Kernel("flash_attn", "flash-attn's varlen attention", (("flash_attn", "2.3.0"),)),
 )}
 
@@ -94,7 +101,7 @@ def kernel_support(kernel: str, features=(), *, require_device: bool = True) -> 
     """Can ``kernel`` run with ``features`` here? ``(ok, reason)``, the real blocker named first."""
     needed = requirements(kernel, features)
     if require_device:
-        ok, reason = support.device_state()
+        ok, reason = support.device_state(triton_kernel=KERNELS[kernel].triton)
         if not ok:
             return False, f"{KERNELS[kernel].label} needs a CUDA device: {reason}"
     strictest = {}
@@ -147,9 +154,35 @@ def check_fla_sequence_packing_support() -> tuple[bool, str | None]:
     """Can the fla-backed mixers (GDN, KDA, Gated DeltaProduct) run packed on kernels?
 
     Their scans need flash-linear-attention >= 0.4.0 (varlen ``cu_seqlens``) and Triton; their
-    short convolutions need causal-conv1d's ``seq_idx`` resets (>= 1.4.0, Megatron's check).
+    short convolutions need causal-conv1d's ``seq_idx`` resets (>= 1.4.0, Megatron's check) or
+    fla's Triton conv.
     """
-    return _first_failure((kernel_support("fla", ("varlen",)), kernel_support("causal_conv1d", ("seq_idx",))))
+    return _first_failure((kernel_support("fla", ("varlen",)), conv_support(("seq_idx",))))
+
+
+def conv_support(features=("seq_idx",)) -> tuple[bool, str | None]:
+    """Can a kernel run the packed short convolution? causal-conv1d's CUDA kernel with
+    ``features``, else fla's Triton conv (which needs none of them)."""
+    ok, reason = kernel_support("causal_conv1d", features)
+    if ok:
+        return True, None
+    fla_ok, fla_reason = kernel_support("fla_conv")
+    return (True, None) if fla_ok else (False, f"{reason}; and {fla_reason}")
+
+
+def check_mamba_ssd_support() -> tuple[bool, str | None]:
+    """Can mamba-ssm's Triton SSD scan (``mamba_chunk_scan_combined``) run packed here?
+
+    The scan alone (mamba-ssm >= 2.0.0 with its CUDA extension, which importing ``mamba_ssm``
+    loads; Triton; a device): unlike :func:`check_mamba_sequence_packing_support` (Megatron's
+    gate for the whole layer) it asks nothing of causal-conv1d, whose convolution is its own part.
+    """
+    return kernel_support("mamba_ssd", ("seq_idx",))
+
+
+def check_fla_conv_support() -> tuple[bool, str | None]:
+    """Can flash-linear-attention's Triton ``causal_conv1d`` (the second conv kernel) run here?"""
+    return kernel_support("fla_conv")
 
 
 def check_flash_attn_support() -> tuple[bool, str | None]:
@@ -159,5 +192,6 @@ def check_flash_attn_support() -> tuple[bool, str | None]:
 
 __all__ = ["FEATURES", "KERNELS", "Feature", "Kernel", "check_causal_conv1d_support",
            "check_fla_sequence_packing_support",
-           "check_flash_attn_support", "check_mamba_sequence_packing_support", "features_of", "kernel_support",
+           "check_fla_conv_support", "check_flash_attn_support", "check_mamba_sequence_packing_support",
+           "check_mamba_ssd_support", "conv_support", "features_of", "kernel_support",
            "requirements", "strictest_minimums"]

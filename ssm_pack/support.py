@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 
 import torch
 from packaging.version import InvalidVersion, Version
@@ -100,8 +101,26 @@ def package_state(package: str, minimum: str, feature: str) -> tuple[bool, str |
     return package_present(package, minimum)
 
 
-def device_state() -> tuple[bool, str | None]:
-    """``(ok, reason)``: is there a CUDA device for the kernels?"""
-    if probe.cuda_available():
+# The one switch of the interpreter test lane (see triton_interpreter).
+TRITON_INTERPRET_SWITCH = "SSM_PACK_TRITON_INTERPRET"
+
+
+def triton_interpreter() -> bool:
+    """Whether the Triton kernel paths may run on CPU tensors (the interpreter test lane).
+
+    True only when ``SSM_PACK_TRITON_INTERPRET=1`` *and* ``TRITON_INTERPRET=1`` are set. Triton then
+    runs its kernels on CPU through numpy, so ssm-pack treats CPU tensors like CUDA tensors for the
+    Triton kernels (mamba-ssm's SSD scan, fla's delta-rule scans and causal_conv1d) and their
+    support checks accept the interpreter as the device. The CUDA C++ kernels (causal-conv1d,
+    flash-attn) still need a real CUDA device. For tests only: the interpreter is orders of
+    magnitude slower than the reference (see README "Interpreter lane").
+    """
+    return os.environ.get(TRITON_INTERPRET_SWITCH) == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def device_state(triton_kernel: bool = False) -> tuple[bool, str | None]:
+    """``(ok, reason)``: is there a CUDA device for the kernels (or, for a Triton kernel with
+    :func:`triton_interpreter` on, the interpreter)?"""
+    if probe.cuda_available() or (triton_kernel and triton_interpreter()):
         return True, None
     return False, f"no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False)"

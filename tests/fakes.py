@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 import mixers.ops.attention.kernel as attn_kernel
+import mixers.ops.causal_conv1d.fla_kernel as fla_conv_kernel
 import mixers.ops.causal_conv1d.kernel as conv_kernel
 import mixers.ops.delta_rule.kernel as fla_kernel
 import mixers.ops.ssd.kernel as ssd_kernel
@@ -51,6 +52,36 @@ def fake_conv_states(calls):
     return states
 
 
+def fake_fla_conv(calls):
+    """fla's Triton ``causal_conv1d``: one varlen row, boundaries ending at T, ``[N, D, W]`` states.
+
+    Slot 0 of the final states (the input that just left the window) is NaN here, so a wrapper
+    that read it instead of dropping it would fail every comparison."""
+    def conv(x, weight, bias=None, residual=None, initial_state=None, output_final_state=False, activation=None,
+             backend="triton", cu_seqlens=None):
+        _, t, d = x.shape
+        assert x.dim() == 3 and x.shape[0] == 1 and x.dtype in KERNEL_DTYPES and residual is None
+        assert backend == "triton", "ssm-pack must never route fla to its own causal-conv1d backend"
+        assert cu_seqlens is not None and cu_seqlens.dtype == torch.int64 and int(cu_seqlens[0]) == 0
+        assert int(cu_seqlens[-1]) == t, "fla leaves tokens after cu_seqlens[-1] uncomputed"
+        assert bool((cu_seqlens[1:] > cu_seqlens[:-1]).all()), "segments are never empty"
+        n, width = cu_seqlens.numel() - 1, weight.shape[1]
+        assert tuple(weight.shape) == (d, width) and activation in (None, "silu", "swish")
+        init = None
+        if initial_state is not None:
+            assert tuple(initial_state.shape) == (n, d, width) and bool((initial_state[..., 0] == 0).all())
+            init = initial_state[..., 1:]
+        calls.append(("fla_conv", dict(cu_seqlens=cu_seqlens, initial_state=initial_state)))
+        out = causal_conv1d_fn(x.transpose(1, 2), weight, bias, initial_states=init, activation=activation,
+                               return_final_states=output_final_state, cu_seqlens=cu_seqlens, backend="reference")
+        if not output_final_state:
+            return out.transpose(1, 2).contiguous(), None
+        y, final = out
+        nan = final.new_full((n, d, 1), float("nan"))
+        return y.transpose(1, 2).contiguous(), torch.cat([nan, final], dim=2)
+    return conv
+
+
 def fake_ssd(calls):
     def scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
              cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
@@ -64,8 +95,10 @@ def fake_ssd(calls):
         if initial_states is not None:
             assert initial_states.shape[0] == x.shape[0], "upstream takes per-row initial states only"
         calls.append(("ssd", dict(seq_idx=seq_idx, cu_seqlens=cu_seqlens)))
+        # with cu_seqlens the reference reads the boundaries from it (seq_idx is canonical, 0, 1, ...)
         return mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
-                                         initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+                                         initial_states=initial_states,
+                                         seq_idx=None if cu_seqlens is not None else seq_idx, cu_seqlens=cu_seqlens,
                                          dt_softplus=dt_softplus, dt_limit=dt_limit,
                                          return_final_states=return_final_states,
                                          return_varlen_states=return_varlen_states, backend="reference")
@@ -116,6 +149,7 @@ def install(monkeypatch, supported=True):
     monkeypatch.setattr(dispatch, "cached_support",
                         lambda name, features=(): (True, None) if supported else (False, f"{name} is not installed"))
     monkeypatch.setattr(conv_kernel, "load_upstream", lambda: (fake_conv(calls), None))
+    monkeypatch.setattr(fla_conv_kernel, "load_upstream", lambda: fake_fla_conv(calls))
     monkeypatch.setattr(ssd_kernel, "load_upstream", lambda: fake_ssd(calls))
     monkeypatch.setattr(fla_kernel, "load_upstream", fake_fla(calls))
     monkeypatch.setattr(attn_kernel, "load_upstream", lambda: fake_flash(calls))

@@ -31,7 +31,7 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 class AttentionMixer(MixerBase):
     """GQA attention mixer: ``forward(hidden_states [B, T, D], packed_seq_params=None) -> [B, T, D]``."""
 
-    PLAN = (("varlen attention", "flash_attn", ("varlen",)),)
+    PLAN = (("varlen attention", (("flash_attn", ("varlen",)),)),)
 
     def __init__(self, hidden_size: int | None = None, *, config: AttentionConfig | None = None,
                  backend: str = "auto", **overrides):

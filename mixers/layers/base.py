@@ -3,11 +3,12 @@ metadata.
 
     B = rows, T = tokens, D = hidden
 
-A mixer's ``PLAN`` lists the kernels its packed forward calls, ``(part, kernel, features)`` rows
-of the requirements table (:mod:`ssm_pack.kernels`): the ``backend="kernel"`` check at
-construction, the once-per-type warning in ``auto`` and the support report all read it, through
-:func:`plan_support`, so they agree with each other and with the ops (which ask the table for the
-same kernel and features).
+A mixer's ``PLAN`` lists the parts of its packed forward and, for each, the kernels that can run
+it in the order the op tries them: ``(part, ((kernel, features), ...))`` rows of the
+requirements table (:mod:`ssm_pack.kernels`). The ``backend="kernel"`` check at construction,
+the once-per-type warning in ``auto`` and the support report all read it through
+:func:`plan_support`, so they agree with each other and with the ops (which ask the table for
+the same kernels and features, in the same order).
 
 ``forward(hidden_states, packed_seq_params)`` takes a :class:`ssm_pack.VarlenBatch` (what
 ``HybridLM`` builds once per forward and hands to every block) or anything it is built from (an
@@ -29,9 +30,24 @@ from ..ops import dispatch
 _WARNED: set[tuple[str, str]] = set()
 
 
+SHORT_CONV = (("causal_conv1d", ("seq_idx",)), ("fla_conv", ()))   # the short convolutions' kernels, in order
+
+
 def plan_support(plan) -> list[tuple[str, str, bool, str | None]]:
-    """``[(part, kernel, ok, reason)]`` for every row of a mixer's ``PLAN``."""
-    return [(part, kernel, *dispatch.cached_support(kernel, tuple(features))) for part, kernel, features in plan]
+    """``[(part, kernel, ok, reason)]`` for every row of a mixer's ``PLAN``: the first kernel that
+    can run the part (or the last one tried, with every kernel's reason)."""
+    rows = []
+    for part, choices in plan:
+        reasons = []
+        for kernel, features in choices:
+            ok, reason = dispatch.cached_support(kernel, tuple(features))
+            if ok:
+                rows.append((part, kernel, True, None))
+                break
+            reasons.append(reason)
+        else:
+            rows.append((part, choices[0][0], False, "; and ".join(reasons)))
+    return rows
 
 
 class MixerBase(nn.Module):
@@ -40,7 +56,7 @@ class MixerBase(nn.Module):
     Subclasses set ``PLAN`` and build their modules after ``super().__init__``.
     """
 
-    PLAN: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    PLAN: tuple = ()
 
     def __init__(self, config_cls, hidden_size, config, backend: str, overrides: dict):
         super().__init__()

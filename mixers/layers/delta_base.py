@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._init import inverse_softplus_dt
-from .base import MixerBase
+from .base import SHORT_CONV, MixerBase
 from .norm import GatedRMSNorm, upcast
 from .short_conv import ShortConvolution
 
@@ -25,7 +25,7 @@ class DeltaMixerBase(MixerBase):
     """Base of the delta-rule mixers; subclasses set ``CONFIG`` and build the gates."""
 
     CONFIG = None
-    PLAN = (("short convs", "causal_conv1d", ("seq_idx",)), ("delta-rule scan", "fla", ("varlen",)))
+    PLAN = (("short convs", SHORT_CONV), ("delta-rule scan", (("fla", ("varlen",)),)))
     HOUSEHOLDER = 1
 
     def __init__(self, hidden_size: int | None = None, *, config=None, backend: str = "auto", **overrides):

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..ops import mamba_chunk_scan_combined
 from ._init import inverse_softplus_dt
-from .base import MixerBase
+from .base import SHORT_CONV, MixerBase
 from .config import Mamba2Config
 from .norm import GatedRMSNorm, upcast
 from .short_conv import ShortConvolution
@@ -30,7 +30,7 @@ class Mamba2Mixer(MixerBase):
     ``"reference"``.
     """
 
-    PLAN = (("short conv", "causal_conv1d", ("seq_idx",)), ("SSD scan", "mamba_ssd", ("seq_idx",)))
+    PLAN = (("short conv", SHORT_CONV), ("SSD scan", (("mamba_ssd", ("seq_idx",)),)))
 
     def __init__(self, hidden_size: int | None = None, *, config: Mamba2Config | None = None, backend: str = "auto",
                  **overrides):

@@ -4,6 +4,11 @@
 or raises (never a silent fallback when a kernel was asked for). ``"auto"`` takes the kernel
 when the tensors are on CUDA, the support check passes and the kernel can do every requested
 feature; otherwise the reference, which is exact, so "auto" never runs an unpacked kernel.
+
+Interpreter lane: with ``SSM_PACK_TRITON_INTERPRET=1`` and ``TRITON_INTERPRET=1`` (see
+:func:`ssm_pack.support.triton_interpreter`, the one switch) :func:`is_cuda` also answers yes
+for CPU tensors, and the Triton kernels' support checks accept the interpreter as the device,
+so the real upstream Triton kernels run through these wrappers on CPU in tests.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from ssm_pack import kernels
+from ssm_pack import kernels, support
 
 BACKENDS = ("auto", "kernel", "reference")
 
@@ -54,8 +59,9 @@ def select_backend(op: str, backend: str, *, on_cuda: bool,
 
 
 def is_cuda(t) -> bool:
-    """Whether ``t`` lives on a CUDA device (one place, so kernel-contract tests can pretend)."""
-    return t.is_cuda
+    """Whether ``t`` lives on a CUDA device (one place, so kernel-contract tests can pretend), or
+    on the CPU with the interpreter switch on (:func:`ssm_pack.support.triton_interpreter`)."""
+    return t.is_cuda or (t.device.type == "cpu" and support.triton_interpreter())
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,16 +23,20 @@ class FakeProbe:
 
 
 ALL_GOOD = FakeProbe({"causal-conv1d": "1.7.0", "mamba-ssm": "2.2.6.post3", "triton": "3.4.0",
-                      "flash-linear-attention": "0.4.1", "flash-attn": "2.8.0"},
+                      "flash-linear-attention": "0.6.0", "flash-attn": "2.8.0"},
                      {"causal_conv1d_cuda", "selective_scan_cuda", "flash_attn_2_cuda"})
 
 
 @pytest.fixture
 def fake(monkeypatch):
+    from mixers.ops import dispatch                 # its support answers are cached per process
+
     def install(probe):
         monkeypatch.setattr(support, "probe", probe)
+        dispatch.cached_support.cache_clear()
         return probe
-    return install
+    yield install
+    dispatch.cached_support.cache_clear()
 
 
 def test_everything_present(fake):
@@ -111,9 +115,13 @@ def test_fla_core_distribution_counts(fake):
 
 def test_fla_check_includes_the_short_convolution(fake):
     """Megatron's check_fla_sequence_packing_support: the fla mixers' conv needs causal-conv1d >= 1.4.0."""
-    fake(FakeProbe({**ALL_GOOD.versions, "causal-conv1d": "1.3.0"}, ALL_GOOD.modules))
+    fake(FakeProbe({**ALL_GOOD.versions, "causal-conv1d": "1.3.0", "flash-linear-attention": "0.5.0"},
+                   ALL_GOOD.modules))
     ok, reason = sp.check_fla_sequence_packing_support()
     assert not ok and "causal-conv1d 1.3.0 is too old" in reason and ">= 1.4.0" in reason
+    assert "flash-linear-attention 0.5.0 is too old" in reason and ">= 0.6.0" in reason    # nor fla's conv
+    fake(FakeProbe({**ALL_GOOD.versions, "causal-conv1d": "1.3.0"}, ALL_GOOD.modules))
+    assert sp.check_fla_sequence_packing_support() == (True, None)                         # fla's conv runs it
 
 
 def test_no_cuda_device(fake):
@@ -145,3 +153,62 @@ def test_checks_do_not_import_the_extensions():
                   sp.check_fla_sequence_packing_support):
         check()
     assert not {"causal_conv1d_cuda", "selective_scan_cuda", "mamba_ssm", "causal_conv1d"} & set(sys.modules)
+
+
+FLA_ONLY = FakeProbe({"causal-conv1d": "1.7.0", "mamba-ssm": "2.3.2.post1", "triton": "3.4.0",
+                      "flash-linear-attention": "0.6.0"}, {"selective_scan_cuda"})
+
+
+def test_fla_conv_needs_the_checked_release(fake):
+    fake(FakeProbe({"flash-linear-attention": "0.5.2", "triton": "3.4.0"}))
+    ok, reason = sp.check_fla_conv_support()
+    assert not ok and "flash-linear-attention 0.5.2 is too old" in reason and ">= 0.6.0" in reason
+    assert kernels.kernel_support("fla", ("varlen",)) == (True, None)   # the scans are fine with 0.5.2
+    fake(FLA_ONLY)
+    assert sp.check_fla_conv_support() == (True, None)
+
+
+def test_ssd_check_does_not_ask_for_causal_conv1d(fake):
+    fake(FLA_ONLY)
+    assert sp.check_mamba_ssd_support() == (True, None)
+    ok, reason = sp.check_mamba_sequence_packing_support()               # Megatron's whole-layer gate
+    assert not ok and "causal_conv1d_cuda" in reason
+
+
+def test_mixer_report_names_the_conv_kernel(fake):
+    """The per-mixer rows come from the mixers' own plans: the conv row names the kernel that runs."""
+    from mixers.report import full_report, mixer_backends
+    fake(FLA_ONLY)
+    rows = {(mixer, part): (backend, reason) for mixer, part, backend, reason in mixer_backends()}
+    assert rows["Mamba2Mixer", "short conv"] == ("fla_conv", None)
+    assert rows["GatedDeltaNetMixer", "short convs"] == ("fla_conv", None)
+    fake(ALL_GOOD)
+    assert {backend for (_, part), (backend, _) in
+            {(m, p): (b, r) for m, p, b, r in mixer_backends()}.items() if "conv" in part} == {"causal_conv1d"}
+    fake(FakeProbe())
+    text = full_report()
+    assert "Mamba2Mixer              short conv         reference  (causal-conv1d is not installed" in text
+
+
+@pytest.mark.parametrize("switch,interpret,on", [
+    pytest.param("1", "1", True, id="both"),
+    pytest.param("1", None, False, id="switch-without-TRITON_INTERPRET"),
+    pytest.param(None, "1", False, id="TRITON_INTERPRET-alone"),
+])
+def test_interpreter_switch(fake, monkeypatch, switch, interpret, on):
+    """The one switch: only with TRITON_INTERPRET=1, and only for the Triton kernels."""
+    import torch
+
+    from mixers.ops import dispatch
+    for name, value in ((support.TRITON_INTERPRET_SWITCH, switch), ("TRITON_INTERPRET", interpret)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    fake(FakeProbe({**ALL_GOOD.versions, "flash-linear-attention": "0.6.0"}, ALL_GOOD.modules, cuda=False))
+    assert support.triton_interpreter() is on and dispatch.is_cuda(torch.zeros(1)) is on
+    for check in (sp.check_fla_sequence_packing_support, sp.check_fla_conv_support, sp.check_mamba_ssd_support):
+        assert check()[0] is on
+    for check in (sp.check_causal_conv1d_support, sp.check_flash_attn_support, sp.check_mamba_sequence_packing_support):
+        ok, reason = check()                                           # CUDA C++ kernels: never the interpreter
+        assert not ok and "no CUDA device" in reason

@@ -11,6 +11,11 @@ Beyond upstream (keyword-only): ``cu_seqlens`` (``B == 1``) gives per-document
 ``initial_states`` ``[N, D, J]`` and per-document final states ``[N, D, J]`` (the last J inputs
 of each document, reaching into its initial state when it is shorter), differentiable; final
 states are also returned together with ``seq_idx``, which upstream refuses.
+
+Kernels, in order: causal-conv1d's CUDA kernel (``kernel.py``), then fla's Triton
+``causal_conv1d`` (``fla_kernel.py``: no compilation needed; also takes per-document initial
+states, any width and channel count); ``backend="kernel"`` takes the first that can run and
+raises when neither can, ``"auto"`` falls back to the exact reference.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from ssm_pack.segments import Segments, segments_from_seq_idx
 
 from .. import dispatch
+from . import fla_kernel
 from ._validate import check_conv_inputs
 from .kernel import causal_conv1d_kernel, unsupported_shape, varlen_states_kernel
 from .reference import causal_conv1d_reference, gather_final_slots
@@ -76,19 +82,28 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     init_per_doc, varlen = check_conv_inputs(x, weight, bias, seq_idx, initial_states, return_final_states,
                                              final_states_out, activation, cu_seqlens)
     choice = _choose(x, weight, initial_states, init_per_doc, backend, seq_idx)
-    if choice == "kernel":            # the kernel reads seq_idx only: no segment structure is built
-        segs = None
+    pad_mask = seq_idx < 0 if seq_idx is not None else None
+    segs = final = None
+    if choice == "causal_conv1d":     # reads seq_idx only: no segment structure is built
         kernel_seq_idx = seq_idx if seq_idx is not None else (
             varlen.seq_idx if varlen is not None else _zeros_seq_idx(x))
         out = causal_conv1d_kernel(x, weight, bias, kernel_seq_idx, initial_states, activation)
     else:
         segs = _segments(x, seq_idx, varlen)
-        out = causal_conv1d_reference(x, weight, bias, segs, _initial_slots(initial_states, segs, init_per_doc),
-                                      activation, pad_mask=seq_idx < 0 if seq_idx is not None else None)
+        slots = _initial_slots(initial_states, segs, init_per_doc)
+        if choice == "fla_conv":
+            out, final_slots = fla_kernel.fla_conv(x, weight, bias, segs, slots, activation, pad_mask,
+                                                   return_final_states)
+            if return_final_states:
+                final = _final_states(final_slots, segs, varlen is not None,
+                                      initial_states if init_per_doc else None, (x.shape[0], x.shape[2]))
+        else:
+            out = causal_conv1d_reference(x, weight, bias, segs, slots, activation, pad_mask=pad_mask)
     if not return_final_states:
         return out
-    final = _gather_final_states(x, seq_idx, varlen, segs, initial_states, init_per_doc, weight.shape[1] - 1,
-                                 choice == "kernel")
+    if final is None:
+        final = _gather_final_states(x, seq_idx, varlen, segs, initial_states, init_per_doc, weight.shape[1] - 1,
+                                     choice == "causal_conv1d")
     if final_states_out is not None:
         final_states_out.copy_(final)
         final = final_states_out
@@ -107,19 +122,39 @@ def _segments(x, seq_idx, varlen) -> Segments:
 
 
 def _choose(x, weight, initial_states, init_per_doc, backend, seq_idx) -> str:
+    """``"causal_conv1d"`` (CUDA kernel), else ``"fla_conv"`` (Triton kernel), else ``"reference"``."""
+    dispatch.check_backend(backend)
     on_cuda = dispatch.is_cuda(x)
-    if init_per_doc:
-        missing = "per-document initial states"
-    else:
-        missing = unsupported_shape(x, weight) if on_cuda else None
+    if backend == "reference" or (backend == "auto" and not on_cuda):
+        return "reference"
+    if not on_cuda:
+        raise ValueError("causal_conv1d_fn: backend='kernel' needs CUDA tensors; use backend='reference' on CPU")
     features = ("seq_idx",) + (("initial_states_with_seq_idx",) if initial_states is not None else ())
 
-    def support_state():
+    def causal_conv1d_state():
         padded = seq_idx is not None and bool((seq_idx < 0).any())   # one device sync, kernel path only
         return dispatch.cached_support("causal_conv1d", features + (("padding_seq_idx",) if padded else ()))
 
-    return dispatch.select_backend("causal_conv1d_fn", backend, on_cuda=on_cuda, support_state=support_state,
-                                    missing_feature=missing)
+    candidates = (
+        ("causal_conv1d", "causal-conv1d",
+         "per-document initial states" if init_per_doc else unsupported_shape(x, weight), causal_conv1d_state),
+        ("fla_conv", "fla's Triton conv", fla_kernel.unsupported(x), lambda: dispatch.cached_support("fla_conv")),
+    )
+    reasons, cannot = [], 0
+    for name, label, missing, state in candidates:
+        if missing is not None:
+            reasons.append(f"{label} cannot do {missing}")
+            cannot += 1
+            continue
+        ok, reason = state()
+        if ok:
+            return name
+        reasons.append(f"{label}: {reason}")
+    if backend == "kernel":
+        error = ValueError if cannot == len(candidates) else RuntimeError
+        raise error(f"causal_conv1d_fn: backend='kernel' is unavailable ({'; '.join(reasons)}); "
+                    "use backend='reference' (or 'auto', which picks it)")
+    return "reference"
 
 
 def _gather_final_states(x, seq_idx, varlen, segs, initial_states, init_per_doc, state_len, kernel):

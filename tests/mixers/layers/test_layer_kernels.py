@@ -26,9 +26,13 @@ def test_layer_hands_the_kernels_what_they_need(monkeypatch, name):
     calls = install(monkeypatch)
     out = module(x, packed_seq_params=params)
     assert {kind for kind, _ in calls} == EXPECTED[name]
+    # the conv gets the physical seq_idx; the SSD scan its canonical form (0, then +1 at every change)
+    canonical = torch.unique_consecutive(params.seq_idx[0], return_inverse=True)[1]
     for kind, meta in calls:
-        if kind in ("conv", "ssd"):
-            assert meta["seq_idx"].tolist()[0] == params.seq_idx.tolist()[0]  # physical seq_idx, int32
+        if kind == "conv":
+            assert meta["seq_idx"].tolist()[0] == params.seq_idx.tolist()[0]
+        if kind == "ssd":
+            assert meta["seq_idx"].tolist()[0] == canonical.tolist()
     monkeypatch.undo()
     # fla's fakes run the reference at fla's own chunk size, so compare within bf16 rounding
     assert rel_rms(out.float(), reference[0](x, packed_seq_params=params).float()) < 1e-2
@@ -49,3 +53,16 @@ def test_auto_warns_once_when_a_kernel_cannot_pack(monkeypatch, name):
     assert messages and len(messages) == len(set(messages)), messages       # each reason once
     assert all("runs ssm-pack's reference" in m for m in messages)
     assert calls == []                                                     # nothing reached a kernel
+
+
+@pytest.mark.parametrize("name", ["mamba2", "gdn"])
+def test_kernel_layer_accepts_fla_conv_when_causal_conv1d_is_missing(monkeypatch, name):
+    """The short convolutions have two kernels: construction with backend='kernel' needs one of them."""
+    from mixers.ops import dispatch
+    reasons = {"causal_conv1d": "causal-conv1d is not installed"}
+    monkeypatch.setattr(dispatch, "cached_support", lambda kernel, features=(): (
+        (False, reasons[kernel]) if kernel in reasons else (True, None)))
+    LAYERS[name](backend="kernel")
+    reasons["fla_conv"] = "flash-linear-attention 0.5.2 is too old"
+    with pytest.raises(RuntimeError, match="short conv.*causal-conv1d is not installed; and .*0.5.2 is too old"):
+        LAYERS[name](backend="kernel")

@@ -5,6 +5,7 @@ cannot do takes the reference path (or raises when a kernel was demanded)."""
 import pytest
 import torch
 
+import mixers.ops.causal_conv1d.fla_kernel as fla_conv_kernel
 import mixers.ops.causal_conv1d.kernel as conv_kernel
 import mixers.ops.ssd.kernel as ssd_kernel
 from mixers.ops import causal_conv1d_fn, dispatch, mamba_chunk_scan_combined
@@ -29,10 +30,19 @@ def fake_cuda(monkeypatch):
 
 @pytest.fixture
 def fake_conv(monkeypatch):
+    """causal-conv1d's kernels ("conv", "states") and fla's Triton conv ("fla_conv"), recorded."""
     calls = []
     monkeypatch.setattr(conv_kernel, "load_upstream",
                         lambda: (fakes.fake_conv(calls), fakes.fake_conv_states(calls)))
+    monkeypatch.setattr(fla_conv_kernel, "load_upstream", lambda: fakes.fake_fla_conv(calls))
     return calls
+
+
+def support_without(monkeypatch, missing: dict):
+    """Pretend CUDA; the support check of each name in ``missing`` fails with its reason."""
+    monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
+    monkeypatch.setattr(dispatch, "cached_support", lambda name, features=(): (
+        (False, missing[name]) if name in missing else (True, None)))
 
 
 def conv_case(dtype=torch.float32, width=4, dim=16):
@@ -67,24 +77,45 @@ def test_conv_row_initial_states_need_the_1_7_feature(fake_cuda, fake_conv):
 
 
 @pytest.mark.parametrize("case,why", [
-    pytest.param(dict(dtype=torch.float64), "dtype torch.float64", id="fp64"),
     pytest.param(dict(width=5), "kernel width 5", id="width-5"),
     pytest.param(dict(dim=12), "12 channels", id="dim-not-multiple-of-8"),
 ])
-def test_conv_unsupported_shapes(fake_cuda, fake_conv, case, why):
+def test_conv_shapes_causal_conv1d_refuses_run_on_fla(fake_cuda, fake_conv, monkeypatch, case, why):
     x, w, b, cu = conv_case(**case)
+    for backend in ("auto", "kernel"):
+        out = causal_conv1d_fn(x, w, b, activation="silu", cu_seqlens=cu, backend=backend)
+        assert torch.allclose(out, causal_conv1d_fn(x, w, b, activation="silu", cu_seqlens=cu, backend="reference"))
+    assert of_kind(fake_conv, "conv") == [] and len(of_kind(fake_conv, "fla_conv")) == 2
+    support_without(monkeypatch, {"fla_conv": "flash-linear-attention is not installed"})
     causal_conv1d_fn(x, w, b, cu_seqlens=cu)                   # auto: the reference, silently exact
-    assert of_kind(fake_conv, "conv") == []
-    with pytest.raises(ValueError, match=why):
+    assert len(of_kind(fake_conv, "fla_conv")) == 2
+    with pytest.raises(RuntimeError, match=f"causal-conv1d cannot do {why}.*flash-linear-attention is not installed"):
         causal_conv1d_fn(x, w, b, cu_seqlens=cu, backend="kernel")
 
 
-def test_conv_per_document_initial_states_take_the_reference(fake_cuda, fake_conv):
+def test_conv_fp64_has_no_kernel(fake_cuda, fake_conv):
+    x, w, b, cu = conv_case(dtype=torch.float64)
+    causal_conv1d_fn(x, w, b, cu_seqlens=cu)
+    assert fake_conv == []
+    with pytest.raises(ValueError, match="causal-conv1d cannot do dtype torch.float64.*fla's Triton conv cannot do"):
+        causal_conv1d_fn(x, w, b, cu_seqlens=cu, backend="kernel")
+
+
+def test_conv_per_document_initial_states_run_on_fla(fake_cuda, fake_conv, monkeypatch):
     x, w, b, cu = conv_case()
     init = torch.randn(5, 16, 3)
+    out, states = causal_conv1d_fn(x, w, b, initial_states=init, return_final_states=True, cu_seqlens=cu)
+    ref, ref_states = causal_conv1d_fn(x, w, b, initial_states=init, return_final_states=True, cu_seqlens=cu,
+                                       backend="reference")
+    assert of_kind(fake_conv, "conv") == [] and len(of_kind(fake_conv, "fla_conv")) == 1
+    given = of_kind(fake_conv, "fla_conv")[0]
+    assert given["cu_seqlens"].tolist() == [0, 3, 12, 13, 25]          # the empty document is not passed
+    assert torch.equal(given["initial_state"][:, :, 1:], init[[0, 2, 3, 4]])
+    assert torch.allclose(out, ref) and torch.equal(states, ref_states)  # states: the empty document's own
+    support_without(monkeypatch, {"fla_conv": "flash-linear-attention is not installed"})
     causal_conv1d_fn(x, w, b, initial_states=init, cu_seqlens=cu)
-    assert of_kind(fake_conv, "conv") == []
-    with pytest.raises(ValueError, match="per-document initial states"):
+    assert len(of_kind(fake_conv, "fla_conv")) == 1
+    with pytest.raises(RuntimeError, match="per-document initial states.*flash-linear-attention is not installed"):
         causal_conv1d_fn(x, w, b, initial_states=init, cu_seqlens=cu, backend="kernel")
 
 
@@ -95,27 +126,52 @@ def test_conv_negative_seq_idx_asks_for_the_padding_feature(fake_cuda, fake_conv
     assert ("causal_conv1d", ("seq_idx", "padding_seq_idx")) in fake_cuda
 
 
-def test_conv_missing_padding_feature(monkeypatch, fake_conv):
+def test_conv_missing_padding_feature_takes_fla_which_zeroes_padding(monkeypatch, fake_conv):
+    too_old = "causal-conv1d 1.4.0 is too old for negative seq_idx"
     monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
     monkeypatch.setattr(dispatch, "cached_support", lambda name, features=(): (
-        (False, "causal-conv1d 1.4.0 is too old for negative seq_idx") if "padding_seq_idx" in features
-        else (True, None)))
+        (False, too_old) if "padding_seq_idx" in features else (True, None)))
     x, w, b, _ = conv_case()
     seq_idx = torch.tensor([[0] * 10 + [-1] * 5 + [1] * 10], dtype=torch.int32)
+    out = causal_conv1d_fn(x, w, b, seq_idx=seq_idx, activation="silu")
+    ref = causal_conv1d_fn(x, w, b, seq_idx=seq_idx, activation="silu", backend="reference")
+    assert of_kind(fake_conv, "conv") == [] and of_kind(fake_conv, "fla_conv")[0]["cu_seqlens"].tolist() == \
+        [0, 10, 15, 25]
+    assert bool((out[..., 10:15] == 0).all()) and torch.allclose(out, ref)
+    monkeypatch.setattr(dispatch, "cached_support", lambda name, features=(): (
+        (False, too_old) if "padding_seq_idx" in features else
+        (False, "flash-linear-attention is not installed") if name == "fla_conv" else (True, None)))
     out = causal_conv1d_fn(x, w, b, seq_idx=seq_idx)
-    assert of_kind(fake_conv, "conv") == [] and bool((out[..., 10:15] == 0).all())
+    assert len(of_kind(fake_conv, "fla_conv")) == 1 and bool((out[..., 10:15] == 0).all())
     with pytest.raises(RuntimeError, match="too old for negative seq_idx"):
         causal_conv1d_fn(x, w, b, seq_idx=seq_idx, backend="kernel")
+
+
+def test_conv_rows_of_a_batch_are_segments_for_fla(monkeypatch, fake_conv):
+    support_without(monkeypatch, {"causal_conv1d": "causal-conv1d is not installed"})
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(2, 16, 9, generator=g), torch.randn(16, 4, generator=g), torch.randn(16, generator=g)
+    seq_idx = torch.tensor([[0] * 4 + [1] * 5, [0] * 9], dtype=torch.int32)
+    init = torch.randn(2, 16, 3, generator=g)
+    out, states = causal_conv1d_fn(x, w, b, seq_idx=seq_idx, initial_states=init, return_final_states=True,
+                                   backend="kernel")
+    ref, ref_states = causal_conv1d_fn(x, w, b, seq_idx=seq_idx, initial_states=init, return_final_states=True,
+                                       backend="reference")
+    given = of_kind(fake_conv, "fla_conv")[0]
+    assert given["cu_seqlens"].tolist() == [0, 4, 9, 18]                # row starts are boundaries
+    assert torch.equal(given["initial_state"][[0, 2], :, 1:], init)      # each row's state: its first segment
+    assert bool((given["initial_state"][1] == 0).all())
+    assert torch.allclose(out, ref) and torch.equal(states, ref_states)
 
 
 def test_auto_without_support_is_the_reference(monkeypatch, fake_conv):
     monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
     monkeypatch.setattr(dispatch, "cached_support",
-                        lambda name, features=(): (False, "causal-conv1d is not installed"))
+                        lambda name, features=(): (False, f"{name} is not installed"))
     x, w, b, cu = conv_case()
     causal_conv1d_fn(x, w, b, cu_seqlens=cu)
-    assert of_kind(fake_conv, "conv") == []
-    with pytest.raises(RuntimeError, match="causal-conv1d is not installed"):
+    assert fake_conv == []
+    with pytest.raises(RuntimeError, match="causal_conv1d is not installed.*fla_conv is not installed"):
         causal_conv1d_fn(x, w, b, cu_seqlens=cu, backend="kernel")
 
 
@@ -135,10 +191,27 @@ def ssd_case(dtype=torch.float32, grad=False):
     return [v.to(dtype).requires_grad_(grad) for v in tensors], cu
 
 
+@pytest.mark.parametrize("given,canonical", [
+    pytest.param([[1] * 6 + [2] * 14], [[0] * 6 + [1] * 14], id="leading-empty-document"),
+    pytest.param([[3] * 4 + [1] * 4 + [3] * 12], [[0] * 4 + [1] * 4 + [2] * 12], id="value-used-again"),
+    pytest.param([[0] * 20, [5] * 10 + [-1] * 10], [[0] * 20, [0] * 10 + [1] * 10], id="rows"),
+])
+def test_ssd_hands_upstream_canonical_seq_idx(fake_cuda, fake_ssd, given, canonical):
+    """mamba-ssm takes the value before a row to be 0 and compares values for equality only (see
+    mixers/ops/ssd/kernel.py): it gets 0 for each row's first segment and +1 at every change."""
+    (x, dt, A, B, C), _ = ssd_case()
+    rows = len(given)
+    x, dt, B, C = (t.expand(rows, *t.shape[1:]) for t in (x, dt, B, C))
+    init = torch.randn(rows, 4, 3, 5)
+    seq_idx = torch.tensor(given, dtype=torch.int32)
+    mamba_chunk_scan_combined(x, dt, A, B, C, 8, seq_idx=seq_idx, initial_states=init)
+    assert of_kind(fake_ssd, "ssd")[0]["seq_idx"].tolist() == canonical
+
+
 def test_ssd_cu_seqlens_alone_still_resets(fake_cuda, fake_ssd):
     (x, dt, A, B, C), cu = ssd_case()
     out = mamba_chunk_scan_combined(x, dt, A, B, C, 8, cu_seqlens=cu)
-    assert of_kind(fake_ssd, "ssd")[0]["seq_idx"].tolist() == [[0] * 5 + [2] * 11 + [3] * 4]
+    assert of_kind(fake_ssd, "ssd")[0]["seq_idx"].tolist() == [[0] * 5 + [1] * 11 + [2] * 4]   # canonical
     assert of_kind(fake_ssd, "ssd")[0]["cu_seqlens"] is None      # upstream only takes cu_seqlens with varlen states
     ref = mamba_chunk_scan_combined(x, dt, A, B, C, 8, cu_seqlens=cu, backend="reference")
     assert torch.allclose(out, ref)
