@@ -21,17 +21,19 @@ def _image(t: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(t, (1, dim, 1, length), (length * dim, 1, length * dim, dim))
 
 
-def conv_causal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``[L, D]`` -> ``[L, D]``: ``out[p] = bias + sum_k w[k] * x[p - W + 1 + k]`` (zeros before 0).
+def conv_causal(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spare: int = 0) -> torch.Tensor:
+    """``[L, D]`` -> ``[L + spare, D]``: ``out[p] = bias + sum_k w[k] * x[p - W + 1 + k]`` (zeros
+    before 0); the ``spare`` rows after them (at most ``W - 1``) are scratch space for the caller.
 
     The convolution pads both ends by ``W - 1`` and the trailing outputs are dropped (a view,
     no copy). No autograd of its own.
     """
     dim, width = x.shape[1], weight.shape[1]
+    assert spare <= width - 1, "the spare rows are the convolution's trailing outputs"
     if x.shape[0] == 0:
-        return x.new_zeros(0, dim)
+        return x.new_zeros(spare, dim)
     out = F.conv2d(_image(x.contiguous()), weight[:, None, None, :], bias, padding=(0, width - 1), groups=dim)
-    return out[0, :, 0].transpose(0, 1)[: x.shape[0]]
+    return out[0, :, 0].transpose(0, 1)[: x.shape[0] + spare]
 
 
 def conv_anticausal(g: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -39,72 +39,102 @@ def edge_layout(segs: Segments, state_len: int):
     return rows, valid
 
 
+def _window(tokens, slots):
+    """``[S, J + J, D]`` rows ``[slots ; tokens]`` and the offset of output 0's first tap in it
+    (without slots the window is the tokens alone and starts J rows later)."""
+    if slots is None:
+        return tokens, tokens.shape[1]
+    return torch.cat([slots, tokens], dim=1), 0
+
+
+def _taps(state_len: int, shift: int):
+    """``(k, first output j, window rows)`` of every tap that reads an existing row."""
+    for k in range(state_len + 1):
+        lo = max(0, shift - k)                         # first output j whose tap k reads an existing row
+        if lo < state_len:
+            yield k, lo, slice(lo + k - shift, state_len + k - shift)
+
+
 def _edge_outputs(tokens, slots, weight, bias):
     """``[S, J, D]`` first J outputs of every segment from its own ``slots`` and ``tokens``.
 
     Output j reads window rows ``j .. j + J`` of ``[slots ; tokens]`` (``[S, 2J, D]``).
     """
-    state_len = tokens.shape[1]
-    window = tokens if slots is None else torch.cat([slots, tokens], dim=1)
-    shift = state_len if slots is None else 0          # without slots the window starts at the tokens
+    window, shift = _window(tokens, slots)
     out = tokens.new_zeros(tokens.shape) if bias is None else bias.expand_as(tokens).clone()
-    taps = weight.t().contiguous()                     # [W, D]: one contiguous row per tap
-    for k in range(state_len + 1):
-        lo = max(0, shift - k)                         # first output j whose tap k reads an existing row
-        if lo < state_len:
-            out[:, lo:].addcmul_(window[:, lo + k - shift: state_len + k - shift], taps[k])
+    taps = weight.t()                                  # [W, D]: one row per tap
+    for k, lo, rows in _taps(tokens.shape[1], shift):
+        out[:, lo:].addcmul_(window[:, rows], taps[k])
     return out
 
 
+def _edge_backward(g_edge, tokens, slots, weight):
+    """Gradients of :func:`_edge_outputs` (a sum of products) w.r.t. tokens, weight and slots."""
+    window, shift = _window(tokens, slots)
+    g_window = torch.zeros_like(window)
+    g_taps = weight.new_zeros(weight.shape[1], weight.shape[0])                  # [W, D]
+    taps = weight.t()
+    for k, lo, rows in _taps(tokens.shape[1], shift):
+        g_window[:, rows].addcmul_(g_edge[:, lo:], taps[k])
+        g_taps[k] = (g_edge[:, lo:] * window[:, rows]).sum((0, 1))
+    state_len = tokens.shape[1]
+    if slots is None:
+        return g_window, g_taps.t(), None
+    return g_window[:, state_len:], g_taps.t(), g_window[:, :state_len]
+
+
 class VarlenConv(torch.autograd.Function):
-    """``out [N, D] = act(conv(x_tok))`` with each segment's first J outputs from its own window."""
+    """``out [N, D] = act(conv(x_tok))`` with each segment's first J outputs from its own window.
+
+    The first J outputs of every segment are written over the plain convolution's with one
+    ``index_copy_``: rows of outputs that do not exist (a segment shorter than J) are sent to
+    the spare row N of the convolution's output, so no index depends on the values (no
+    data-dependent shape: the function traces under ``torch.compile``).
+    """
 
     @staticmethod
-    def forward(ctx, x_tok, weight, bias, slots, rows, valid, pad_rows, silu):
-        dim = x_tok.shape[1]
-        pre = conv_causal(x_tok, weight, bias)                                   # [N, D]
+    def forward(ctx, x_tok, weight, bias, slots, rows, valid, pad_mask, silu):
+        n, dim = x_tok.shape
+        pre_ext = conv_causal(x_tok, weight, bias, spare=min(1, weight.shape[1] - 1))   # [N + 1, D] (J > 0)
         tokens = x_tok.index_select(0, rows.reshape(-1)).reshape(*rows.shape, dim)  # [S, J, D]
         edge = _edge_outputs(tokens, slots, weight, bias)
-        pre.index_copy_(0, rows[valid], edge[valid])
+        target = torch.where(valid, rows, n).reshape(-1)                          # invalid -> spare row N
+        pre_ext.index_copy_(0, target, edge.reshape(-1, dim))
+        pre = pre_ext[:n]
         need_grad = any(ctx.needs_input_grad[:4])
         out = F.silu(pre, inplace=not need_grad) if silu else pre
-        if pad_rows.numel():
-            out.index_fill_(0, pad_rows, 0.0)
-        ctx.save_for_backward(x_tok, weight, slots, rows, valid, pad_rows, pre if (silu and need_grad) else None,
+        if pad_mask is not None:
+            out = out.masked_fill(pad_mask.unsqueeze(1), 0.0)
+        ctx.save_for_backward(x_tok, weight, slots, rows, valid, pad_mask, pre if (silu and need_grad) else None,
                               tokens)
         ctx.silu, ctx.has_bias = silu, bias is not None
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x_tok, weight, slots, rows, valid, pad_rows, pre, tokens = ctx.saved_tensors
-        dim = x_tok.shape[1]
+        x_tok, weight, slots, rows, valid, pad_mask, pre, tokens = ctx.saved_tensors
+        n, dim = x_tok.shape
         state_len = weight.shape[1] - 1
         if ctx.silu:
             sig = torch.sigmoid(pre)
             g_pre = grad * sig * (1 + pre * (1 - sig))
         else:
             g_pre = grad.clone()
-        if pad_rows.numel():
-            g_pre.index_fill_(0, pad_rows, 0.0)
+        if pad_mask is not None:
+            g_pre = g_pre.masked_fill(pad_mask.unsqueeze(1), 0.0)
         g_bias = g_pre.sum(0) if ctx.has_bias else None
-        edge_rows = rows[valid]
-        g_edge = torch.zeros_like(tokens)
-        g_edge[valid] = g_pre.index_select(0, edge_rows)
-        g_pre.index_fill_(0, edge_rows, 0.0)     # overwritten outputs: no gradient through the plain conv
+        g_edge = torch.where(valid.unsqueeze(-1), g_pre.index_select(0, rows.reshape(-1)).reshape(*rows.shape, dim),
+                             0.0)
+        overwritten = torch.zeros(n + 1, dtype=torch.bool, device=x_tok.device)
+        overwritten.index_fill_(0, torch.where(valid, rows, n).reshape(-1), True)
+        g_pre = g_pre.masked_fill(overwritten[:n].unsqueeze(1), 0.0)   # overwritten: no gradient through the plain conv
         g_x = conv_anticausal(g_pre, weight)                                      # [N, D]
         g_w = weight_grad(g_pre, x_tok, state_len + 1, offset=state_len)
         g_slots = None
         if state_len:
-            with torch.enable_grad():      # the small edge computation, differentiated by autograd
-                leaves = [t.detach().requires_grad_() for t in (tokens, weight)]
-                slot_leaf = None if slots is None else slots.detach().requires_grad_()
-                edge = _edge_outputs(leaves[0], slot_leaf, leaves[1], None)
-                wanted = leaves + ([slot_leaf] if slot_leaf is not None else [])
-                grads = torch.autograd.grad(edge, wanted, g_edge)
-            g_x.index_add_(0, rows.reshape(-1), grads[0].reshape(-1, dim))
-            g_w += grads[1]
-            g_slots = grads[2] if slots is not None else None
+            g_tokens, g_w_edge, g_slots = _edge_backward(g_edge, tokens, slots, weight)
+            g_x.index_add_(0, rows.reshape(-1), g_tokens.reshape(-1, dim))
+            g_w += g_w_edge
         return g_x, g_w, g_bias, g_slots, None, None, None, None
 
 
@@ -132,10 +162,8 @@ def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     slots = None
     if initial_slots is not None and state_len:
         slots = initial_slots.to(compute).transpose(1, 2)                        # [S, J, D]
-    pad_rows = torch.nonzero(pad_mask.reshape(-1)).reshape(-1) if pad_mask is not None else \
-        torch.zeros(0, dtype=torch.long, device=x.device)
     out = VarlenConv.apply(x_tok, weight.to(compute), None if bias is None else bias.to(compute), slots,
-                           rows, valid, pad_rows, activation is not None)
+                           rows, valid, None if pad_mask is None else pad_mask.reshape(-1), activation is not None)
     return out.reshape(batch, length, dim).transpose(1, 2).to(x.dtype)
 
 
