@@ -29,7 +29,7 @@ ALL_GOOD = FakeProbe({"causal-conv1d": "1.7.0", "mamba-ssm": "2.2.6.post3", "tri
 
 @pytest.fixture
 def fake(monkeypatch):
-    from mixers.ops import dispatch                 # its support answers are cached per process
+    from mixers.ops import dispatch  # its support answers are cached per process
 
     def install(probe):
         monkeypatch.setattr(support, "probe", probe)
