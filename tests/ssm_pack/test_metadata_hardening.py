@@ -109,8 +109,9 @@ def test_megatron_params_pack_exactly_like_ours():
     x = torch.randn(1, 16, HIDDEN, dtype=torch.float64)
     ours = PackedSeqParams.from_lengths([5, 2, 4], pad_to_multiple_of=2, total_tokens=16)
     theirs = MegatronParams(qkv_format="thd", cu_seqlens_q=ours.cu_seqlens_q, cu_seqlens_kv=ours.cu_seqlens_kv,
-                            cu_seqlens_q_padded=ours.cu_seqlens_q_padded, cu_seqlens_kv_padded=ours.cu_seqlens_kv_padded,
-                            max_seqlen_q=6, max_seqlen_kv=6, total_tokens=16)
+                            cu_seqlens_q_padded=ours.cu_seqlens_q_padded,
+                            cu_seqlens_kv_padded=ours.cu_seqlens_kv_padded, max_seqlen_q=6, max_seqlen_kv=6,
+                            total_tokens=16)
     assert torch.equal(layer(x, packed_seq_params=theirs), layer(x, packed_seq_params=ours))
     assert torch.equal(build_packed_seq_idx(theirs, 16), build_packed_seq_idx(ours, 16))
 
