@@ -102,14 +102,14 @@ class HybridLM(nn.Module):
         ``[B, S]`` rows with ``position_ids`` run as one packed row of ``B * S`` tokens (every row
         start is a boundary) and come back as ``[B, S]``.
         """
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or \
-                input_ids.dtype not in (torch.int32, torch.int64):
-            shape = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else \
-                type(input_ids).__name__
-            raise ValueError(f"input_ids must be [B, T] integer token ids, got {shape}")
-        if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape):
-            shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
-            raise ValueError(f"labels must match input_ids {tuple(input_ids.shape)}, got {shape}")
+        for name, value in (("input_ids", input_ids), ("labels", labels)):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a [B, T] integer tensor, got {type(value).__name__}")
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"input_ids must be [B, T] integer token ids, got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels must match input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
         hf = {name: value for name, value in (("position_ids", position_ids), ("cu_seq_lens_q", cu_seq_lens_q),
                                                ("cu_seq_lens_k", cu_seq_lens_k), ("max_length_q", max_length_q),
                                                ("max_length_k", max_length_k), ("seq_idx", seq_idx))

@@ -113,3 +113,11 @@ def test_hidden_size_without_a_head_split_says_which_block_and_what_works():
     HybridLM(hidden_size=96)
     HybridLM(hidden_size=128)
     HybridLM(hidden_size=100, mixer_overrides={"M": {"head_dim": 50}})
+
+
+def test_token_arguments_that_are_not_tensors_are_refused_by_name():
+    m = model()
+    with pytest.raises(TypeError, match="input_ids must be a \\[B, T\\] integer tensor, got list"):
+        m([[1, 2, 3]])
+    with pytest.raises(TypeError, match="labels must be a \\[B, T\\] integer tensor, got list"):
+        m(torch.zeros(1, 3, dtype=torch.long), labels=[[1, 2, 3]])
