@@ -3,6 +3,8 @@ reports every bad flag as one clear line before any work."""
 
 import io
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +12,8 @@ from mixers.cli import main as cli_main
 from mixers.demo import build_parser, check_args, main
 from mixers.demo.corpus import load_documents
 from mixers.demo.train import Progress
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_corpus_is_real_and_deterministic():
@@ -33,6 +37,12 @@ def test_demo_runs_on_one_stream_and_writes_its_outputs(tmp_path, capsys):
     for line in ("training: loss = mean cross-entropy", "step 4/4  loss", "tok/s", "loss:", "speed:",
                  "leaks:  none"):
         assert line in out
+    # every kind of line README's sample output shows is printed, in README's order
+    sample = README.read_text().split("```\nssm-pack demo: ", 1)[1].split("```", 1)[0].splitlines()
+    labels = [re.match(r"\s*(\[|[a-z]+:?)", line).group(1) for line in sample[1:]]
+    positions = [out.index("  " + label) for label in dict.fromkeys(labels)]
+    assert len(labels) >= 8 and positions == sorted(positions)
+    assert "(first step -> best of the last 5)" in out and "real tokens per second of a training step" in out
 
 
 class FakeClock:
