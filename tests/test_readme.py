@@ -68,6 +68,14 @@ def test_the_fence_reader_finds_every_python_block():
                                                                   ("b-1", "# not a heading\nz\n")]
 
 
+def test_a_block_needing_a_missing_package_is_skipped_not_failed():
+    code = "import torch\nimport surely_not_installed.sub\nfrom mixers import HybridLM\nfrom . import x\n"
+    assert missing_modules(code) == ["surely_not_installed"]
+    assert missing_modules("from ssm_pack import plan_packs\n") == []
+    needs = missing_modules("Trainer(model=m)\n")
+    assert needs == ([] if importlib.util.find_spec("accelerate") else ["accelerate"])
+
+
 @pytest.mark.parametrize("block", [pytest.param(b, id=b[0]) for b in BLOCKS])
 def test_readme_python_block_runs_as_written(block, tmp_path, monkeypatch):
     name, line, code = block
