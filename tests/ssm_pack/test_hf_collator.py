@@ -9,7 +9,7 @@ EXAMPLES = [{"input_ids": list(range(10, 10 + n))} for n in (3, 2, 1, 4, 1)]
 
 
 @pytest.mark.parametrize("start", [pytest.param(s, id=f"start-{s}") for s in (0, 1, 2, 7)])
-@pytest.mark.parametrize("tensors", ["pt", "np"])
+@pytest.mark.parametrize("tensors", [pytest.param("pt", id="torch"), pytest.param("np", id="numpy")])
 def test_real_collator_documents_are_found_whatever_the_start(start, tensors):
     collate = transformers.DataCollatorWithFlattening(position_ids_start=start, return_tensors=tensors)
     batch = collate(EXAMPLES)

@@ -105,7 +105,7 @@ def test_build_packed_seq_idx_reads_the_padded_boundaries(form, total):
     assert want != [loop_seq_idx([0, 3, 8, 8, 10], total)]              # the unpadded answer differs
 
 
-@pytest.mark.parametrize("total", [16, 19])
+@pytest.mark.parametrize("total", [pytest.param(16, id="no-tail"), pytest.param(19, id="tail")])
 @pytest.mark.parametrize("form", [
     pytest.param(lambda p: p, id="PackedSeqParams"),
     pytest.param(lambda p: megatron_copy(p, seq_idx=None), id="megatron-no-cache"),

@@ -267,7 +267,7 @@ class DropMetadata(nn.Module):
         return self.mixer(hidden_states)
 
 
-@pytest.mark.parametrize("name", ["gdn", "mamba2"])
+@pytest.mark.parametrize("name", [pytest.param("gdn", id="gdn"), pytest.param("mamba2", id="mamba2")])
 def test_every_probe_fails_on_a_real_mixer_without_metadata(name):
     from mixers import GatedDeltaNetMixer, Mamba2Mixer
     torch.manual_seed(0)

@@ -30,6 +30,7 @@ CHUNK = 8
 LENGTHS = [7, 1, 0, 20, 33, 2, 9]
 SPLITS = [1, 1, 0, 8, 13, 1, 8]
 H, K, V = 2, 4, 3
+KINDS = [pytest.param(kind, id=kind) for kind in ("gdn", "kda", "gdp")]
 
 
 def split_indices(lengths, splits):
@@ -81,7 +82,7 @@ def take(t, idx, nh):
     return {name: x[:, sub if x.shape[1] != t["q"].shape[1] else idx] for name, x in t.items()}
 
 
-@pytest.mark.parametrize("kind", ["gdn", "kda", "gdp"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_delta_rule_continues_from_carried_states(kind):
     cu, cu_a, cu_b, a, b = parts()
     t, h0 = delta_inputs(kind)
@@ -94,7 +95,7 @@ def test_delta_rule_continues_from_carried_states(kind):
     close(final_b, final, f"{kind} final states")
 
 
-@pytest.mark.parametrize("kind", ["gdn", "kda", "gdp"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_first_token_gate_acts_on_the_initial_state(kind):
     """Only the gates at the documents' first tokens change, strongly: the outputs follow the
     token-by-token oracle, and differ from the run with the original gates (the gate is not ignored)."""
