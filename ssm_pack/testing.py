@@ -60,7 +60,7 @@ def _spans(packed_seq_params, total: int) -> tuple[list[Span], list[Span]]:
     physical = varlen.cu_seqlens.tolist()
     lengths = (varlen.real_cu_seqlens[1:] - varlen.real_cu_seqlens[:-1]).tolist()
     docs, pads = [], []
-    for i, (start, end_slot, n) in enumerate(zip(physical[:-1], physical[1:], lengths)):
+    for start, end_slot, n in zip(physical[:-1], physical[1:], lengths):
         owner = None
         if n:
             owner = f"document {len(docs)}"
