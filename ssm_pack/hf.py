@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .checks import check_tensor, describe
+from .checks import check_tensor, describe, is_numpy_array
 from .convert import (
     as_cu_seqlens,
     cu_seqlens_from_position_ids,
@@ -37,7 +37,7 @@ def _as_tensors(batch: Mapping) -> dict:
     out = dict(batch)
     for key in _ARRAY_KEYS:
         value = out.get(key)
-        if type(value).__module__ == "numpy" and hasattr(value, "dtype"):
+        if is_numpy_array(value):
             if value.dtype.kind not in "iufb":
                 raise TypeError(f"batch[{key!r}] must be a numeric array, got a numpy array of dtype {value.dtype}")
             out[key] = torch.as_tensor(value)
