@@ -8,6 +8,7 @@ import torch
 from mixers import GatedDeltaNetMixer, Mamba2Mixer
 from mixers.ops import chunk_gated_delta_rule, varlen_attention
 from ssm_pack import PackedSeqParams, VarlenBatch, build_packed_seq_idx
+from tests.megatron_standin import MegatronPackedSeqParams
 
 HIDDEN = 32
 
@@ -91,24 +92,12 @@ def test_boundaries_of_another_kind_are_refused_by_name():
         VarlenBatch.build(np.array([0.0, 7.0]), 7)
 
 
-class MegatronParams:
-    """Exactly Megatron-core's PackedSeqParams fields, and no method of ssm-pack's."""
-
-    def __init__(self, **kw):
-        fields = ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
-                  "max_seqlen_q", "max_seqlen_kv", "local_cp_size", "cp_group", "tp_cp_group", "total_tokens",
-                  "seq_idx", "tokens_per_sample", "pad_between_seqs", "cp_scatter_cache")
-        for name in fields:
-            setattr(self, name, kw.pop(name, None))
-        assert not kw
-
-
 def test_megatron_params_pack_exactly_like_ours():
     torch.manual_seed(0)
     layer = GatedDeltaNetMixer(HIDDEN, head_dim=8).double()
     x = torch.randn(1, 16, HIDDEN, dtype=torch.float64)
     ours = PackedSeqParams.from_lengths([5, 2, 4], pad_to_multiple_of=2, total_tokens=16)
-    theirs = MegatronParams(qkv_format="thd", cu_seqlens_q=ours.cu_seqlens_q, cu_seqlens_kv=ours.cu_seqlens_kv,
+    theirs = MegatronPackedSeqParams(qkv_format="thd", cu_seqlens_q=ours.cu_seqlens_q, cu_seqlens_kv=ours.cu_seqlens_kv,
                             cu_seqlens_q_padded=ours.cu_seqlens_q_padded,
                             cu_seqlens_kv_padded=ours.cu_seqlens_kv_padded, max_seqlen_q=6, max_seqlen_kv=6,
                             total_tokens=16)
@@ -120,5 +109,5 @@ def test_a_foreign_seq_idx_is_never_trusted():
     """Megatron's object may carry a seq_idx that disagrees with its boundaries: the boundaries win."""
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     stale = torch.zeros(1, 7, dtype=torch.int32)            # claims one document
-    theirs = MegatronParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, total_tokens=7, seq_idx=stale)
+    theirs = MegatronPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, total_tokens=7, seq_idx=stale)
     assert VarlenBatch.build(theirs, 7).seq_idx.tolist() == [[0, 0, 0, 1, 1, 1, 1]]
