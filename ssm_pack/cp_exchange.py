@@ -131,6 +131,25 @@ def _numel(shape) -> int:
     return n
 
 
+def chain_plan(layout, closed) -> tuple[list, list]:
+    """Who sends what in :func:`chain_scan` (plain ints: every rank derives the same plan).
+
+    Returns ``(rounds, shift)``: ``rounds`` holds, per doubling round that has any traffic,
+    ``(sender, receiver, with_m)`` triples (``with_m``: the sender's composite still depends on
+    what enters it, so its ``M`` goes along); ``shift`` the ``(sender, receiver)`` pairs of the
+    last step, which hands each continuing segment its entering state.
+    """
+    size = layout.size
+    done = [closed[j] or j == 0 or not layout.continues_out[j] for j in range(size)]
+    rounds, d = [], 1
+    while not all(done):
+        rounds.append([(j - d, j, not done[j - d]) for j in range(size) if not done[j]])
+        done = [done[j] or done[j - d] for j in range(size)]
+        d *= 2
+    shift = [(j - 1, j) for j in range(1, size) if layout.continues_in[j]]
+    return rounds, shift
+
+
 def chain_scan(run, label: str, element, closed, apply, compose, *, s_shape, m_shape, dtype, anchors=()):
     """The state entering this rank's first segment (``None`` where it starts on this rank).
 
@@ -143,33 +162,22 @@ def chain_scan(run, label: str, element, closed, apply, compose, *, s_shape, m_s
         apply: ``apply(M, S_in) -> M S_in``; compose: ``compose(M_later, M_earlier)``.
         s_shape, m_shape, dtype: what one ``S`` / ``M`` is (the same on every rank).
     """
-    lay, r = run.layout, run.rank
-    size = lay.size
-    done = [closed[j] or j == 0 or not lay.continues_out[j] for j in range(size)]
+    r = run.rank
+    rounds, shift = chain_plan(run.layout, closed)
     m, s = element if element is not None else (None, None)
-    d = 1
-    while not all(done):
-        receivers = [j for j in range(size) if not done[j]]
-        sends, recvs = {}, {}
-        for j in receivers:
-            shapes = [s_shape] + ([] if done[j - d] else [m_shape])
-            if j - d == r:
-                sends[j] = [s] + ([] if done[r] else [m])
-            if j == r:
-                recvs[j - d] = shapes
+    for pairs in rounds:
+        sends = {j: [s] + ([m] if with_m else []) for i, j, with_m in pairs if i == r}
+        recvs = {i: [s_shape] + ([m_shape] if with_m else []) for i, j, with_m in pairs if j == r}
         got = exchange(run, label, sends, recvs, dtype, anchors)
-        if r in receivers:
-            pieces = got[r - d]
+        if recvs:
+            pieces = got[next(iter(recvs))]               # one sender per receiver and round
             s = apply(m, pieces[0]) + s
             m = compose(m, pieces[1]) if len(pieces) > 1 else None
-        done = [done[j] or done[j - d] for j in range(size)]
-        d *= 2
-    if not any(lay.continues_in):
+    if not shift:
         return None
-    sends = {r + 1: [s]} if r + 1 < size and lay.continues_in[r + 1] else {}
-    recvs = {r - 1: [s_shape]} if lay.continues_in[r] else {}
-    got = exchange(run, label, sends, recvs, dtype, anchors)
-    return got[r - 1][0] if lay.continues_in[r] else None
+    got = exchange(run, label, {j: [s] for i, j in shift if i == r}, {i: [s_shape] for i, j in shift if j == r},
+                   dtype, anchors)
+    return got[r - 1][0] if run.layout.continues_in[r] else None
 
 
 def neighbour_first_labels(run, labels: torch.Tensor) -> torch.Tensor | None:
@@ -192,4 +200,5 @@ def sum_over_ranks(run, value: torch.Tensor) -> torch.Tensor:
     return total
 
 
-__all__ = ["Traffic", "chain_scan", "exchange", "neighbour_first_labels", "record_traffic", "sum_over_ranks"]
+__all__ = ["Traffic", "chain_plan", "chain_scan", "exchange", "neighbour_first_labels", "record_traffic",
+           "sum_over_ranks"]
