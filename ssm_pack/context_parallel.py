@@ -272,6 +272,15 @@ class ContextParallelRun:
         return VarlenBatch.build(cu, lay.local_tokens, device=self.device)
 
     @cached_property
+    def after_first(self):
+        """:class:`~ssm_pack.VarlenBatch` of the local row without its first segment's ``first_len``
+        tokens (that segment empty, documents as in :attr:`local_cover`): for ops that run the
+        continuing segment apart."""
+        from .varlen import VarlenBatch
+        cu = (self.local_cover.cu_seqlens - self.first_len).clamp(min=0)
+        return VarlenBatch.build(cu, self.layout.local_tokens - self.first_len, device=self.device)
+
+    @cached_property
     def owned(self) -> torch.Tensor:
         """``[N]`` bool: this rank returns document i's final state (it holds its end)."""
         return (self.layout.owners == self.rank).to(self.device)

@@ -135,7 +135,8 @@ def op_inputs(subject: str, total: int, docs: int, seed: int) -> dict:
                    beta=torch.rand(1, total * nh, hv, generator=g, dtype=torch.float64),
                    w_out=_rand(g, 1, total, hv, vd))
         gate = (1, total, hv, kd) if subject == "kda" else (1, total, hv)
-        row["g"] = -F.softplus(_rand(g, *gate)) * 0.5
+        if subject != "gdp":     # Gated DeltaProduct without a gate (the mixer case runs one)
+            row["g"] = -F.softplus(_rand(g, *gate)) * 0.5
         shared.update(h0=_rand(g, docs, hv, kd, vd) * 0.5, w_final=_rand(g, docs, hv, kd, vd))
     else:
         row.update(q=_rand(g, total, 4, 4), k=_rand(g, total, 2, 4), v=_rand(g, total, 2, 4),
@@ -178,7 +179,7 @@ def run_op(subject, inputs, varlen, lo, hi) -> dict:
             dt_bias=shared["dt_bias"], initial_states=shared["h0"], cu_seqlens=varlen, dt_softplus=True,
             return_final_states=True, return_varlen_states=True)
     elif subject in ("gdn", "kda", "gdp"):
-        args = (row["q"], row["k"], row["v"], row["g"], row["beta"])
+        args = (row["q"], row["k"], row["v"], row.get("g"), row["beta"])
         kw = dict(initial_state=shared["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True,
                   cu_seqlens=varlen, chunk_size=8)
         if subject == "gdp":

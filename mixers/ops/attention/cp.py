@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from ssm_pack.cp_exchange import exchange
-from ssm_pack.varlen import VarlenBatch
 
 from ..chunks import compute_dtype
 
@@ -91,7 +90,6 @@ def varlen_attention_cp(q, k, v, varlen, causal, window, scale, backend):
                         window[0], scale).to(q.dtype)
     if t1 == q.shape[0]:
         return run.anchor(first)
-    rest_cu = (run.local_cover.cu_seqlens - t1).clamp(min=0)
-    rest = varlen_attention(q[t1:], k[t1:], v[t1:], VarlenBatch.build(rest_cu, q.shape[0] - t1), causal=True,
-                            window_size=window, softmax_scale=scale, backend=backend)
+    rest = varlen_attention(q[t1:], k[t1:], v[t1:], run.after_first, causal=True, window_size=window,
+                            softmax_scale=scale, backend=backend)
     return run.anchor(torch.cat([first, rest]))
