@@ -206,14 +206,15 @@ def build_module(subject: str, seed: int):
     from mixers import HybridLM
     from mixers.model import MIXERS
     torch.manual_seed(seed)
-    if subject == "model":
-        return HybridLM(64, HIDDEN, "MGKPA", mixer_overrides=SMALL).double()
+    if subject.startswith("model"):          # model32: the same model in float32
+        model = HybridLM(64, HIDDEN, "MGKPA", mixer_overrides=SMALL)
+        return model if subject == "model32" else model.double()
     return MIXERS[subject](HIDDEN, **SMALL[subject]).double()
 
 
 def module_inputs(subject: str, total: int, seed: int) -> dict:
     g = _gen(seed + 1)
-    if subject == "model":
+    if subject.startswith("model"):
         ids = torch.randint(0, 64, (1, total), generator=g)
         labels = torch.where(torch.rand(1, total, generator=g) < 0.2, -100, torch.randint(0, 64, (1, total),
                                                                                           generator=g))
@@ -224,7 +225,7 @@ def module_inputs(subject: str, total: int, seed: int) -> dict:
 def run_module(subject, module, inputs, params, lo, hi) -> dict:
     """A mixer (``sum(out * w_out)``) or ``HybridLM`` (its loss) on tokens ``lo:hi``."""
     module.zero_grad(set_to_none=True)
-    if subject == "model":
+    if subject.startswith("model"):
         captured = {}
 
         def keep(_, __, out):
@@ -265,4 +266,5 @@ def cases(world: int) -> list[tuple[str, str, str, int]]:
     for kind in ("spanning", "random"):
         for subject in MIXERS + ("model",):
             out.append((f"{subject}-{kind}-p{world}", subject, kind, 13 * world))
+    out.append((f"model32-spanning-p{world}", "model32", "spanning", 13 * world))
     return out

@@ -2,7 +2,9 @@
 
 For world sizes 2 and 4, every op (with per-document initial and final states), every mixer and
 ``HybridLM("MGKPA")`` run on each rank's shard with CP; the parent process runs the whole row
-alone and compares, fp64 within 1e-9: outputs and row-input gradients slice for slice, shared
+alone and compares, fp64 within 1e-9 (``model32``: the model in fp32 against the fp64 row, relative
+RMS within 1e-5, the decay parameters' cancelling sums within 2e-4):
+outputs and row-input gradients slice for slice, shared
 gradients (initial states, weights, parameters) and final states summed over the ranks (each
 rank returns the documents it ends and reads the initial states of those it starts), and the
 model's loss shares summed. Negative control: the same shards without the exchange differ
@@ -25,6 +27,11 @@ from tests.context_parallel.worker import launch
 
 WORLDS = (2, 4)
 TOL = 1e-9
+FP32_REL = 1e-5
+# The per-head decay parameters' gradients are one sum over every token of cancelling terms: in
+# one process, fp32 rounding alone moves them by up to 3e-5 between chunk sizes 4 and 32 on this
+# case (README: up to ~7e-5 against upstream); each mixer alone under CP stays within 1e-6.
+DECAY_PARAMS, DECAY_REL = ("A_log", "dt_bias", "D"), 2e-4
 ROW_KEYS = ("out", "grad_x", "grad_q", "grad_k", "grad_v", "grad_g", "grad_beta", "grad_dt", "grad_B", "grad_C",
             "grad_z")
 CASES = [(world, *c) for world in WORLDS for c in all_cases(world)]
@@ -61,8 +68,13 @@ def _max_err(got, want) -> float:
     return float((got - want).abs().max()) if want.numel() else 0.0
 
 
-def _compare(subject, per_rank, ref) -> dict:
-    """``{what: max abs error}`` of the CP run against the single-process one."""
+def _rel_rms(got, want) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def _compare(subject, per_rank, ref, err=_max_err) -> dict:
+    """``{what: error}`` of the CP run against the single-process one."""
     errors = {}
     for key, want in ref.items():
         if want is None or key == "seconds":
@@ -70,11 +82,11 @@ def _compare(subject, per_rank, ref) -> dict:
         if key == "param_grads":
             assert want, "no parameter received a gradient"
             for name, grad in want.items():
-                errors[f"param {name}"] = _max_err(sum(r[key][name] for r in per_rank), grad)
+                errors[f"param {name}"] = err(sum(r[key][name] for r in per_rank), grad)
         elif key in ROW_KEYS:
-            errors[key] = _max_err(torch.cat([r[key] for r in per_rank], dim=_row_dim(subject, key)), want)
+            errors[key] = err(torch.cat([r[key] for r in per_rank], dim=_row_dim(subject, key)), want)
         else:
-            errors[key] = _max_err(sum(r[key] for r in per_rank), want)
+            errors[key] = err(sum(r[key] for r in per_rank), want)
     return errors
 
 
@@ -84,13 +96,17 @@ def test_cp_equals_single_process(ranks, world, case_id, subject, kind, seed):
     per_rank = _load(ranks(world), case_id, world)
     lay = layout(kind, world, seed)
     assert [r["span"] for r in per_rank] == list(zip(lay.shard_bounds(world)[:-1], lay.shard_bounds(world)[1:]))
-    ref = run_subject(subject, lay, lay.params(), 0, lay.total, seed)
-    errors = _compare(subject, per_rank, ref)
+    fp32 = subject == "model32"
+    ref = run_subject("model" if fp32 else subject, lay, lay.params(), 0, lay.total, seed)     # fp64
+    errors = _compare(subject, per_rank, ref, _rel_rms if fp32 else _max_err)
     expected = {"out"} | ({"states", "grad_h0"} if subject in ("conv", "ssd", "gdn", "kda", "gdp") else set()) | \
-        ({"loss", "grad_x"} if subject == "model" else set())
+        ({"loss", "grad_x"} if subject.startswith("model") else set())
     assert expected <= set(errors), f"missing comparisons: {expected - set(errors)}"
-    bad = {k: f"{v:.2e}" for k, v in errors.items() if not v <= TOL}
-    assert not bad, f"CP differs from the single-process run beyond {TOL}: {bad}"
+    limits = dict.fromkeys(errors, TOL)
+    if fp32:
+        limits = {k: DECAY_REL if k.split(".")[-1] in DECAY_PARAMS else FP32_REL for k in errors}
+    bad = {k: f"{v:.2e} > {limits[k]:.2e}" for k, v in errors.items() if not v <= limits[k]}
+    assert not bad, f"CP differs from the single-process run: {bad}"
 
 
 @pytest.mark.parametrize("world, case_id, subject, kind, seed",
@@ -133,4 +149,4 @@ def test_bytes_follow_the_plan(ranks, subject):
 
 def test_every_op_and_mixer_is_covered():
     subjects = {c[2] for c in CASES}
-    assert set(OPS) | {"M", "G", "K", "P", "A", "model"} <= subjects
+    assert set(OPS) | {"M", "G", "K", "P", "A", "model", "model32"} <= subjects
