@@ -266,5 +266,6 @@ def cases(world: int) -> list[tuple[str, str, str, int]]:
     for kind in ("spanning", "random"):
         for subject in MIXERS + ("model",):
             out.append((f"{subject}-{kind}-p{world}", subject, kind, 13 * world))
+    out.append((f"model-boundary-p{world}", "model", "boundary", 13 * world))   # a target must not cross there
     out.append((f"model32-spanning-p{world}", "model32", "spanning", 13 * world))
     return out
