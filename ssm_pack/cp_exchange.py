@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -131,14 +132,8 @@ def _numel(shape) -> int:
     return n
 
 
-def chain_plan(layout, closed) -> tuple[list, list]:
-    """Who sends what in :func:`chain_scan` (plain ints: every rank derives the same plan).
-
-    Returns ``(rounds, shift)``: ``rounds`` holds, per doubling round that has any traffic,
-    ``(sender, receiver, with_m)`` triples (``with_m``: the sender's composite still depends on
-    what enters it, so its ``M`` goes along); ``shift`` the ``(sender, receiver)`` pairs of the
-    last step, which hands each continuing segment its entering state.
-    """
+@lru_cache(maxsize=256)
+def _chain_plan(layout, closed: tuple) -> tuple[list, list]:
     size = layout.size
     done = [closed[j] or j == 0 or not layout.continues_out[j] for j in range(size)]
     rounds, d = [], 1
@@ -148,6 +143,17 @@ def chain_plan(layout, closed) -> tuple[list, list]:
         d *= 2
     shift = [(j - 1, j) for j in range(1, size) if layout.continues_in[j]]
     return rounds, shift
+
+
+def chain_plan(layout, closed) -> tuple[list, list]:
+    """Who sends what in :func:`chain_scan` (plain ints: every rank derives the same plan).
+
+    Returns ``(rounds, shift)``: ``rounds`` holds, per doubling round that has any traffic,
+    ``(sender, receiver, with_m)`` triples (``with_m``: the sender's composite still depends on
+    what enters it, so its ``M`` goes along); ``shift`` the ``(sender, receiver)`` pairs of the
+    last step, which hands each continuing segment its entering state.
+    """
+    return _chain_plan(layout, tuple(bool(c) for c in closed))      # the same every forward: kept
 
 
 def chain_scan(run, label: str, element, closed, apply, compose, *, s_shape, m_shape, dtype, anchors=()):

@@ -16,6 +16,8 @@ arrive rotated as the single-process run rotates them.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -26,9 +28,10 @@ from ..chunks import compute_dtype
 BLOCK = 256
 
 
+@lru_cache(maxsize=256)
 def key_plan(layout, left: int) -> dict:
     """``{(sender, receiver): (lo, hi)}``: the global token range of keys the receiver's first
-    segment needs from the sender (``left < 0``: no window)."""
+    segment needs from the sender (``left < 0``: no window). Kept per layout (the same every forward)."""
     plan, bounds = {}, layout.bounds
     for j in range(layout.size):
         if not layout.continues_in[j]:
