@@ -247,12 +247,27 @@ def run_module(subject, module, inputs, params, lo, hi) -> dict:
     return {"out": out, "param_grads": params_grads, **extra}
 
 
-def run_subject(subject, lay: Layout, params, lo, hi, seed) -> dict:
-    """Run a case's subject on tokens ``lo:hi`` of the row with metadata ``params``."""
+def poison(subject: str, inputs: dict, token: int) -> dict:
+    """A NaN in one input of one token (x for the conv and SSD, k for the delta rule, q for attention)."""
+    key = "x" if subject in ("conv", "ssd") else ("q" if subject.startswith("attention") else "k")
+    t = inputs["row"][key].clone()
+    if subject == "conv":
+        t[0, :, token] = float("nan")
+    elif subject.startswith("attention"):
+        t[token] = float("nan")
+    else:
+        t[0, token * (2 if subject == "gdp" else 1)] = float("nan")
+    return {"row": {**inputs["row"], key: t}, "shared": inputs["shared"]}
+
+
+def run_subject(subject, lay: Layout, params, lo, hi, seed, nan_at: int | None = None) -> dict:
+    """Run a case's subject on tokens ``lo:hi`` of the row with metadata ``params`` (an op with a
+    NaN at global token ``nan_at``, if given)."""
     docs = len(lay.lengths)
     if subject in OPS:
         varlen = VarlenBatch.build(params, hi - lo)
-        return run_op(subject, op_inputs(subject, lay.total, docs, seed), varlen, lo, hi)
+        inputs = op_inputs(subject, lay.total, docs, seed)
+        return run_op(subject, inputs if nan_at is None else poison(subject, inputs, nan_at), varlen, lo, hi)
     module = build_module(subject, seed)
     return run_module(subject, module, module_inputs(subject, lay.total, seed), params, lo, hi)
 

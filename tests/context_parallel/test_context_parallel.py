@@ -23,7 +23,7 @@ import torch
 
 from tests.context_parallel.cases import OPS, crosses, layout, run_subject
 from tests.context_parallel.cases import cases as all_cases
-from tests.context_parallel.worker import launch
+from tests.context_parallel.worker import NAN_AT, launch
 
 WORLDS = (2, 4)
 TOL = 1e-9
@@ -122,6 +122,42 @@ def test_without_the_exchange_cp_differs(ranks, world, case_id, subject, kind, s
         assert _max_err(alone, ref) > 1e-3, "the shards alone match the row although a document crosses a boundary"
     else:
         assert _max_err(alone, ref) <= TOL
+
+
+DELTA_NAN = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "mixers/ops/delta_rule reference: a NaN in one document's final-state gradient reaches the other documents "
+    "of its chunk in the backward (one process too: cu_seqlens [0, 2, 12], chunk 8, a NaN weight on document 1's "
+    "final state makes document 0's k/v/g/beta gradients NaN); under CP the entering state's gradient is the "
+    "previous rank's final-state gradient, so a NaN crossing back leaks there"))
+
+
+def _steps(subject, key):
+    return 2 if subject == "gdp" and key in ("grad_k", "grad_v", "grad_beta") else 1
+
+
+@pytest.mark.parametrize("subject", [pytest.param(s, id=s, marks=DELTA_NAN if s in ("gdn", "kda", "gdp") else ())
+                                     for s in OPS])
+def test_a_nan_stays_in_its_document(ranks, subject):
+    """DESIGN's isolation under CP: a NaN in the document spanning the 4 ranks (token 20, rank 1)
+    leaves every other document's outputs, gradients and final states finite and bitwise as
+    without it, on every rank; it does reach its own document's later tokens (negative control)."""
+    per_rank = _load(ranks(4), f"{subject}-spanning-p4", 4)
+    doc_start, doc_end = 2, 39
+    for key in [k for k in ROW_KEYS if k in per_rank[0]]:
+        dim, steps = _row_dim(subject, key), _steps(subject, key)
+        clean = torch.cat([r[key] for r in per_rank], dim=dim).movedim(dim, 0)
+        dirty = torch.cat([r["poisoned"][key] for r in per_rank], dim=dim).movedim(dim, 0)
+        token = torch.arange(clean.shape[0]) // steps
+        other = (token < doc_start) | (token >= doc_end)
+        assert torch.isfinite(dirty[other]).all(), f"{key}: a NaN left its document"
+        assert torch.equal(dirty[other], clean[other]), f"{key}: other documents changed"
+    if per_rank[0]["states"] is not None:
+        clean, dirty = sum(r["states"] for r in per_rank), sum(r["poisoned"]["states"] for r in per_rank)
+        others = [i for i in range(clean.shape[0]) if i != 2]
+        assert torch.equal(dirty[others], clean[others])
+    out = torch.cat([r["poisoned"]["out"] for r in per_rank], dim=_row_dim(subject, "out")).movedim(
+        _row_dim(subject, "out"), 0)
+    assert torch.isnan(out[NAN_AT:doc_end]).any(), "negative control: the NaN did not reach its own document"
 
 
 def _shard_facts(kind, world, seed):

@@ -3,7 +3,8 @@
 ``launch(world, out_dir, case_ids)`` starts ``world`` processes (``torch.multiprocessing``),
 each joins a gloo group on localhost and, for every case, runs the subject on its shard with CP
 (``local.cp_group`` set) and without the exchange (the same shard's params with the CP layout
-dropped: the negative control), saving ``{case}.{rank}.pt``. A failure writes
+dropped: the negative control), and, for the ops on the 4-rank spanning layout, once more with a
+NaN inside the spanning document; saving ``{case}.{rank}.pt``. A failure writes
 ``{case}.{rank}.err`` and stops the rank (the others then fail on gloo's timeout).
 """
 
@@ -21,9 +22,10 @@ import torch.multiprocessing as mp
 
 from ssm_pack import shard_for_context_parallel
 from ssm_pack.cp_exchange import record_traffic
-from tests.context_parallel.cases import cases, layout, run_subject
+from tests.context_parallel.cases import OPS, cases, layout, run_subject
 
 TIMEOUT_S = 120
+NAN_AT = 20          # spanning layout, 4 ranks: document 2 holds tokens 2..38, rank 1 tokens 12..23
 
 
 def free_port() -> int:
@@ -53,6 +55,8 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, wanted: tuple) ->
                 alone = local.replace(cp_layout=None, cp_group=None)    # the same shard, no exchange
                 result["control"] = run_subject(subject, lay, alone, start, end, seed)["out"]
                 result["span"] = (start, end)
+                if subject in OPS and kind == "spanning" and world == 4:    # a NaN inside the spanning document
+                    result["poisoned"] = run_subject(subject, lay, local, start, end, seed, nan_at=NAN_AT)
                 torch.save(result, os.path.join(out_dir, f"{case_id}.{rank}.pt"))
             except Exception:
                 with open(os.path.join(out_dir, f"{case_id}.{rank}.err"), "w") as fh:
