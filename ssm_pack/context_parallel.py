@@ -27,7 +27,7 @@ from functools import cached_property
 
 import torch
 
-from .checks import as_boundaries, check_int, describe
+from .checks import as_boundaries, check_boundaries, check_int, describe
 from .seq_idx import get_cu_seqlens
 
 
@@ -175,6 +175,8 @@ def shard_for_context_parallel(params, cp_rank: int, cp_size: int, *, total_toke
     else:
         physical = real = as_boundaries("params", params).to("cpu", torch.int64)
         padded, given_total = False, None
+    check_boundaries("params.cu_seqlens", physical)
+    check_boundaries("params.cu_seqlens_q", real)
     last = int(physical[-1])
     total = total_tokens if total_tokens is not None else (given_total if given_total is not None else last)
     total = check_int("total_tokens", total, minimum=0)

@@ -76,6 +76,10 @@ def test_bad_rank_and_resharding_are_refused():
         shard_for_context_parallel(row(), 3, 3)
     with pytest.raises(ValueError, match="smaller than cp_size"):
         shard_for_context_parallel(PackedSeqParams.from_lengths([2]), 0, 3)
+    with pytest.raises(ValueError, match="must be non-decreasing"):
+        shard_for_context_parallel([0, 5, 3, 9], 0, 3)
+    with pytest.raises(TypeError, match="bounds must be 4 ints"):
+        shard_for_context_parallel(row(), 0, 3, bounds=[0, 6.5, 13, 20])
     local = shard_for_context_parallel(row(), 0, 3)[2]
     with pytest.raises(ValueError, match="already one rank's shard"):
         shard_for_context_parallel(local, 0, 3)
