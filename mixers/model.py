@@ -61,6 +61,9 @@ class HybridLM(nn.Module):
 
     With ``labels`` (``[B, T]``, ``-100`` = ignore), the loss is the mean next-token cross-entropy;
     on a packed row the last token of a document never predicts the first of the next one.
+    Under context parallelism (``packed_seq_params`` from :func:`ssm_pack.shard_for_context_parallel`
+    with its ``cp_group`` set) the loss is this rank's share: the shares sum to the whole row's
+    mean, so gradients summed over the CP group equal the single-process ones.
     """
 
     def __init__(self, vocab_size: int = 256, hidden_size: int = 128, pattern: str = "MGKPA", *,
@@ -129,8 +132,12 @@ class HybridLM(nn.Module):
         loss = None
         if labels is not None:
             targets = next_token_targets(labels, varlen)
-            loss = F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                   ignore_index=IGNORE_INDEX)
+            flat = (upcast(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            if varlen is not None and varlen.cp is not None:     # context parallel: this rank's share of the mean
+                loss = varlen.cp.mean_share(F.cross_entropy(*flat, ignore_index=IGNORE_INDEX, reduction="sum"),
+                                            targets != IGNORE_INDEX)
+            else:
+                loss = F.cross_entropy(*flat, ignore_index=IGNORE_INDEX)
         return {"logits": logits.reshape(*rows, -1), "loss": loss}
 
 
@@ -163,4 +170,6 @@ def next_token_targets(labels: torch.Tensor, packed_seq_params=None) -> torch.Te
         crosses = torch.zeros_like(targets, dtype=torch.bool)
         crosses[:, :-1] = doc[:, 1:] != doc[:, :-1]
         targets = targets.masked_fill(crosses, IGNORE_INDEX)
+        if varlen.cp is not None:      # context parallel: the last token predicts the next rank's first
+            targets = varlen.cp.continue_targets(targets, labels)
     return targets

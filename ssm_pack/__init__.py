@@ -4,6 +4,7 @@ Imports torch only; the optional kernels (causal-conv1d, mamba-ssm, fla, flash-a
 imported here. See README for the representations and the support matrix.
 """
 
+from .context_parallel import ContextParallelLayout, shard_for_context_parallel
 from .convert import (
     attention_mask_from_lengths,
     cu_seqlens_from_position_ids,
@@ -49,7 +50,8 @@ from .varlen import VarlenBatch
 __version__ = "0.1.0"
 
 __all__ = [
-    "PackPlan", "PackedSeqParams", "PackingAlignmentWarning", "Segments", "VarlenBatch", "assemble_packed_sequence",
+    "ContextParallelLayout", "PackPlan", "PackedSeqParams", "PackingAlignmentWarning", "Segments", "VarlenBatch",
+    "assemble_packed_sequence",
     "attention_mask_from_lengths", "build_packed_seq_idx", "check_block_alignment",
     "check_causal_conv1d_support", "check_fla_conv_support", "check_fla_sequence_packing_support",
     "check_flash_attn_support", "check_mamba_sequence_packing_support", "check_mamba_ssd_support",
@@ -60,5 +62,5 @@ __all__ = [
     "packed_seq_params_from_hf_batch",
     "plan_packs", "position_ids_from_cu_seqlens", "resolve_cp_group", "resolve_tp_cp_group",
     "round_up_lengths", "segment_attention", "segment_ids", "segment_of", "segment_starts",
-    "seq_idx_from_cu_seqlens", "to_flash_attention_kwargs", "unpack_to_padded",
+    "seq_idx_from_cu_seqlens", "shard_for_context_parallel", "to_flash_attention_kwargs", "unpack_to_padded",
 ]

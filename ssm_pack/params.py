@@ -8,10 +8,11 @@ per-document padding (``cu_seqlens_*_padded``), the per-microbatch parallel topo
 (``local_cp_size``, ``cp_group``, ``tp_cp_group``; MCore-only, never forwarded to Transformer
 Engine) and ``seq_idx``, precomputed at construction when ``total_tokens`` is known.
 
-ssm-pack adds two fields: ``doc_ids`` (the NeMo AutoModel ``[B, S]`` document map, kept for
-losses and context-parallel consumers) and ``validate`` (``False`` skips the value checks,
+ssm-pack adds three fields: ``doc_ids`` (the NeMo AutoModel ``[B, S]`` document map, kept for
+losses and context-parallel consumers), ``validate`` (``False`` skips the value checks,
 which read tensor values and therefore synchronise when the boundaries live on a GPU, e.g.
-under CUDA-graph capture).
+under CUDA-graph capture) and ``cp_layout`` (set by :func:`ssm_pack.shard_for_context_parallel`
+on one rank's shard of a context-parallel row; with ``cp_group`` it turns CP on).
 
 The boundary fields (``cu_seqlens_*``, ``max_seqlen_*``, ``total_tokens``, ``seq_idx``) are
 fixed at construction: ``seq_idx`` and the checks depend on them, so assigning one raises
@@ -36,7 +37,8 @@ _TE_FIELDS = ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padde
               "cu_seqlens_kv_padded", "max_seqlen_q", "max_seqlen_kv", "pad_between_seqs")
 # fixed after construction: seq_idx and the validation depend on them
 _BOUNDARY_FIELDS = ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
-                    "max_seqlen_q", "max_seqlen_kv", "total_tokens", "seq_idx", "pad_between_seqs", "validate")
+                    "max_seqlen_q", "max_seqlen_kv", "total_tokens", "seq_idx", "pad_between_seqs", "validate",
+                    "cp_layout")
 _TENSOR_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "seq_idx")
 
 
@@ -67,6 +69,8 @@ class PackedSeqParams:
     cp_scatter_cache: object = None
     doc_ids: torch.Tensor | None = None
     validate: bool = field(default=True, repr=False)
+    # context parallelism: set by ssm_pack.shard_for_context_parallel on one rank's shard
+    cp_layout: Any = field(default=None, repr=False)
 
     def __post_init__(self):
         for name in _TENSOR_FIELDS[:4]:

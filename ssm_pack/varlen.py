@@ -24,11 +24,13 @@ another's work. :meth:`VarlenBatch.materialize` derives all of it up front (befo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 
+from . import context_parallel
 from .checks import as_boundaries, check_boundaries, check_int, describe, is_numpy_array
 from .segments import Segments, segments_from_cu_seqlens
 from .seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens
@@ -57,6 +59,8 @@ class VarlenBatch:
     given_seq_idx: torch.Tensor | None = field(default=None, repr=False)
     given_max_seqlen: int | None = field(default=None, repr=False)
     validated: bool = field(default=True, repr=False)
+    # context parallelism (ssm_pack.context_parallel): this rank's shard of a row split over ranks
+    cp: object = field(default=None, repr=False)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -115,8 +119,10 @@ class VarlenBatch:
                                    or tuple(cached.shape) != (1, total_tokens)):
             cached = None
         real = values["cu_seqlens_q"] if values["cu_seqlens_q_padded"] is not None else None
-        return cls._assemble(physical, real, total_tokens, device, validate=validate, checked=True,
-                             max_seqlen=limit if limit >= 0 else None, seq_idx=cached)
+        batch = cls._assemble(physical, real, total_tokens, device, validate=validate, checked=True,
+                              max_seqlen=limit if limit >= 0 else None, seq_idx=cached)
+        cp = context_parallel.resolve(params, total_tokens, batch.device)
+        return batch if cp is None else dataclasses.replace(batch, cp=cp)
 
     @classmethod
     def _assemble(cls, physical, real, total_tokens, device, *, validate, checked, max_seqlen,
@@ -180,9 +186,11 @@ class VarlenBatch:
 
     @cached_property
     def position_ids(self) -> torch.Tensor:
-        """``[1, T]`` int64 positions restarting at 0 at every physical document start (and the tail)."""
+        """``[1, T]`` int64 positions restarting at 0 at every physical document start (and the tail);
+        under context parallelism, a document continuing from an earlier rank keeps counting."""
         index = torch.arange(self.total_tokens, device=self.device)
-        return (index - self.cu_seqlens_long[self.seq_idx[0].to(torch.int64)]).unsqueeze(0)
+        positions = (index - self.cu_seqlens_long[self.seq_idx[0].to(torch.int64)]).unsqueeze(0)
+        return positions if self.cp is None else self.cp.global_positions(positions)
 
     @cached_property
     def segments(self) -> Segments:

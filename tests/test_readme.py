@@ -3,14 +3,20 @@ support matrix quotes the minimums of the one requirements table.
 
 Blocks are read from README.md when the tests are collected, so a block added by anyone is
 covered. A block that imports an optional package that is not installed (transformers, fla, ...)
-is skipped, naming it; shell and output blocks are not run.
+is skipped, naming it; shell and output blocks are not run. A block whose first line says how to
+launch it (``# torchrun --nproc-per-node N file.py``, a distributed script) is saved under that
+name and launched exactly so.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,7 +93,24 @@ def test_readme_python_block_runs_as_written(block, tmp_path, monkeypatch):
         transformers.logging.set_verbosity_error()
     monkeypatch.chdir(tmp_path)                       # files a block writes land in a fresh folder
     code = code.replace("/tmp/", f"{tmp_path}/")
+    launch = re.match(r"# torchrun --nproc-per-node (\d+) (\S+\.py)\n", code)
+    if launch:
+        _torchrun(code, int(launch.group(1)), tmp_path / launch.group(2))
+        return
     exec(compile(code, f"README.md block {name} (line {line})", "exec"), {"__name__": "__readme__"})
+
+
+def _torchrun(code: str, procs: int, script: Path) -> None:
+    """Launch a README script the way its first line says, on a free local port."""
+    script.write_text(code)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(README.parent)}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}",
+                          f"--master-port={port}", "--master-addr=127.0.0.1", str(script)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
 
 
 def test_support_matrix_quotes_the_requirements_table():

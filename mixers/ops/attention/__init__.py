@@ -69,6 +69,9 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, causal=True, windo
     longest = _check_max_seqlen(max_seqlen, varlen)
     window = (-1, -1) if window_size is None else tuple(window_size)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if varlen.cp is not None:                                 # context parallelism: cp.py
+        from .cp import varlen_attention_cp
+        return varlen_attention_cp(q, k, v, varlen, causal, window, scale, backend)
     choice = dispatch.select_backend("varlen_attention", backend, on_cuda=dispatch.is_cuda(q),
                                       support_state=lambda: dispatch.cached_support("flash_attn", ("varlen",)),
                                       missing_feature=unsupported(q))

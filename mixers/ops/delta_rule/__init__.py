@@ -92,6 +92,10 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2nor
          backend, nh=1):
     varlen = check_delta_inputs(kind, q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, nh)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if varlen is not None and varlen.cp is not None:          # context parallelism: cp.py
+        from .cp import delta_rule_cp
+        return delta_rule_cp(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, varlen,
+                             chunk_size, backend, nh)
     name = {"gdn": "chunk_gated_delta_rule", "kda": "chunk_kda", "gdp": "chunk_gated_delta_product"}[kind]
     features = ("varlen",) if varlen is not None else ()
     choice = dispatch.select_backend(name, backend, on_cuda=dispatch.is_cuda(q),

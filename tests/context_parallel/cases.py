@@ -1,0 +1,286 @@
+"""Context-parallel test cases: packed-row layouts and the subjects run on them.
+
+    P = ranks, T = tokens of the whole physical row, N = documents
+
+A case is a subject (an op with initial and final states, a mixer, or ``HybridLM``), a layout
+(document lengths, the row length T, shard bounds, per-document padding) and a seed. The same
+function :func:`run_subject` runs it on the whole row (one process, the reference) and on one
+rank's shard (CP, or CP without the exchange: the negative control), so both sides build their
+inputs identically: full-row tensors from the seed, sliced to the shard.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ssm_pack import PackedSeqParams, VarlenBatch
+
+SMALL = {"M": {"head_dim": 4, "state_size": 4, "chunk_size": 8, "expand": 1},
+         "G": {"head_dim": 4, "chunk_size": 8, "num_heads": 2, "num_v_heads": 4},
+         "K": {"head_dim": 4, "chunk_size": 8, "num_heads": 2}, "P": {"head_dim": 4, "chunk_size": 8, "num_heads": 2},
+         "A": {"head_dim": 4, "num_heads": 4, "num_kv_heads": 2}}
+OPS = ("conv", "ssd", "gdn", "kda", "gdp", "attention", "attention_window")
+MIXERS = ("M", "G", "K", "P", "A")
+HIDDEN, CONV_DIM, WIDTH = 16, 6, 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    lengths: tuple          # document lengths (0 = empty document)
+    total: int              # T (tokens after the documents: the padding tail)
+    bounds: tuple | None    # shard offsets (None: even split)
+    pad_to: int = 1         # per-document padding of the physical layout
+
+    def params(self) -> PackedSeqParams:
+        return PackedSeqParams.from_lengths(list(self.lengths), pad_to_multiple_of=self.pad_to, total_tokens=self.total)
+
+    def shard_bounds(self, world: int) -> tuple:
+        return self.bounds or tuple(r * self.total // world for r in range(world + 1))
+
+
+def _from_cuts(cuts, total, bounds=None, pad_to=1) -> Layout:
+    cuts = sorted(cuts)
+    return Layout(tuple(b - a for a, b in zip([0] + cuts[:-1], cuts)), total, bounds, pad_to)
+
+
+def layout(kind: str, world: int, seed: int = 0) -> Layout:
+    """Layouts that together cover: a document across several ranks, one ending exactly at a
+    rank boundary, ranks without a document start, empty documents (also at a boundary),
+    documents shorter than the conv window crossing a boundary, a padding tail crossing a
+    boundary, uneven shards with a one-token shard, per-document padding."""
+    rng = random.Random(seed * 7919 + world)
+    if kind == "spanning":       # one document from rank 0 into the last rank; the middle ranks start nothing
+        total = 12 * world
+        end = 12 * (world - 1) + 3
+        return _from_cuts([2, 2, end, end + 1, end + 1, end + 4], total)
+    if kind == "boundary":       # documents ending exactly at rank boundaries (an empty one there), 2-token
+        total = 10 * world + 3   # ones crossing them (shorter than the conv window)
+        bounds = [r * total // world for r in range(world + 1)]
+        cuts = [3]
+        for i, b in enumerate(bounds[1:-1]):
+            cuts += [b - 1, b + 1] if i % 2 else [b, b]
+        if world == 2:
+            cuts += [bounds[1] + 4, bounds[1] + 6]
+        return _from_cuts(cuts, total, tuple(bounds))
+    if kind == "tail":           # a padding tail across every rank boundary
+        return _from_cuts([3, 3, 7], 9 * world)
+    if kind == "random":         # uneven shards (one of a single token), random cuts, empties, a tail
+        for _ in range(50):      # redrawn until some segment crosses a rank boundary
+            lay = _random_layout(rng, world)
+            if crosses(lay, world):
+                return lay
+        raise AssertionError("no crossing layout drawn")
+    if kind == "padded":         # per-document padding to a multiple of 4 (the physical layout is padded)
+        lengths = [rng.randint(0, 9) for _ in range(2 * world)]
+        physical = sum(-(-n // 4) * 4 for n in lengths)
+        return Layout(tuple(lengths), physical + 2, None, 4)
+    raise ValueError(kind)
+
+
+def _random_layout(rng, world) -> Layout:
+    sizes = [rng.randint(3, 14) for _ in range(world)]
+    sizes[rng.randrange(1, world)] = 1
+    bounds = [0]
+    for s in sizes:
+        bounds.append(bounds[-1] + s)
+    total = bounds[-1]
+    cuts = [t for t in range(1, total) if rng.random() < 0.15]
+    cuts += [rng.choice(cuts)] if cuts else []
+    tail = rng.randint(0, 4)
+    return _from_cuts([c for c in cuts if c <= total - tail] + [total - tail], total, tuple(bounds))
+
+
+def crosses(lay: Layout, world: int) -> bool:
+    """Some segment (document or tail) continues across a rank boundary."""
+    from ssm_pack import shard_for_context_parallel
+    return any(shard_for_context_parallel(lay.params(), 0, world, bounds=lay.shard_bounds(world))[2]
+               .cp_layout.continues_in)
+
+
+# ----------------------------------------------------------------------------------- subjects
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _rand(g, *shape):
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def op_inputs(subject: str, total: int, docs: int, seed: int) -> dict:
+    """Full-row inputs (fp64): ``row`` tensors are sliced per shard (on their token dim), the
+    others are shared by every rank (their gradients sum over ranks)."""
+    g = _gen(seed)
+    row, shared = {}, {}
+    if subject == "conv":
+        row["x"] = _rand(g, 1, CONV_DIM, total)
+        shared.update(weight=_rand(g, CONV_DIM, WIDTH) * 0.5, bias=_rand(g, CONV_DIM),
+                      h0=_rand(g, docs, CONV_DIM, WIDTH - 1))
+        row["w_out"] = _rand(g, 1, CONV_DIM, total)
+        shared["w_final"] = _rand(g, docs, CONV_DIM, WIDTH - 1)
+    elif subject == "ssd":
+        h, p, n, grp = 4, 3, 4, 2
+        row.update(x=_rand(g, 1, total, h, p), dt=_rand(g, 1, total, h), B=_rand(g, 1, total, grp, n),
+                   C=_rand(g, 1, total, grp, n), z=_rand(g, 1, total, h, p), w_out=_rand(g, 1, total, h, p))
+        shared.update(A=-torch.rand(h, generator=g, dtype=torch.float64) - 0.2, D=_rand(g, h),
+                      dt_bias=_rand(g, h) * 0.3, h0=_rand(g, docs, h, p, n), w_final=_rand(g, docs, h, p, n),
+                      w_row=_rand(g, 1, h, p, n))
+    elif subject in ("gdn", "kda", "gdp"):
+        h, hv, kd, vd = 2, (4 if subject == "gdn" else 2), 4, 3
+        nh = 2 if subject == "gdp" else 1
+        row.update(q=_rand(g, 1, total, h, kd), k=_rand(g, 1, total * nh, h, kd), v=_rand(g, 1, total * nh, hv, vd),
+                   beta=torch.rand(1, total * nh, hv, generator=g, dtype=torch.float64),
+                   w_out=_rand(g, 1, total, hv, vd))
+        gate = (1, total, hv, kd) if subject == "kda" else (1, total, hv)
+        if subject != "gdp":     # Gated DeltaProduct without a gate (the mixer case runs one)
+            row["g"] = -F.softplus(_rand(g, *gate)) * 0.5
+        shared.update(h0=_rand(g, docs, hv, kd, vd) * 0.5, w_final=_rand(g, docs, hv, kd, vd))
+    else:
+        row.update(q=_rand(g, total, 4, 4), k=_rand(g, total, 2, 4), v=_rand(g, total, 2, 4),
+                   w_out=_rand(g, total, 4, 4))
+    return {"row": row, "shared": shared}
+
+
+def _slice(subject, name, t, lo, hi):
+    """Tokens ``lo:hi`` of a row tensor (Gated DeltaProduct's k, v, beta hold 2 steps per token)."""
+    dim = 2 if subject == "conv" else (0 if subject.startswith("attention") else 1)
+    per = 2 if subject == "gdp" and name in ("k", "v", "beta") else 1
+    return t.narrow(dim, lo * per, (hi - lo) * per)
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def run_op(subject, inputs, varlen, lo, hi) -> dict:
+    """Run op ``subject`` on tokens ``lo:hi`` with metadata ``varlen``; backward of
+    ``sum(out * w_out) + sum(states * w_final)``. Returns outputs, states and gradients."""
+    from mixers.ops import (
+        causal_conv1d_fn,
+        chunk_gated_delta_product,
+        chunk_gated_delta_rule,
+        chunk_kda,
+        mamba_chunk_scan_combined,
+        varlen_attention,
+    )
+    row = {k: _slice(subject, k, t, lo, hi) if k.startswith("w_") else _leaf(_slice(subject, k, t, lo, hi))
+           for k, t in inputs["row"].items()}
+    shared = {k: t if k.startswith("w_") else _leaf(t) for k, t in inputs["shared"].items()}
+    states, row_state = None, None
+    if subject == "conv":
+        out, states = causal_conv1d_fn(row["x"], shared["weight"], shared["bias"], initial_states=shared["h0"],
+                                       return_final_states=True, activation="silu", cu_seqlens=varlen)
+    elif subject == "ssd":
+        out, row_state, states = mamba_chunk_scan_combined(
+            row["x"], row["dt"], shared["A"], row["B"], row["C"], 8, D=shared["D"], z=row["z"],
+            dt_bias=shared["dt_bias"], initial_states=shared["h0"], cu_seqlens=varlen, dt_softplus=True,
+            return_final_states=True, return_varlen_states=True)
+    elif subject in ("gdn", "kda", "gdp"):
+        args = (row["q"], row["k"], row["v"], row.get("g"), row["beta"])
+        kw = dict(initial_state=shared["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  cu_seqlens=varlen, chunk_size=8)
+        if subject == "gdp":
+            out, states = chunk_gated_delta_product(*args, 2, **kw)
+        else:
+            out, states = (chunk_gated_delta_rule if subject == "gdn" else chunk_kda)(*args, **kw)
+    else:
+        window = (5, 0) if subject == "attention_window" else None
+        out = varlen_attention(row["q"], row["k"], row["v"], varlen, causal=True, window_size=window)
+    loss = (out * row["w_out"]).sum()
+    if states is not None:
+        loss = loss + (states * shared["w_final"]).sum()
+    if row_state is not None:
+        loss = loss + (row_state * shared["w_row"]).sum()
+    loss.backward()
+    result = {"out": out.detach(), "states": None if states is None else states.detach(),
+              "row_state": None if row_state is None else row_state.detach()}
+    result.update({f"grad_{k}": t.grad for k, t in row.items() if t.requires_grad})
+    result.update({f"grad_{k}": t.grad for k, t in shared.items() if t.requires_grad})
+    return result
+
+
+def build_module(subject: str, seed: int):
+    from mixers import HybridLM
+    from mixers.model import MIXERS
+    torch.manual_seed(seed)
+    if subject.startswith("model"):          # model32: the same model in float32
+        model = HybridLM(64, HIDDEN, "MGKPA", mixer_overrides=SMALL)
+        return model if subject == "model32" else model.double()
+    return MIXERS[subject](HIDDEN, **SMALL[subject]).double()
+
+
+def module_inputs(subject: str, total: int, seed: int) -> dict:
+    g = _gen(seed + 1)
+    if subject.startswith("model"):
+        ids = torch.randint(0, 64, (1, total), generator=g)
+        labels = torch.where(torch.rand(1, total, generator=g) < 0.2, -100, torch.randint(0, 64, (1, total),
+                                                                                          generator=g))
+        return {"ids": ids, "labels": labels}
+    return {"x": _rand(g, 1, total, HIDDEN), "w_out": _rand(g, 1, total, HIDDEN)}
+
+
+def run_module(subject, module, inputs, params, lo, hi) -> dict:
+    """A mixer (``sum(out * w_out)``) or ``HybridLM`` (its loss) on tokens ``lo:hi``."""
+    module.zero_grad(set_to_none=True)
+    if subject.startswith("model"):
+        captured = {}
+
+        def keep(_, __, out):
+            out.retain_grad()
+            captured["embedded"] = out
+        hook = module.embed.register_forward_hook(keep)
+        try:
+            res = module(inputs["ids"][:, lo:hi], packed_seq_params=params, labels=inputs["labels"][:, lo:hi])
+        finally:
+            hook.remove()
+        res["loss"].backward()
+        out, extra = res["logits"].detach(), {"loss": res["loss"].detach(), "grad_x": captured["embedded"].grad}
+    else:
+        x = _leaf(inputs["x"][:, lo:hi])
+        res = module(x, packed_seq_params=params)
+        (res * inputs["w_out"][:, lo:hi]).sum().backward()
+        out, extra = res.detach(), {"grad_x": x.grad}
+    params_grads = {name: p.grad.detach().clone() for name, p in module.named_parameters() if p.grad is not None}
+    return {"out": out, "param_grads": params_grads, **extra}
+
+
+def poison(subject: str, inputs: dict, token: int) -> dict:
+    """A NaN in one input of one token (x for the conv and SSD, k for the delta rule, q for attention)."""
+    key = "x" if subject in ("conv", "ssd") else ("q" if subject.startswith("attention") else "k")
+    t = inputs["row"][key].clone()
+    if subject == "conv":
+        t[0, :, token] = float("nan")
+    elif subject.startswith("attention"):
+        t[token] = float("nan")
+    else:
+        t[0, token * (2 if subject == "gdp" else 1)] = float("nan")
+    return {"row": {**inputs["row"], key: t}, "shared": inputs["shared"]}
+
+
+def run_subject(subject, lay: Layout, params, lo, hi, seed, nan_at: int | None = None) -> dict:
+    """Run a case's subject on tokens ``lo:hi`` of the row with metadata ``params`` (an op with a
+    NaN at global token ``nan_at``, if given)."""
+    docs = len(lay.lengths)
+    if subject in OPS:
+        varlen = VarlenBatch.build(params, hi - lo)
+        inputs = op_inputs(subject, lay.total, docs, seed)
+        return run_op(subject, inputs if nan_at is None else poison(subject, inputs, nan_at), varlen, lo, hi)
+    module = build_module(subject, seed)
+    return run_module(subject, module, module_inputs(subject, lay.total, seed), params, lo, hi)
+
+
+def cases(world: int) -> list[tuple[str, str, str, int]]:
+    """``(case id, subject, layout kind, seed)`` for one world size."""
+    out = []
+    for kind in ("spanning", "boundary", "random", "padded", "tail"):
+        for subject in OPS:
+            out.append((f"{subject}-{kind}-p{world}", subject, kind, 11 * world))
+    for kind in ("spanning", "random"):
+        for subject in MIXERS + ("model",):
+            out.append((f"{subject}-{kind}-p{world}", subject, kind, 13 * world))
+    out.append((f"model-boundary-p{world}", "model", "boundary", 13 * world))   # a target must not cross there
+    out.append((f"model32-spanning-p{world}", "model32", "spanning", 13 * world))
+    return out

@@ -1,0 +1,84 @@
+"""Spawned CP ranks: one gloo group per world size runs every case, writing each rank's results.
+
+``launch(world, out_dir, case_ids)`` starts ``world`` processes (``torch.multiprocessing``),
+each joins a gloo group on localhost and, for every case, runs the subject on its shard with CP
+(``local.cp_group`` set) and without the exchange (the same shard's params with the CP layout
+dropped: the negative control), and, for the ops on the 4-rank spanning layout, once more with a
+NaN inside the spanning document; saving ``{case}.{rank}.pt``. A failure writes
+``{case}.{rank}.err`` and stops the rank (the others then fail on gloo's timeout).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ssm_pack import shard_for_context_parallel
+from ssm_pack.cp_exchange import record_traffic
+from tests.context_parallel.cases import OPS, cases, layout, run_subject
+
+TIMEOUT_S = 120
+NAN_AT = 20          # spanning layout, 4 ranks: document 2 holds tokens 2..38, rank 1 tokens 12..23
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str, wanted: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        for case_id, subject, kind, seed in cases(world):
+            if case_id not in wanted:
+                continue
+            try:
+                lay = layout(kind, world, seed)
+                start, end, local = shard_for_context_parallel(lay.params(), rank, world, total_tokens=lay.total,
+                                                               bounds=lay.shard_bounds(world))
+                local.cp_group = dist.group.WORLD
+                t0 = time.perf_counter()
+                with record_traffic() as traffic:
+                    result = run_subject(subject, lay, local, start, end, seed)
+                result["seconds"] = time.perf_counter() - t0
+                result["traffic"] = (traffic.total("forward"), traffic.total("backward"))
+                alone = local.replace(cp_layout=None, cp_group=None)    # the same shard, no exchange
+                result["control"] = run_subject(subject, lay, alone, start, end, seed)["out"]
+                result["span"] = (start, end)
+                if subject in OPS and kind == "spanning" and world == 4:    # a NaN inside the spanning document
+                    result["poisoned"] = run_subject(subject, lay, local, start, end, seed, nan_at=NAN_AT)
+                torch.save(result, os.path.join(out_dir, f"{case_id}.{rank}.pt"))
+            except Exception:
+                with open(os.path.join(out_dir, f"{case_id}.{rank}.err"), "w") as fh:
+                    fh.write(traceback.format_exc())
+                raise
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(world: int, out_dir: str, case_ids) -> float:
+    """Run the cases on ``world`` spawned ranks; returns the wall time in seconds."""
+    t0 = time.perf_counter()
+    ctx = mp.start_processes(_rank_main, args=(world, free_port(), out_dir, tuple(case_ids)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 4 * TIMEOUT_S
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {world} CP ranks did not finish in {4 * TIMEOUT_S} s")
+    except Exception:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+        raise
+    return time.perf_counter() - t0
