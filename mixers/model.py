@@ -18,6 +18,7 @@ from ssm_pack import PackedSeqParams, VarlenBatch
 
 from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer, RMSNorm
 from .layers.norm import upcast
+from .model_inference import CachedLM
 
 MIXERS = {"M": Mamba2Mixer, "G": GatedDeltaNetMixer, "K": KDAMixer, "P": GatedDeltaProductMixer, "A": AttentionMixer}
 IGNORE_INDEX = -100
@@ -42,12 +43,16 @@ class Block(nn.Module):
         self.mixer = MIXERS[letter](hidden, backend=backend, **overrides.get(letter, {}))
         self.mlp = SwiGLU(hidden)
 
-    def forward(self, x, packed_seq_params=None):
-        x = x + self.mixer(self.mixer_norm(x), packed_seq_params=packed_seq_params)
+    def forward(self, x, packed_seq_params=None, *, cache=None, cache_slots=None):
+        if cache is None:
+            x = x + self.mixer(self.mixer_norm(x), packed_seq_params=packed_seq_params)
+        else:                                      # inference: the mixer's own per-slot states
+            x = x + self.mixer(self.mixer_norm(x), packed_seq_params=packed_seq_params, cache=cache,
+                               cache_slots=cache_slots)
         return x + self.mlp(self.mlp_norm(x))
 
 
-class HybridLM(nn.Module):
+class HybridLM(CachedLM, nn.Module):
     """``forward(input_ids [B, T], packed_seq_params=None, labels=None) -> {"logits", "loss"}``.
 
     Args:
@@ -60,6 +65,10 @@ class HybridLM(nn.Module):
 
     With ``labels`` (``[B, T]``, ``-100`` = ignore), the loss is the mean next-token cross-entropy;
     on a packed row the last token of a document never predicts the first of the next one.
+
+    Inference (:mod:`mixers.model_inference`): ``allocate_inference_cache``, ``forward(...,
+    cache=, cache_slots=)`` (packed prefill ``[1, T]`` with one slot per document, or rows
+    ``[N, t]`` with one slot per row) and ``generate`` (continuous batching).
     """
 
     def __init__(self, vocab_size: int = 256, hidden_size: int = 128, pattern: str = "MGKPA", *,
@@ -75,7 +84,8 @@ class HybridLM(nn.Module):
         self.norm = RMSNorm(hidden_size)
         nn.init.normal_(self.embed.weight, std=hidden_size ** -0.5)
 
-    def backbone(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+    def backbone(self, hidden_states: torch.Tensor, packed_seq_params=None, *, cache=None,
+                 cache_slots=None) -> torch.Tensor:
         """The blocks and the final norm: ``[B, T, D] -> [B, T, D]`` (what the leakage checker probes).
 
         The packing metadata is resolved once here (a :class:`ssm_pack.VarlenBatch`) and handed
@@ -83,19 +93,21 @@ class HybridLM(nn.Module):
         varlen = None
         if packed_seq_params is not None:
             varlen = VarlenBatch.build(packed_seq_params, hidden_states.shape[1], device=hidden_states.device)
+        if cache is not None or cache_slots is not None:  # inference: per-slot states (mixers/model_inference.py)
+            return self._backbone_cached(hidden_states, varlen, cache, cache_slots)
         for block in self.blocks:
             hidden_states = block(hidden_states, packed_seq_params=varlen)
         return self.norm(hidden_states)
 
     def forward(self, input_ids: torch.Tensor, packed_seq_params: PackedSeqParams | None = None,
-                labels: torch.Tensor | None = None) -> dict:
+                labels: torch.Tensor | None = None, *, cache=None, cache_slots=None) -> dict:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"input_ids must be [B, T] integer token ids, got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
         varlen = None
         if packed_seq_params is not None:
             varlen = VarlenBatch.build(packed_seq_params, input_ids.shape[1], device=input_ids.device)
-        hidden = self.backbone(self.embed(input_ids), varlen)
+        hidden = self.backbone(self.embed(input_ids), varlen, cache=cache, cache_slots=cache_slots)
         logits = hidden @ self.embed.weight.t()                                     # tied output head
         loss = None
         if labels is not None:
