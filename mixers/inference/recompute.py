@@ -29,7 +29,8 @@ def check_against_recompute(model, prompts, outputs, logits) -> dict:
             full = model(ids)["logits"][0, len(prompt) - 1:].double()
             diff = cached.to(full.device).double() - full
             worst_abs = max(worst_abs, float(diff.abs().max()))
-            worst_rel = max(worst_rel, float(diff.square().mean().sqrt() / full.square().mean().sqrt().clamp_min(1e-30)))
+            scale = full.square().mean().sqrt().clamp_min(1e-30)
+            worst_rel = max(worst_rel, float(diff.square().mean().sqrt() / scale))
             greedy &= full.argmax(-1).tolist() == list(out)
             tokens += len(out)
     return {"sequences": sum(1 for out in outputs if out), "tokens": tokens, "max_abs": worst_abs,

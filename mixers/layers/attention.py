@@ -45,7 +45,7 @@ class AttentionMixer(AttentionCached, MixerBase):
 
     def forward(self, hidden_states: torch.Tensor, packed_seq_params=None, *, cache=None,
                 cache_slots=None) -> torch.Tensor:
-        if cache is not None or cache_slots is not None:   # inference: per-slot KV cache (mixers/layers/attention_cache.py)
+        if cache is not None or cache_slots is not None:   # inference: attention_cache.py
             return self._forward_cached(hidden_states, packed_seq_params, cache, cache_slots)
         c = self.config
         varlen = self.varlen(hidden_states, packed_seq_params)

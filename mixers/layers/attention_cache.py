@@ -72,7 +72,7 @@ class AttentionCached(CachedMixin):
         if batch.all_fresh:
             return out
         width = batch.longest
-        column = width - batch.counts.to(batch.device)[doc] + place        # right-aligned: each last query in the last column
+        column = width - batch.counts.to(batch.device)[doc] + place     # right-aligned: last query, last column
         rows = q.new_zeros(len(batch.host), width, *q.shape[1:])
         rows[doc, column] = q[index]
         attended = attention_with_kvcache(rows, cache["key"], cache["value"], cache_seqlens=batch.ends_device,

@@ -49,7 +49,7 @@ class DeltaMixerBase(DeltaCached, MixerBase):
                 cache_slots=None) -> torch.Tensor:
         """``[B, T, D]`` -> ``[B, T, D]``; packed input needs ``B == 1``. With ``cache``: inference
         (:mod:`mixers.layers.delta_cache`)."""
-        if cache is not None or cache_slots is not None:   # inference: per-slot states (mixers/layers/delta_cache.py)
+        if cache is not None or cache_slots is not None:   # inference: delta_cache.py
             return self._forward_cached(hidden_states, packed_seq_params, cache, cache_slots)
         c, nh = self.config, self.householder
         varlen = self.varlen(hidden_states, packed_seq_params)

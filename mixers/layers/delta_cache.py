@@ -32,7 +32,8 @@ from .norm import upcast
 from .short_conv_cache import conv_cached
 
 _CHUNK = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda, "gdp": chunk_gated_delta_product}
-_STEP = {"gdn": fused_recurrent_gated_delta_rule, "kda": fused_recurrent_kda, "gdp": fused_recurrent_gated_delta_product}
+_STEP = {"gdn": fused_recurrent_gated_delta_rule, "kda": fused_recurrent_kda,
+         "gdp": fused_recurrent_gated_delta_product}
 
 
 class DeltaCached(CachedMixin):

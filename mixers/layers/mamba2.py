@@ -53,7 +53,7 @@ class Mamba2Mixer(Mamba2Cached, MixerBase):
 
     def forward(self, hidden_states: torch.Tensor, packed_seq_params=None, *, cache=None,
                 cache_slots=None) -> torch.Tensor:
-        if cache is not None or cache_slots is not None:   # inference: per-slot states (mixers/layers/mamba2_cache.py)
+        if cache is not None or cache_slots is not None:   # inference: mamba2_cache.py
             return self._forward_cached(hidden_states, packed_seq_params, cache, cache_slots)
         c = self.config
         varlen = self.varlen(hidden_states, packed_seq_params)
