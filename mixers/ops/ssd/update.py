@@ -118,7 +118,13 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     """
     has_heads = isinstance(state, torch.Tensor) and state.dim() == 4
     state4, x, dt, A, B, C, D, z, dt_bias = _with_heads(state, x, dt, A, B, C, D, z, dt_bias)
-    indices = _check(state4, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_limit)
+    try:
+        indices = _check(state4, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, dt_limit)
+    except ValueError as err:
+        if has_heads:
+            raise
+        raise ValueError(f"{err} (a 3-D state is upstream's head-less form: shapes are shown with its one head)") \
+            from None
     missing = unsupported(x, dt_limit)
     choice = dispatch.select_backend("selective_state_update", backend, on_cuda=dispatch.is_cuda(x),
                                      support_state=lambda: dispatch.cached_support(

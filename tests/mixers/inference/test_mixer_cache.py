@@ -132,7 +132,8 @@ def test_padded_layout_keeps_padding_out_of_the_slots(letter):
         want = packed_call(layer, seqs, tight, [0, 1, 2, 3, 4])
         got = packed_call(layer, seqs, padded, [0, 1, 2, 3, 4], pad_to_multiple_of=4, total_tokens=40)
         again = [layer(s[-1:].unsqueeze(0), cache=padded, cache_slots=[i])[0] for i, s in enumerate(seqs) if len(s)]
-        again_tight = [layer(s[-1:].unsqueeze(0), cache=tight, cache_slots=[i])[0] for i, s in enumerate(seqs) if len(s)]
+        again_tight = [layer(s[-1:].unsqueeze(0), cache=tight, cache_slots=[i])[0]
+                       for i, s in enumerate(seqs) if len(s)]
     for g, w in zip(got + again, want + again_tight):
         assert max_error(g, w) <= EXACT
     for i in range(5):
