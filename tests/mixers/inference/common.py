@@ -18,9 +18,9 @@ HIDDEN = 32
 LETTERS = [pytest.param(letter, id=MIXERS[letter].__name__) for letter in "MGKPA"]
 
 
-def make_mixer(letter: str, dtype=torch.float64, seed: int = 0):
+def make_mixer(letter: str, dtype=torch.float64, seed: int = 0, backend: str = "auto"):
     torch.manual_seed(seed)
-    return MIXERS[letter](HIDDEN, **SMALL[letter]).to(dtype)
+    return MIXERS[letter](HIDDEN, backend=backend, **SMALL[letter]).to(dtype)
 
 
 def sequences(lengths, dtype=torch.float64, seed: int = 1) -> list[torch.Tensor]:
