@@ -52,7 +52,7 @@ KERNELS = {k.name: k for k in (
            (("mamba_ssm", "2.0.0"), ("triton", "3.3.0")), triton=True),
     Kernel("fla", "flash-linear-attention's Triton delta-rule kernels", (("fla", "0.4.0"), ("triton", "3.3.0")),
            triton=True),
-    Kernel("flash_attn", "flash-attn's varlen attention", (("flash_attn", "2.3.0"),)),
+    Kernel("flash_attn", "flash-attn's attention kernels", (("flash_attn", "2.3.0"),)),
 )}
 
 FEATURES = {(f.kernel, f.name): f for f in (

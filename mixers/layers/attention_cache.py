@@ -32,10 +32,7 @@ from .cached import CachedMixin
 class AttentionCached(CachedMixin):
     """The inference half of :class:`mixers.AttentionMixer`."""
 
-    INFERENCE_PLAN = (
-        ("prefill", (("flash_attn", ("varlen",)),)),
-        ("decode / chunks", (("flash_attn", ("kvcache",)),)),
-    )
+    INFERENCE_PLAN = (("KV-cache attention", (("flash_attn", ("kvcache",)),)),)
 
     def _cache_states(self, slots, max_seqlen, dtype, device):
         c = self.config

@@ -24,10 +24,15 @@ import torch
 
 from ..inference.layer_cache import LayerCache
 from ..inference.slots import SlotBatch, SlotTable
+from .base import plan_support
 
 
 class CachedMixin:
-    """Inference for a mixer: subclasses define ``_cache_states`` and ``_cached``."""
+    """Inference for a mixer: subclasses define ``_cache_states``, ``_cached`` and ``INFERENCE_PLAN``
+    (the kernels of its decode and prefill parts, rows of the requirements table like ``PLAN``:
+    what the report shows and what ``backend="kernel"`` checks when a cache is allocated)."""
+
+    INFERENCE_PLAN: tuple = ()
 
     def _cache_states(self, slots: int, max_seqlen: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -46,6 +51,11 @@ class CachedMixin:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         device = reference.device if device is None else torch.device(device)
+        if self.backend == "kernel":
+            for part, kernel, ok, reason in plan_support(self.INFERENCE_PLAN):
+                if not ok:
+                    raise RuntimeError(f"{type(self).__name__}(backend='kernel'): its {part} cannot run on {kernel}: "
+                                       f"{reason}")
         shared = table is not None
         if table is None:
             table = SlotTable(max_batch_size, max_seqlen)

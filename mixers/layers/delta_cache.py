@@ -42,7 +42,6 @@ class DeltaCached(CachedMixin):
     KIND = "gdn"
     INFERENCE_PLAN = (
         ("conv decode", (("causal_conv1d", ("update_indices",)), ("fla_conv", ("update",)))),
-        ("scan prefill", (("fla", ("varlen",)),)),
         ("scan decode", (("fla", ("fused_recurrent",)),)),
     )
 

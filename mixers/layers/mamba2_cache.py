@@ -30,7 +30,6 @@ class Mamba2Cached(CachedMixin):
 
     INFERENCE_PLAN = (
         ("conv decode", (("causal_conv1d", ("update_indices",)), ("fla_conv", ("update",)))),
-        ("SSD prefill", (("mamba_ssd", ("seq_idx",)),)),
         ("SSD decode", (("mamba_decode", ("state_batch_indices",)),)),
     )
 
