@@ -80,6 +80,8 @@ class CachedMixin:
             batch = cache_slots
             if batch.table is not cache.table or batch.varlen is not varlen or batch.steps != steps:
                 raise ValueError(f"{name}: cache_slots were resolved for another cache or another call")
+        if steps == 0:                              # no token: nothing to read or write
+            return torch.zeros_like(hidden_states)
         out = self._cached(hidden_states, varlen, cache, batch)
         if owned:
             cache.table.advance(batch)

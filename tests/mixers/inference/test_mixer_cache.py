@@ -5,6 +5,7 @@ control that must fail."""
 import pytest
 import torch
 
+from mixers.model import MIXERS
 from ssm_pack.testing import TOLERANCES
 from tests.mixers.inference.common import (
     CHUNK,
@@ -175,6 +176,36 @@ def test_fp32_within_tolerance(letter):
     want = [full(layer, seqs[0]), full(layer, seqs[1]), full(layer, seqs[2])]
     for g, w in zip(got, want):
         assert rel_rms(g, w) <= TOLERANCES[torch.float32][0]
+
+
+def test_sliding_window_attention_cache():
+    """A window of 3 keys back: packed prefill, a packed continuation, a decode row."""
+    torch.manual_seed(0)
+    layer = MIXERS["A"](HIDDEN, head_dim=8, window_size=(3, 0)).double()
+    seqs = sequences([9, 2, 5])
+    cache = layer.allocate_inference_cache(3, 16)
+    with torch.no_grad():
+        first = packed_call(layer, [s[:-2] for s in seqs], cache, [0, 1, 2])
+        second = packed_call(layer, [s[-2:-1] for s in seqs], cache, [0, 1, 2])
+        last = layer(torch.stack([s[-1:] for s in seqs]), cache=cache, cache_slots=[0, 1, 2])
+    for i, s in enumerate(seqs):
+        assert max_error(torch.cat([first[i], second[i], last[i]]), full(layer, s)) <= EXACT
+    unwindowed = make_mixer("A")                          # negative control: the same weights, no window
+    unwindowed.load_state_dict(layer.state_dict())
+    assert max_error(full(unwindowed, seqs[0]), full(layer, seqs[0])) > 1e-3
+
+
+@pytest.mark.parametrize("letter", LETTERS)
+def test_calls_without_tokens_change_nothing(letter):
+    layer = make_mixer(letter)
+    cache = layer.allocate_inference_cache(3, 16)
+    with torch.no_grad():
+        packed_call(layer, sequences([4]), cache, [1])
+        before = snapshot(cache)
+        rows = layer(torch.zeros(2, 0, HIDDEN, dtype=torch.float64), cache=cache, cache_slots=[0, 1])
+        empty = packed_call(layer, [torch.zeros(0, HIDDEN, dtype=torch.float64)] * 2, cache, [1, 2])
+    assert rows.shape == (2, 0, HIDDEN) and [e.shape[0] for e in empty] == [0, 0]
+    assert same(before, snapshot(cache))
 
 
 def test_untouched_cache_snapshot_helper_detects_a_change():
