@@ -216,3 +216,27 @@ def test_untouched_cache_snapshot_helper_detects_a_change():
     with torch.no_grad():
         packed_call(layer, sequences([2]), cache, [1])
     assert not same(before, snapshot(cache))
+
+
+@pytest.mark.parametrize("letter", LETTERS)
+def test_mixer_refuses_a_foreign_cache_and_leaves_it_unchanged(letter):
+    layer, other = make_mixer(letter), make_mixer(letter)
+    cache = layer.allocate_inference_cache(2, 8)
+    with torch.no_grad():
+        packed_call(layer, sequences([3]), cache, [0])
+    x = torch.randn(1, 2, HIDDEN, dtype=torch.float64)
+    calls = [
+        (lambda: other(x, cache=cache, cache_slots=[1]), ValueError, "allocated by another"),
+        (lambda: layer(x.float(), cache=cache, cache_slots=[1]), ValueError,
+         "allocated for torch.float64 but hidden_states are torch.float32"),
+        (lambda: layer(x.repeat(1, 3, 1), cache=cache, cache_slots=[0]), ValueError,
+         r"slot 0 would hold 9 tokens \(3 cached \+ 6 new\)"),
+        (lambda: layer(x, cache={"conv": None}, cache_slots=[1]), TypeError, "cache must be the LayerCache"),
+        (lambda: layer(x.expand(3, 2, HIDDEN), cache=cache, cache_slots=[0, 1]), ValueError,
+         "names 2 slots but the call has 3 rows"),
+    ]
+    for call, error, match in calls:
+        before = snapshot(cache)
+        with pytest.raises(error, match=match):
+            call()
+        assert same(before, snapshot(cache)), match

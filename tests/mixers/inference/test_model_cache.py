@@ -76,6 +76,15 @@ def test_continuous_batching_equals_solo_runs():
     assert swapped["max_abs"] > 1e-3
 
 
+def test_continuous_batching_fp32_within_tolerance():
+    m = model(dtype=torch.float32)
+    ps = prompts([9, 2, 14], seed=5)
+    batcher = ContinuousBatcher(m, max_batch_size=2, prefill_chunk=4, record_logits=True)
+    outputs = batcher.run(ps, max_new_tokens=5)
+    check = check_against_recompute(m, ps, outputs, batcher.logits)
+    assert check["rel_rms"] <= 1e-5 and check["tokens"] == 15
+
+
 def test_mixed_steps_keep_unnamed_slots_bitwise():
     """Prefill chunks, decodes and a reused slot interleaved by hand: each sequence equals its solo
     forward, and a slot no call names keeps every bit."""
