@@ -187,3 +187,17 @@ def test_bad_input_is_refused_and_leaves_the_cache_unchanged():
 def test_generate_bad_input(prompt, new, match):
     with pytest.raises(ValueError, match=match):
         model("G").generate(prompt, max_new_tokens=new)
+
+
+def test_inference_mode():
+    """Under torch.inference_mode (what servers use), packing metadata, caches and generate work, and
+    give what no_grad gives."""
+    m = model("MGA")
+    ps = prompts([4, 7], seed=9)
+    want = m.generate(ps, max_new_tokens=3)
+    with torch.inference_mode():
+        assert m.generate(ps, max_new_tokens=3) == want
+        cache = m.allocate_inference_cache(2, 16)
+        inside = prefill(m, cache, ps, [1, 0])
+    outside = prefill(m, m.allocate_inference_cache(2, 16), ps, [1, 0])
+    assert all(torch.equal(a, b) for a, b in zip(inside, outside))
