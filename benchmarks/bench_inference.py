@@ -84,8 +84,8 @@ def decode_rows(hidden: int, long: int, short: int, rows: int, steps: int, round
         times = {k: [t / steps for t in v] for k, v in times.items()}
         target = None if letter == "A" else TARGETS["decode"]
         note = "(informational: attention's KV cache grows)" if letter == "A" else ""
-        out.append(ratio_row("inference", f"{type(layer).__name__}: decode per token, prefix {long} vs {short}",
-                             times, "long", "short", target, False, note))
+        measure = f"{type(layer).__name__}: decode step ({rows} rows), prefix {long} vs {short}"
+        out.append(ratio_row("inference", measure, times, "long", "short", target, False, note))
     return out
 
 
