@@ -14,7 +14,9 @@ def _report(_args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ssm-pack", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="ssm-pack", description="ssm-pack report (the default) prints what runs packed here; ssm-pack demo "
+                                     "trains a small hybrid model on packed documents.")
     sub = parser.add_subparsers(dest="command")
     report = sub.add_parser("report", help="print the support report (default)")
     report.set_defaults(run=_report)

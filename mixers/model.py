@@ -19,6 +19,7 @@ from ssm_pack import PackedSeqParams, VarlenBatch
 from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer, RMSNorm
 from .layers.norm import upcast
 from .model_inference import CachedLM
+from .sizes import size_problem
 
 MIXERS = {"M": Mamba2Mixer, "G": GatedDeltaNetMixer, "K": KDAMixer, "P": GatedDeltaProductMixer, "A": AttentionMixer}
 IGNORE_INDEX = -100
@@ -78,6 +79,9 @@ class HybridLM(CachedLM, nn.Module):
         if not pattern or unknown:
             raise ValueError(f"pattern must be letters of {''.join(MIXERS)} (M Mamba2, G Gated DeltaNet, K KDA, "
                              f"P Gated DeltaProduct, A attention), got {pattern!r}")
+        problem = size_problem(pattern, hidden_size, mixer_overrides)
+        if problem is not None:
+            raise ValueError(f"HybridLM: {problem.message(pattern=pattern)}")
         self.pattern = pattern
         self.embed = nn.Embedding(vocab_size, hidden_size)
         self.blocks = nn.ModuleList(Block(letter, hidden_size, backend, mixer_overrides or {}) for letter in pattern)
@@ -100,10 +104,37 @@ class HybridLM(CachedLM, nn.Module):
         return self.norm(hidden_states)
 
     def forward(self, input_ids: torch.Tensor, packed_seq_params: PackedSeqParams | None = None,
-                labels: torch.Tensor | None = None, *, cache=None, cache_slots=None) -> dict:
+                labels: torch.Tensor | None = None, *, position_ids: torch.Tensor | None = None,
+                cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q: int | None = None,
+                max_length_k: int | None = None, seq_idx: torch.Tensor | None = None, cache=None,
+                cache_slots=None) -> dict:
+        """``{"logits" [B, T, V], "loss"}``; packed by ``packed_seq_params`` or by the boundaries of a
+        Hugging Face ``DataCollatorWithFlattening`` batch, so ``model(**batch)`` works the way HF's
+        ``Trainer`` calls a model: ``position_ids`` restarting at 0, optionally ``cu_seq_lens_q/k``
+        with ``max_length_q/k`` and ``seq_idx`` (read by :meth:`ssm_pack.PackedSeqParams.from_hf_batch`).
+        ``[B, S]`` rows with ``position_ids`` run as one packed row of ``B * S`` tokens (every row
+        start is a boundary) and come back as ``[B, S]``. With ``cache`` and ``cache_slots``:
+        inference on per-slot states (:mod:`mixers.model_inference`).
+        """
+        for name, value in (("input_ids", input_ids), ("labels", labels)):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a [B, T] integer tensor, got {type(value).__name__}")
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"input_ids must be [B, T] integer token ids, got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels must match input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        hf = {name: value for name, value in (("position_ids", position_ids), ("cu_seq_lens_q", cu_seq_lens_q),
+                                               ("cu_seq_lens_k", cu_seq_lens_k), ("max_length_q", max_length_q),
+                                               ("max_length_k", max_length_k), ("seq_idx", seq_idx))
+              if value is not None}
+        rows = input_ids.shape
+        if hf:
+            if packed_seq_params is not None:
+                raise ValueError(f"give packed_seq_params or a collator's boundaries ({', '.join(hf)}), not both")
+            packed_seq_params = _params_from_hf(input_ids, hf)
+            input_ids = input_ids.reshape(1, -1)
+            labels = None if labels is None else labels.reshape(1, -1)
         varlen = None
         if packed_seq_params is not None:
             varlen = VarlenBatch.build(packed_seq_params, input_ids.shape[1], device=input_ids.device)
@@ -111,12 +142,27 @@ class HybridLM(CachedLM, nn.Module):
         logits = hidden @ self.embed.weight.t()                                     # tied output head
         loss = None
         if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels must match input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
             targets = next_token_targets(labels, varlen)
             loss = F.cross_entropy(upcast(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                    ignore_index=IGNORE_INDEX)
-        return {"logits": logits, "loss": loss}
+        return {"logits": logits.reshape(*rows, -1), "loss": loss}
+
+
+def _params_from_hf(input_ids: torch.Tensor, hf: dict) -> PackedSeqParams:
+    """The packing of a collator's batch: one ``[1, T]`` row (``from_hf_batch``), or ``[B, S]`` rows
+    with ``position_ids`` flattened into one (a boundary at every row start)."""
+    if input_ids.shape[0] == 1:
+        return PackedSeqParams.from_hf_batch({"input_ids": input_ids, **hf})
+    if set(hf) != {"position_ids"}:
+        raise ValueError(f"{', '.join(sorted(set(hf) - {'position_ids'}))} describe one packed row, but input_ids "
+                         f"has {input_ids.shape[0]} rows {tuple(input_ids.shape)}; flatten the batch to [1, T] "
+                         "(DataCollatorWithFlattening does) or pass position_ids alone")
+    positions = hf["position_ids"]
+    if not isinstance(positions, torch.Tensor) or positions.shape[-2:] != input_ids.shape:
+        shape = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
+        raise ValueError(f"position_ids must be [B, S] (or MRoPE [3, B, S]) like input_ids "
+                         f"{tuple(input_ids.shape)}, got {shape}")
+    return PackedSeqParams.from_position_ids(positions)
 
 
 def next_token_targets(labels: torch.Tensor, packed_seq_params=None) -> torch.Tensor:

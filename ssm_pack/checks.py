@@ -97,6 +97,11 @@ def check_boundaries(name: str, cu: torch.Tensor, *, values: bool = True) -> Non
                              f"at positions {i} and {i + 1}{hint}")
 
 
+def is_numpy_array(value) -> bool:
+    """A numpy array, recognised without importing numpy."""
+    return type(value).__module__ == "numpy" and hasattr(value, "dtype") and hasattr(value, "shape")
+
+
 def as_boundaries(name: str, value, *, device=None) -> torch.Tensor:
     """Offsets given as a tensor, a list / tuple of ints or a numpy array -> a 1-D integer tensor.
 
@@ -105,7 +110,7 @@ def as_boundaries(name: str, value, *, device=None) -> torch.Tensor:
     """
     if isinstance(value, torch.Tensor):
         return check_tensor(name, value, ndim=1, integer=True)
-    if type(value).__module__ == "numpy" and hasattr(value, "dtype"):
+    if is_numpy_array(value):
         if value.dtype.kind not in "iu":
             raise TypeError(f"{name} must hold integers, got a numpy array of dtype {value.dtype}")
         return check_tensor(name, torch.as_tensor(value, device=device), ndim=1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import as_index_tensor, check_boundaries, check_int, check_lengths, check_tensor
+from .checks import as_boundaries, as_index_tensor, check_boundaries, check_int, check_lengths, check_tensor
 from .seq_idx import _np, seq_idx_from_cu_seqlens
 
 
@@ -189,9 +189,8 @@ def unpack_to_padded(x: torch.Tensor, cu_seqlens: torch.Tensor, max_length: int 
 
 
 def as_cu_seqlens(name: str, value) -> torch.Tensor:
-    """Accept a tensor or a list of offsets; return validated int32 boundaries."""
-    if not isinstance(value, torch.Tensor):
-        value = as_index_tensor(name, value)
+    """Accept a tensor, a list or a numpy array of offsets; return validated int32 boundaries."""
+    value = as_boundaries(name, value)
     check_boundaries(name, value)
     if value.dtype != torch.int32:
         if value.numel() and int(value[-1]) >= 2**31:

@@ -3,10 +3,11 @@
     T = packed tokens
 
 The collator concatenates examples into one ``[1, T]`` row and describes the boundaries in up
-to three ways: ``position_ids`` restarting at 0 (always), ``cu_seq_lens_q/k`` with
-``max_length_q/k`` (``return_flash_attn_kwargs=True``) and a per-token ``seq_idx``
-(``return_seq_idx=True``). Explicit boundaries win: ``cu_seq_lens_*`` first, then ``seq_idx``,
-then position-id resets (which cannot show an empty document).
+to three ways: ``position_ids`` restarting at ``position_ids_start`` (0 by default) at every
+example (always), ``cu_seq_lens_q/k`` with ``max_length_q/k`` (``return_flash_attn_kwargs=True``)
+and a per-token ``seq_idx`` (``return_seq_idx=True``). Explicit boundaries win: ``cu_seq_lens_*``
+first, then ``seq_idx``, then position-id resets (which cannot show an empty document). The
+collator's ``return_tensors="np"`` arrays are taken as tensors.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .checks import check_tensor, describe
+from .checks import check_tensor, describe, is_numpy_array
 from .convert import (
     as_cu_seqlens,
     cu_seqlens_from_position_ids,
@@ -23,10 +24,65 @@ from .convert import (
     max_seqlen_from_cu_seqlens,
     position_ids_from_cu_seqlens,
 )
+from .neat import flash_boundaries, to_flash_attention_kwargs
 from .params import PackedSeqParams
-from .seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens
+from .seq_idx import seq_idx_from_cu_seqlens
 
 _TOKEN_KEYS = ("input_ids", "position_ids", "labels", "seq_idx", "inputs_embeds")
+_ARRAY_KEYS = _TOKEN_KEYS + ("cu_seq_lens_q", "cu_seq_lens_k")
+
+
+def _as_tensors(batch: Mapping) -> dict:
+    """``batch`` with the collator's numpy arrays (``return_tensors="np"``) as tensors."""
+    out = dict(batch)
+    for key in _ARRAY_KEYS:
+        value = out.get(key)
+        if is_numpy_array(value):
+            if value.dtype.kind not in "iufb":
+                raise TypeError(f"batch[{key!r}] must be a numeric array, got a numpy array of dtype {value.dtype}")
+            out[key] = torch.as_tensor(value)
+    return out
+
+
+def cu_seqlens_from_position_resets(position_ids: torch.Tensor) -> torch.Tensor:
+    """Boundaries of one flattened row from its ``position_ids`` ``[1, T]`` (or ``[T]``).
+
+    A document starts at token 0 and at every **reset**, a token whose position does not
+    increase by one over the previous token's, whatever the start value
+    (``DataCollatorWithFlattening(position_ids_start=s)`` restarts every example at ``s``).
+    Every document must start at the row's first position (the collator's start value, which
+    Hugging Face's own flash attention also takes as the start of each sequence); a reset to
+    another value (``[2, 3, 4, 0, 1]``, ``[0, 1, 5, 6]``) is ambiguous and raises ``ValueError``.
+    MRoPE ``[3, 1, T]`` positions (whose temporal plane repeats values inside a document) use the
+    temporal plane's restarts at 0, see :func:`ssm_pack.cu_seqlens_from_position_ids`.
+    """
+    check_tensor("batch['position_ids']", position_ids, ndim=(1, 2, 3), integer=True)
+    if position_ids.dim() == 3:
+        first = int(position_ids.reshape(3, -1)[0, 0]) if position_ids.numel() else 0
+        if first != 0:
+            raise ValueError(f"batch['position_ids'] is MRoPE [3, B, S] starting at {first}: its temporal plane "
+                             "repeats positions inside a document, so only restarts at 0 can be found; pass the "
+                             "boundaries (DataCollatorWithFlattening(return_flash_attn_kwargs=True) adds "
+                             "cu_seq_lens_q)")
+        return cu_seqlens_from_position_ids(position_ids)
+    flat = position_ids.reshape(-1).to(torch.int64)
+    if position_ids.dim() == 2 and position_ids.shape[0] != 1:
+        raise ValueError(f"batch['position_ids'] must be one flattened row [1, T], got shape "
+                         f"{tuple(position_ids.shape)}; DataCollatorWithFlattening emits batch size 1")
+    if flat.numel() == 0:
+        raise ValueError("batch['position_ids'] must hold at least one token, got an empty tensor")
+    resets = torch.nonzero(flat[1:] != flat[:-1] + 1).reshape(-1) + 1
+    start = flat[0]
+    wrong = resets[flat[resets] != start]
+    if wrong.numel():
+        t = int(wrong[0])
+        raise ValueError(f"batch['position_ids'] restarts at {int(flat[t])} at token {t} (after "
+                         f"{int(flat[t - 1])}) but the row starts at {int(start)}: documents must all start at the "
+                         "same position, so the boundaries cannot be told from the positions; pass them "
+                         "(DataCollatorWithFlattening(return_flash_attn_kwargs=True) adds cu_seq_lens_q, "
+                         "return_seq_idx=True adds seq_idx)")
+    end = torch.tensor([flat.numel()], dtype=torch.int32, device=flat.device)
+    return torch.cat([torch.zeros(1, dtype=torch.int32, device=flat.device), resets.to(torch.int32), end])
 
 
 def _packed_length(batch: Mapping) -> int | None:
@@ -54,11 +110,13 @@ def packed_seq_params_from_hf_batch(batch: Mapping) -> PackedSeqParams:
     """:class:`PackedSeqParams` for a ``DataCollatorWithFlattening`` batch.
 
     Uses ``cu_seq_lens_q`` / ``cu_seq_lens_k`` and ``max_length_q`` / ``max_length_k`` when
-    present, else ``seq_idx`` ``[1, T]``, else the ``position_ids`` resets. ``total_tokens``
-    is the packed length ``T``.
+    present, else ``seq_idx`` ``[1, T]``, else the ``position_ids`` resets (whatever the
+    collator's ``position_ids_start``, see :func:`cu_seqlens_from_position_resets`).
+    ``total_tokens`` is the packed length ``T``.
     """
     if not isinstance(batch, Mapping):
         raise TypeError(f"batch must be a mapping (the collator's dict), got {describe(batch)}")
+    batch = _as_tensors(batch)
     total = _packed_length(batch)
     if "cu_seq_lens_q" in batch:
         cu_q = as_cu_seqlens("batch['cu_seq_lens_q']", batch["cu_seq_lens_q"])
@@ -70,7 +128,7 @@ def packed_seq_params_from_hf_batch(batch: Mapping) -> PackedSeqParams:
                                                            ndim=(1, 2), integer=True))
         max_q = max_k = _check_max("max_length_q", None, cu_q)
     elif "position_ids" in batch:
-        cu_q = cu_k = cu_seqlens_from_position_ids(batch["position_ids"])
+        cu_q = cu_k = cu_seqlens_from_position_resets(batch["position_ids"])
         max_q = max_k = _check_max("max_length_q", None, cu_q)
     else:
         raise ValueError("batch has no boundaries: expected 'cu_seq_lens_q', 'seq_idx' or "
@@ -83,21 +141,21 @@ def packed_seq_params_from_hf_batch(batch: Mapping) -> PackedSeqParams:
                            max_seqlen_q=max_q, max_seqlen_kv=max_k, total_tokens=total)
 
 
-def hf_batch_from_packed_seq_params(params: PackedSeqParams) -> dict[str, torch.Tensor | int]:
+def hf_batch_from_packed_seq_params(params) -> dict[str, torch.Tensor | int]:
     """The boundary entries a ``DataCollatorWithFlattening`` batch would carry for ``params``.
 
-    ``position_ids`` ``[1, T]`` (int64), ``seq_idx`` ``[1, T]`` (int32) and the flash
-    attention kwargs ``cu_seq_lens_q/k`` (int32), ``max_length_q/k``, all in the physical
-    layout.
+    Args:
+        params: a :class:`PackedSeqParams`, any object with Megatron-core's ``PackedSeqParams``
+            fields (duck-typed) or a :class:`~ssm_pack.VarlenBatch`.
+
+    Returns ``position_ids`` ``[1, T]`` (int64, restarting at 0), ``seq_idx`` ``[1, T]``
+    (int32) and the flash attention kwargs ``cu_seq_lens_q/k`` (int32), ``max_length_q/k`` of
+    :func:`~ssm_pack.to_flash_attention_kwargs`, all in the physical layout, a padding tail
+    being one more document.
     """
-    if not isinstance(params, PackedSeqParams):
-        raise TypeError(f"params must be a PackedSeqParams, got {type(params).__name__}")
-    cu = get_cu_seqlens(params).to(torch.int32)
-    total = int(cu[-1]) if params.total_tokens is None else params.total_tokens
-    if total != int(cu[-1]):
-        cu = torch.cat([cu, cu.new_tensor([total])])  # the tail is a document of its own
-    longest = max_seqlen_from_cu_seqlens(cu)
+    cu, _, total = flash_boundaries(params)
     return {"position_ids": position_ids_from_cu_seqlens(cu, total),
-            "seq_idx": seq_idx_from_cu_seqlens(cu, total),
-            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(),
-            "max_length_q": longest, "max_length_k": longest}
+            "seq_idx": seq_idx_from_cu_seqlens(cu, total), **to_flash_attention_kwargs(params)}
+
+
+__all__ = ["cu_seqlens_from_position_resets", "hf_batch_from_packed_seq_params", "packed_seq_params_from_hf_batch"]

@@ -217,11 +217,20 @@ class PackedSeqParams:
         return {name: getattr(self, name) for name in _TE_FIELDS if getattr(self, name) is not None}
 
     def replace(self, **changes) -> PackedSeqParams:
-        """A copy with ``changes`` applied; ``seq_idx`` is rebuilt unless given."""
+        """A copy with ``changes`` applied; ``seq_idx`` is rebuilt unless given, and so are
+        ``max_seqlen_q`` / ``max_seqlen_kv`` when the boundaries change and they are not given."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         if "seq_idx" not in changes:
             values["seq_idx"] = None
         values.update(changes)
+        moved = any(name.startswith("cu_seqlens") for name in changes)
+        if moved and "max_seqlen_q" not in changes and "max_seqlen_kv" not in changes:
+            values["max_seqlen_q"] = values["max_seqlen_kv"] = None
+            physical = values["cu_seqlens_q_padded"] if values["cu_seqlens_q_padded"] is not None \
+                else values["cu_seqlens_q"]
+            if physical is not None and values.get("validate", True):
+                longest = max_seqlen_from_cu_seqlens(as_boundaries("cu_seqlens_q", physical))
+                values["max_seqlen_q"] = values["max_seqlen_kv"] = longest
         return PackedSeqParams(**values)
 
     # ----------------------------------------------------------------- builders

@@ -11,10 +11,15 @@ size); the padding counts against the budget.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .checks import as_index_tensor, check_int, check_lengths
+import torch
+
+from .checks import as_index_tensor, check_int, check_lengths, describe
+from .convert import _gather_index, lengths_to_cu_seqlens, position_ids_from_cu_seqlens
 from .params import PackedSeqParams
+from .seq_idx import seq_idx_from_cu_seqlens
 
 
 class _FirstFit:
@@ -93,14 +98,110 @@ class PackPlan:
         ``fixed_length=True`` sets ``total_tokens = max_tokens`` (static shapes; the tail is one
         extra document in ``seq_idx``), else the pack's own physical length.
         """
-        lengths = [self.lengths[d] for d in self.packs[i]]
+        lengths = [self.lengths[d] for d in self.packs[self._check_pack(i)]]
         return PackedSeqParams.from_lengths(lengths, pad_to_multiple_of=self.align_to, device=device,
                                             total_tokens=self.max_tokens if fixed_length else None)
+
+    def assemble(self, i: int, tokens, *, labels=None, loss_mask=None, position_ids=None,
+                 fixed_length: bool = True, pad_token_id: int = 0, device=None) -> dict:
+        """Pack ``i``'s tokens laid out exactly as :meth:`packed_seq_params` describes them.
+
+        :func:`ssm_pack.assemble_packed_sequence` builds a tight row (documents back to back);
+        this plan's metadata describes each document in a slot aligned to ``align_to`` (and,
+        with ``fixed_length``, a row of ``max_tokens``), so use this to build the row for it.
+
+        Args:
+            i: the pack.
+            tokens / labels / loss_mask / position_ids: the plan's documents, indexed like the
+                ``lengths`` it was made from: a padded ``[N, S]`` tensor (row ``d`` holds document
+                ``d`` in its first ``lengths[d]`` entries; MRoPE positions ``[3, N, S]``) or a
+                sequence of ``N`` token sequences (tensors, lists of ints, bytes) of exactly
+                ``lengths[d]`` entries. Only ``tokens`` is required.
+            fixed_length / device: as for :meth:`packed_seq_params`.
+            pad_token_id: the token id written into the padding.
+
+        Returns:
+            ``input_ids`` ``[1, T]`` (``pad_token_id`` on padding), ``labels`` ``[1, T]`` (``-100``
+            on padding), ``loss_mask`` ``[1, T]`` (0 on padding), ``position_ids`` ``[1, T]`` or
+            ``[3, 1, T]`` (given ones on the documents; counting on through each slot's padding and
+            from 0 over a tail; built from the layout when not given) and ``packed_seq_params``
+            (``labels`` / ``loss_mask`` are ``None`` when not given).
+        """
+        if device is None:
+            device = next((v.device for v in (tokens, labels, loss_mask, position_ids) if isinstance(v, torch.Tensor)),
+                          None)
+        params = self.packed_seq_params(i, fixed_length=fixed_length, device=device)
+        docs = self.packs[i]
+        lengths = [self.lengths[d] for d in docs]
+        physical = params.cu_seqlens.to(torch.int64)
+        tight = lengths_to_cu_seqlens(lengths, device=physical.device).to(torch.int64)
+        doc_of = seq_idx_from_cu_seqlens(tight, int(tight[-1]))[0].to(torch.int64)
+        dest = torch.arange(int(tight[-1]), device=physical.device) - tight[doc_of] + physical[doc_of]  # real tokens
+
+        def place(name, value, fill):
+            if value is None:
+                return None
+            real = _documents(name, value, docs, lengths, self.lengths, device)            # [..., real tokens]
+            out = real.new_full((*real.shape[:-1], params.total_tokens), fill)
+            return out.index_copy_(-1, dest, real).unsqueeze(-2)
+
+        layout_positions = position_ids_from_cu_seqlens(physical, params.total_tokens).to(device)   # [1, T]
+        positions = place("position_ids", position_ids, 0)
+        if positions is None:
+            positions = layout_positions
+        else:
+            padding = torch.ones(params.total_tokens, dtype=torch.bool, device=device).index_fill_(0, dest, False)
+            positions = torch.where(padding, layout_positions.to(positions.dtype), positions)
+        return {"input_ids": place("tokens", tokens, pad_token_id), "labels": place("labels", labels, -100),
+                "loss_mask": place("loss_mask", loss_mask, 0), "position_ids": positions,
+                "packed_seq_params": params}
+
+    def _check_pack(self, i) -> int:
+        i = check_int("i", i, minimum=0)
+        if i >= len(self.packs):
+            raise ValueError(f"i must be a pack index in [0, {len(self.packs)}), got {i}")
+        return i
 
     def summary(self) -> str:
         return (f"{len(self.lengths)} documents, {self.real_tokens} tokens -> {len(self.packs)} packs of "
                 f"<= {self.max_tokens}: padding {self.padding_fraction_padded:.1%} (padded batch) -> "
                 f"{self.padding_fraction_packed:.1%} (packed), {self.padding_removed:.1%} of it removed")
+
+
+def _documents(name: str, value, docs, lengths, all_lengths, device) -> torch.Tensor:
+    """The real tokens of documents ``docs`` of ``value`` back to back: ``[L]`` or ``[3, L]``."""
+    n_docs = len(all_lengths)
+    if isinstance(value, torch.Tensor):
+        mrope = value.dim() == 3 and value.shape[0] == 3
+        if value.dim() != 2 and not mrope:
+            raise ValueError(f"{name} must be a padded [N, S] tensor (row d = document d; MRoPE position_ids "
+                             f"[3, N, S]) or a sequence of N documents, got shape {tuple(value.shape)}")
+        rows, width = value.shape[-2:]
+        if rows != n_docs:
+            raise ValueError(f"{name} has {rows} rows but the plan has {n_docs} documents; pass every "
+                             "document the plan was made from, indexed like its lengths")
+        if lengths and max(lengths) > width:
+            raise ValueError(f"{name} rows hold {width} tokens but pack documents are up to {max(lengths)} long")
+        index = _gather_index(torch.tensor(lengths, dtype=torch.int64), width,
+                              rows=torch.tensor(docs, dtype=torch.int64)).to(value.device)
+        flat = value.reshape(*value.shape[:-2], rows * width)
+        return flat.index_select(-1, index).to(device)
+    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a padded [N, S] tensor or a sequence of N documents, got {describe(value)}")
+    if len(value) != n_docs:
+        raise ValueError(f"{name} holds {len(value)} documents but the plan has {n_docs}; pass every document "
+                         "the plan was made from, indexed like its lengths")
+    parts = []
+    for d in docs:
+        doc = value[d]
+        doc = torch.tensor(list(doc)) if isinstance(doc, (bytes, bytearray)) else torch.as_tensor(doc)
+        if doc.dim() != 1 or doc.shape[0] != all_lengths[d]:
+            raise ValueError(f"{name}[{d}] has shape {tuple(doc.shape)} but the plan was made with lengths[{d}]="
+                             f"{all_lengths[d]}; pass the same documents")
+        parts.append(doc.to(device))
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    return torch.cat(parts)
 
 
 def plan_packs(lengths, max_tokens: int, *, align_to: int = 1,

@@ -3,8 +3,10 @@
 
     def test_my_mixer(packing_check):
         x, params = packing_check.layout([0, 15, 100, 300], hidden=64, dtype=torch.float64)
-        packing_check.packed_equals_unpacked(my_mixer.double(), x, params)
-        packing_check.no_cross_document_leakage(my_mixer.double(), x, params)
+        packing_check.packed_equals_unpacked(my_mixer.double(), x, params)   # outputs, input and param grads
+        packing_check.no_cross_document_leakage(my_mixer.double(), x, params)  # bitwise, forward and backward
+
+Both helpers are :mod:`ssm_pack.testing`'s (see there for the probes and the negative control).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from .params import PackedSeqParams
 
 
 def layout(lengths, *, hidden: int, dtype=torch.float32, pad_to_multiple_of: int = 1, tail: int = 0, seed: int = 0):
-    """Random packed ``hidden_states [1, T, D]`` and metadata for documents of ``lengths``."""
+    """Random packed ``hidden_states [1, T, D]`` and its :class:`PackedSeqParams` for documents of
+    ``lengths``, each padded to a multiple of ``pad_to_multiple_of``, then ``tail`` padding tokens
+    (``T = sum of the padded lengths + tail``)."""
     params = PackedSeqParams.from_lengths(lengths, pad_to_multiple_of=pad_to_multiple_of)
     total = params.total_tokens + tail
     if tail:

@@ -29,7 +29,7 @@ from functools import cached_property
 
 import torch
 
-from .checks import as_boundaries, check_boundaries, check_int, describe
+from .checks import as_boundaries, check_boundaries, check_int, describe, is_numpy_array
 from .segments import Segments, segments_from_cu_seqlens
 from .seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens
 
@@ -75,12 +75,11 @@ class VarlenBatch:
             raise TypeError("packed_seq_params must be a PackedSeqParams, a VarlenBatch or cu_seqlens, got None")
         if hasattr(packed_seq_params, "cu_seqlens_q"):
             return cls._from_params(packed_seq_params, total_tokens, device)
-        try:
-            cu = as_boundaries("cu_seqlens", packed_seq_params, device=device)
-        except TypeError:
+        if not isinstance(packed_seq_params, (torch.Tensor, list, tuple)) and not is_numpy_array(packed_seq_params):
             raise TypeError("packed_seq_params must be a PackedSeqParams (or any object with Megatron's "
-                            "cu_seqlens_q field), a VarlenBatch or a cu_seqlens tensor, got "
-                            f"{describe(packed_seq_params)}") from None
+                            "cu_seqlens_q field), a VarlenBatch or a cu_seqlens tensor / list / numpy array, got "
+                            f"{describe(packed_seq_params)}")
+        cu = as_boundaries("cu_seqlens", packed_seq_params, device=device)
         # bare offsets are checked where that reads nothing remote (on CPU), like upstream's ops
         on_cpu = cu.device.type == "cpu"
         return cls._assemble(cu, None, total_tokens, device, validate=on_cpu, checked=False, max_seqlen=None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -18,24 +19,58 @@ from pathlib import Path
 import torch
 
 DEFAULTS = dict(steps=120, pattern="MGKPA", hidden=64, docs=600, max_tokens=2048, seed=0, lr=3e-3)
+ALIGN = 8                  # every document's slot in a pack is a multiple of this (block-aligned kernels)
 # small mixers: the demo is about packing, not model quality
 MIXER_OVERRIDES = {"M": {"head_dim": 16, "state_size": 16, "chunk_size": 64}, "G": {"head_dim": 16},
                    "K": {"head_dim": 16}, "P": {"head_dim": 16}, "A": {"head_dim": 16}}
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ssm-pack demo", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="training steps (default %(default)s)")
+    p = argparse.ArgumentParser(
+        prog="ssm-pack demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Pack real documents (the standard library's docstrings), train a small hybrid model on "
+                    "them, and show what packing gives: packed vs padded throughput and a leakage check.",
+        epilog="Progress and results go to stdout: ssm-pack demo > demo.log keeps every line.")
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="training steps")
     p.add_argument("--pattern", default=DEFAULTS["pattern"],
-                   help="mixer per block: M Mamba2, G GDN, K KDA, P GDP, A attention (default %(default)s)")
-    p.add_argument("--hidden", type=int, default=DEFAULTS["hidden"], help="hidden size (default %(default)s)")
-    p.add_argument("--docs", type=int, default=DEFAULTS["docs"], help="documents to load (default %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"], help="tokens per pack")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda uses the kernels when installed)")
-    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
-    p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
-    p.add_argument("--out", default="demo_out", help="output folder (default %(default)s)")
+                   help="mixer per block, one letter each (any case): M Mamba2, G Gated DeltaNet, K KDA, "
+                        "P Gated DeltaProduct, A attention")
+    p.add_argument("--hidden", type=int, default=DEFAULTS["hidden"],
+                   help="hidden size (the Mamba2 blocks need a multiple of 8: head size 16, expand 2)")
+    p.add_argument("--docs", type=int, default=DEFAULTS["docs"], help="documents to load")
+    p.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"],
+                   help=f"tokens per pack; longer documents are cut to fit once aligned to {ALIGN}")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (cuda uses the kernels when installed)")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="random seed")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak AdamW learning rate")
+    p.add_argument("--out", default="demo_out", help="output folder (demo.png, demo.json)")
     return p
+
+
+def check_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Every flag checked before any work (the corpus, the model), each error naming its flag."""
+    from ..model import MIXERS
+    from ..sizes import size_problem
+
+    if args.steps < 1 or args.hidden < 16 or args.docs < 4 or args.max_tokens < 64:
+        raise ValueError(f"need --steps >= 1, --hidden >= 16, --docs >= 4, --max-tokens >= 64; got {args.steps}, "
+                         f"{args.hidden}, {args.docs}, {args.max_tokens}")
+    pattern = args.pattern.upper()
+    unknown = sorted(set(pattern) - set(MIXERS))
+    if not pattern or unknown:
+        raise ValueError(f"--pattern must be letters of {''.join(MIXERS)} (M Mamba2, G Gated DeltaNet, K KDA, "
+                         f"P Gated DeltaProduct, A attention; any case), got {args.pattern!r}")
+    problem = size_problem(pattern, args.hidden, MIXER_OVERRIDES)
+    if problem is not None:
+        raise ValueError(problem.message("--hidden", pattern) + " (the demo's head sizes: MIXER_OVERRIDES in "
+                         "mixers/demo/__init__.py)")
+    if not _DEVICE.match(args.device):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device} but torch.cuda.is_available() is False (torch {torch.__version__}); "
+                         "use --device cpu")
+    return argparse.Namespace(**{**vars(args), "pattern": pattern})
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -45,30 +80,28 @@ def run(args: argparse.Namespace) -> dict:
     from .plot import require_matplotlib, write_png
     from .train import leakage_check, make_batches, throughput, train
 
+    args = check_args(args)
     require_matplotlib()                                     # fail before the work, not after it
-    if args.steps < 1 or args.hidden < 16 or args.docs < 4 or args.max_tokens < 64:
-        raise ValueError(f"need --steps >= 1, --hidden >= 16, --docs >= 4, --max-tokens >= 64; got {args.steps}, "
-                         f"{args.hidden}, {args.docs}, {args.max_tokens}")
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda but torch.cuda.is_available() is False")
     torch.manual_seed(args.seed)
     started = time.perf_counter()
-    print(f"ssm-pack demo: {args.pattern} hybrid, hidden {args.hidden}, {args.steps} steps on {device}")
-    documents = load_documents(args.docs, max_bytes=min(1024, args.max_tokens))
+    print(f"ssm-pack demo: {args.pattern} hybrid, hidden {args.hidden}, {args.steps} steps on {device}", flush=True)
+    # cut long documents so that, once aligned, each fits one pack
+    documents = load_documents(args.docs, max_bytes=min(1024, args.max_tokens // ALIGN * ALIGN))
     lengths = [len(d) for d in documents]
     print(f"  corpus: {len(documents)} standard-library docstrings, {sum(lengths):,} bytes "
           f"(lengths {min(lengths)}-{max(lengths)}, median {sorted(lengths)[len(lengths) // 2]})")
-    batches, plan = make_batches(documents, args.max_tokens, 8, device)
+    batches, plan = make_batches(documents, args.max_tokens, ALIGN, device)
     print(f"  packs:  {plan.summary()}")
     model = HybridLM(256, args.hidden, args.pattern, mixer_overrides=MIXER_OVERRIDES).to(device)
-    print(f"  model:  {sum(p.numel() for p in model.parameters()):,} parameters")
+    print(f"  model:  {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
     losses = train(model, batches, args.steps, args.lr)
-    print(f"  loss:   {losses[0]:.3f} -> {min(losses[-5:]):.3f} (last 5 steps' best)")
+    print(f"  loss:   {losses[0]:.3f} -> {min(losses[-5:]):.3f} (first step -> best of the last 5)")
     tput = throughput(model, batches, repeat=min(3, len(batches)))
     print(f"  speed:  packed {tput['packed']:,.0f} tok/s vs padded {tput['padded']:,.0f} tok/s "
-          f"({tput['packed'] / tput['padded']:.2f}x; rows of {plan.padded_row_length}, fastest of 3 alternating runs)")
-    checked = leakage_check(model, documents, device)
+          f"({tput['packed'] / tput['padded']:.2f}x; real tokens per second of a training step, rows of "
+          f"{plan.padded_row_length}, fastest of 3 alternating runs)")
+    checked = leakage_check(model, documents, device, ALIGN)
     print(f"  leaks:  none (bitwise, {checked} perturbations; the negative control without metadata leaks)")
     generation_demo(model, documents)                        # continuous batching + the recompute check
     out = Path(args.out)

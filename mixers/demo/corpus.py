@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import ast
+import functools
 import sysconfig
 from pathlib import Path
 
 _SKIP = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "turtledemo", "ensurepip"}
 
 
-def stdlib_files() -> list[Path]:
-    """The standard library's ``.py`` files, sorted (deterministic), tests and vendored code left out."""
+@functools.lru_cache(maxsize=1)
+def stdlib_files() -> tuple[Path, ...]:
+    """The standard library's ``.py`` files, sorted (deterministic), tests and vendored code left out
+    (walked once per process: the walk costs about a second)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if not _SKIP & set(p.relative_to(root).parts))
+    return tuple(sorted(p for p in root.rglob("*.py") if not _SKIP & set(p.relative_to(root).parts)))
 
 
 def docstrings(source: str) -> list[str]:

@@ -21,8 +21,8 @@ from ..model import IGNORE_INDEX, HybridLM
 @dataclass
 class Batch:
     """One pack: ``input_ids [1, T]``, its ``labels [1, T]`` (``-100`` on alignment padding) and
-    metadata, plus the same documents right-padded to ``[B, S]`` rows of the plan's
-    ``padded_row_length`` (the longest document of the corpus)."""
+    metadata, laid out by :meth:`ssm_pack.PackPlan.assemble`, plus the same documents right-padded
+    to ``[B, S]`` rows of the plan's ``padded_row_length`` (the longest document of the corpus)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -32,32 +32,32 @@ class Batch:
     real_tokens: int
 
 
-def _layout(documents: list[bytes], starts: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, labels)`` ``[len(documents), width]`` rows or, with ``starts``, one packed row:
-    document ``i`` at ``starts[i]`` (row ``i`` when ``starts`` is empty); ``-100`` labels elsewhere."""
-    rows = 1 if starts else len(documents)
-    ids = torch.zeros(rows, width, dtype=torch.long)
-    labels = torch.full((rows, width), IGNORE_INDEX, dtype=torch.long)
-    for i, doc in enumerate(documents):
-        row, start = (0, starts[i]) if starts else (i, 0)
-        tokens = torch.tensor(list(doc), dtype=torch.long)
-        ids[row, start:start + len(tokens)] = tokens
-        labels[row, start:start + len(tokens)] = tokens
+def _padded_rows(documents: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, labels)`` ``[len(documents), width]``: one document per row, ``-100`` labels after it."""
+    ids = torch.zeros(len(documents), width, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    for row, doc in enumerate(documents):
+        ids[row, :len(doc)] = doc
+        labels[row, :len(doc)] = doc
     return ids, labels
+
+
+def as_token_tensors(documents: list[bytes]) -> list[torch.Tensor]:
+    return [torch.tensor(list(d), dtype=torch.long) for d in documents]
 
 
 def make_batches(documents: list[bytes], max_tokens: int, align_to: int, device) -> tuple[list[Batch], object]:
     """Plan packs of at most ``max_tokens`` (first-fit-decreasing) and build every batch."""
     plan = plan_packs([len(d) for d in documents], max_tokens, align_to=align_to)
+    tokens = as_token_tensors(documents)
     batches = []
     for i, pack in enumerate(plan.packs):
-        params = plan.packed_seq_params(i, fixed_length=False)
-        docs = [documents[d] for d in pack]
-        ids, labels = _layout(docs, params.cu_seqlens.tolist()[:-1], params.total_tokens)
+        packed = plan.assemble(i, tokens, labels=tokens, fixed_length=False)
         # the padded batch the plan's padding figure describes
-        padded_ids, padded_labels = _layout(docs, [], plan.padded_row_length)
-        batches.append(Batch(ids.to(device), labels.to(device), _to(params, device), padded_ids.to(device),
-                             padded_labels.to(device), sum(len(d) for d in docs)))
+        padded_ids, padded_labels = _padded_rows([tokens[d] for d in pack], plan.padded_row_length)
+        batches.append(Batch(packed["input_ids"].to(device), packed["labels"].to(device),
+                             _to(packed["packed_seq_params"], device), padded_ids.to(device),
+                             padded_labels.to(device), sum(len(tokens[d]) for d in pack)))
     return batches, plan
 
 
@@ -68,22 +68,55 @@ def _to(params: PackedSeqParams, device) -> PackedSeqParams:
     return params.replace(**moved)
 
 
-def progress(step: int, total: int, loss: float, tokens_per_s: float, width: int = 28) -> None:
-    """A bar redrawn in place on a terminal; on a pipe or a log, a plain line every sixth of the run."""
-    done = int(width * step / total)
-    line = f"  [{'#' * done}{'.' * (width - done)}] step {step}/{total}  loss {loss:.3f}  {tokens_per_s:,.0f} tok/s"
-    if sys.stderr.isatty():
-        sys.stderr.write("\r" + line + ("\n" if step == total else ""))
-    elif step == total or step % max(1, total // 6) == 0:
-        sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+class Progress:
+    """The training loop's progress: a bar redrawn in place on a terminal, a plain line every
+    sixth of the run on a pipe or a log, both on stdout (with the rest of the demo's output).
+
+    Every number is over the recent ``window`` steps only (the steps since the previous line), so
+    the first steps' warm-up does not drag the rate down for the rest of the run: ``loss`` is their
+    mean training loss and ``tok/s`` their real (non-padding) tokens per second of wall time.
+    """
+
+    def __init__(self, total: int, stream=None, clock=time.perf_counter, width: int = 28):
+        self.total, self.width, self.clock = total, width, clock
+        self.stream = sys.stdout if stream is None else stream
+        self.window = max(1, total // 6)
+        self.steps: list[tuple[float, float, int]] = []            # (end time, loss, real tokens) per step
+        self.started = clock()
+
+    def legend(self) -> str:
+        return (f"  training: loss = mean cross-entropy (nats per byte), tok/s = real tokens per second, "
+                f"both over the last {self.window} step{'s' * (self.window > 1)}")
+
+    def rate(self) -> tuple[float, float]:
+        """``(mean loss, tokens / s)`` of the last ``window`` steps."""
+        recent = self.steps[-self.window:]
+        first = len(self.steps) - len(recent)
+        start = self.steps[first - 1][0] if first > 0 else self.started
+        seconds = max(recent[-1][0] - start, 1e-9)
+        return sum(r[1] for r in recent) / len(recent), sum(r[2] for r in recent) / seconds
+
+    def step(self, loss: float, tokens: int) -> None:
+        self.steps.append((self.clock(), loss, tokens))
+        if len(self.steps) == 1:
+            self.stream.write(self.legend() + "\n")
+        step = len(self.steps)
+        mean_loss, rate = self.rate()
+        done = int(self.width * step / self.total)
+        line = (f"  [{'#' * done}{'.' * (self.width - done)}] step {step}/{self.total}  loss {mean_loss:.3f}  "
+                f"{rate:,.0f} tok/s")
+        if self.stream.isatty():
+            self.stream.write("\r" + line + ("\n" if step == self.total else ""))
+        elif step == self.total or step % self.window == 0:
+            self.stream.write(line + "\n")
+        self.stream.flush()
 
 
 def train(model: HybridLM, batches: list[Batch], steps: int, lr: float) -> list[float]:
     """``steps`` AdamW steps over the packs (cycled); returns the loss of every step."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-    losses, seen, start = [], 0, time.perf_counter()
+    losses, progress = [], Progress(steps)
     for step in range(steps):
         batch = batches[step % len(batches)]
         loss = model(batch.input_ids, batch.params, labels=batch.labels)["loss"]
@@ -95,8 +128,7 @@ def train(model: HybridLM, batches: list[Batch], steps: int, lr: float) -> list[
         if not torch.isfinite(loss):
             raise RuntimeError(f"the loss became {loss.item()} at step {step + 1}")
         losses.append(loss.item())
-        seen += batch.real_tokens
-        progress(step + 1, steps, losses[-1], seen / (time.perf_counter() - start))
+        progress.step(losses[-1], batch.real_tokens)
     return losses
 
 
@@ -144,11 +176,11 @@ class _Backbone(nn.Module):
         return self.model.backbone(hidden_states, packed_seq_params)
 
 
-def leakage_check(model: HybridLM, documents: list[bytes], device) -> int:
+def leakage_check(model: HybridLM, documents: list[bytes], device, align_to: int = 8) -> int:
     """Run :func:`ssm_pack.testing.assert_no_cross_document_leakage` on a packed batch of the model."""
-    sample = documents[:4]
-    params = PackedSeqParams.from_lengths([len(d) for d in sample], pad_to_multiple_of=8)
-    ids, _ = _layout(sample, params.cu_seqlens.tolist()[:-1], params.total_tokens)
+    sample = as_token_tensors(documents[:4])
+    plan = plan_packs([len(d) for d in sample], sum(len(d) + align_to for d in sample), align_to=align_to)
+    packed = plan.assemble(0, sample, fixed_length=False)
     with torch.no_grad():
-        hidden = model.embed(ids.to(device)).float()
-    return assert_no_cross_document_leakage(_Backbone(model).float(), hidden, _to(params, device))
+        hidden = model.embed(packed["input_ids"].to(device)).float()
+    return assert_no_cross_document_leakage(_Backbone(model).float(), hidden, _to(packed["packed_seq_params"], device))

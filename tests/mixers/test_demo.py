@@ -1,12 +1,19 @@
-"""The main job runs end to end (tiny settings) and reports failures as one clear line."""
+"""The main job runs end to end (tiny settings), prints everything README shows on stdout, and
+reports every bad flag as one clear line before any work."""
 
+import io
 import json
+import re
+from pathlib import Path
 
 import pytest
 
 from mixers.cli import main as cli_main
-from mixers.demo import main
+from mixers.demo import build_parser, check_args, main
 from mixers.demo.corpus import load_documents
+from mixers.demo.train import Progress
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_corpus_is_real_and_deterministic():
@@ -15,28 +22,102 @@ def test_corpus_is_real_and_deterministic():
     assert all(24 <= len(d) <= 1024 for d in docs) and len(set(docs)) > 40
 
 
-def test_demo_runs_and_writes_its_outputs(tmp_path, capsys):
-    code = cli_main(["demo", "--steps", "4", "--docs", "24", "--hidden", "32", "--max-tokens", "512",
-                     "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert code == 0, out
+def test_demo_runs_on_one_stream_and_writes_its_outputs(tmp_path, capsys):
+    # --max-tokens 100: the documents are cut so that they still fit once aligned to 8
+    code = cli_main(["demo", "--steps", "4", "--docs", "24", "--hidden", "32", "--max-tokens", "100",
+                     "--pattern", "mgA", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.err == ""                       # `ssm-pack demo > log` keeps every line
+    out = captured.out
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     summary = json.loads((tmp_path / "demo.json").read_text())
     assert len(summary["losses"]) == 4 and summary["throughput"]["packed"] > 0
-    for line in ("packs:", "loss:", "speed:", "leaks:  none"):
+    assert "MGA hybrid" in out and "packs of <= 100" in out
+    for line in ("training: loss = mean cross-entropy", "step 4/4  loss", "tok/s", "loss:", "speed:",
+                 "leaks:  none"):
         assert line in out
+    # every kind of line README's sample output shows is printed, in README's order
+    sample = README.read_text().split("```\nssm-pack demo: ", 1)[1].split("```", 1)[0].splitlines()
+    labels = [re.match(r"\s*(\[|[a-z]+:?)", line).group(1) for line in sample[1:]]
+    positions = [out.index("  " + label) for label in dict.fromkeys(labels)]
+    assert len(labels) >= 8 and positions == sorted(positions)
+    assert "(first step -> best of the last 5)" in out and "real tokens per second of a training step" in out
 
 
-def test_demo_failure_is_one_clear_line(tmp_path, capsys):
-    assert main(["--pattern", "MXZ", "--steps", "1", "--out", str(tmp_path)]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("ssm-pack demo failed: ValueError: pattern must be letters of MGKPA")
+class FakeClock:
+    def __init__(self, durations):
+        self.t, self.durations = 0.0, iter(durations)
+
+    def __call__(self):
+        value = self.t
+        self.t += next(self.durations, 0.0)
+        return value
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--steps", "0"], "need --steps >= 1"),
-    (["--device", "cuda"], "cuda"),
+class Log(io.StringIO):
+    def isatty(self):
+        return False
+
+
+def test_progress_shows_the_recent_rate_not_the_average_since_step_one():
+    # step 1 takes 10 s (warm-up), the next 11 take 0.1 s each, 100 tokens per step
+    log = Log()
+    progress = Progress(12, stream=log, clock=FakeClock([0.0, 10.0] + [0.1] * 11))
+    for step in range(12):
+        progress.step(loss=2.0 + step, tokens=100)
+    lines = log.getvalue().splitlines()
+    assert lines[0] == ("  training: loss = mean cross-entropy (nats per byte), tok/s = real tokens per second, "
+                        "both over the last 2 steps")
+    assert len(lines) == 1 + 6                              # a line every sixth of the run
+    assert lines[-1].endswith("step 12/12  loss 12.500  1,000 tok/s")   # 200 tokens in 0.2 s; not 1200 / 11.1 s
+    assert lines[1].endswith("step 2/12  loss 2.500  20 tok/s")         # the first window holds the warm-up
+
+
+@pytest.mark.parametrize("argv,message", [
+    pytest.param(["--steps", "0"], "need --steps >= 1", id="steps"),
+    pytest.param(["--pattern", "MXZ"], "--pattern must be letters of MGKPA (M Mamba2, G Gated DeltaNet, K KDA, "
+                                       "P Gated DeltaProduct, A attention; any case), got 'MXZ'", id="pattern"),
+    pytest.param(["--hidden", "30"], "--hidden 30: block 0 ('M', Mamba2Mixer) cannot be built: head_dim=16 must "
+                                     "divide expand * hidden_size=60; sizes that work for pattern 'MGKPA' with these "
+                                     "head sizes: --hidden 24 or --hidden 32; or keep --hidden 30 and change that "
+                                     "block's head size (now 16): mixer_overrides={'M': {'head_dim': 15}}",
+                 id="hidden"),
+    pytest.param(["--device", "tpu"], "--device must be cpu, cuda or cuda:N, got 'tpu'", id="device-unknown"),
+    pytest.param(["--device", "cuda"], "--device cuda but torch.cuda.is_available() is False", id="device-cuda"),
 ])
-def test_demo_flag_errors(tmp_path, capsys, argv, match):
+def test_bad_flags_fail_in_one_line_before_loading_the_corpus(tmp_path, capsys, monkeypatch, argv, message):
+    import torch
+
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+
+    def corpus_loaded(*args, **kwargs):
+        raise AssertionError("the corpus was loaded before the flags were checked")
+
+    monkeypatch.setattr("mixers.demo.corpus.load_documents", corpus_loaded)
     assert main(argv + ["--out", str(tmp_path)]) == 1
-    assert match in capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
+    assert err.startswith("ssm-pack demo failed: ValueError: " + message) and err.count("\n") == 1
+    assert captured.out == ""
+
+
+def test_pattern_accepts_lower_case():
+    assert check_args(build_parser().parse_args(["--pattern", "mgkpa"])).pattern == "MGKPA"
+
+
+def test_help_shows_defaults_and_no_markup(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "``" not in text
+    for flag, default in (("--steps", "120"), ("--pattern", "MGKPA"), ("--hidden", "64"), ("--docs", "600"),
+                          ("--max-tokens", "2048"), ("--device", "cpu"), ("--seed", "0"), ("--lr", "0.003"),
+                          ("--out", "demo_out")):
+        option = text[text.index(f"  {flag} "):]
+        assert f"(default: {default})" in " ".join(option.split()[:40]), flag
+    with pytest.raises(SystemExit):
+        cli_main(["--help"])
+    assert "``" not in capsys.readouterr().out

@@ -110,7 +110,8 @@ CASES = [
     ("hf batch not a mapping", lambda: sp.packed_seq_params_from_hf_batch([1, 2]),
      TypeError, r"batch must be a mapping .* got list"),
     ("flash kwargs of a dict", lambda: sp.to_flash_attention_kwargs({"cu_seqlens": 1}),
-     TypeError, r"params must be a PackedSeqParams, got dict"),
+     TypeError, r"params must be a PackedSeqParams \(or any object with Megatron-core's PackedSeqParams fields.*"
+                r"got dict"),
     ("planner float budget", lambda: sp.plan_packs([3], 8.0),
      TypeError, r"max_tokens must be an int, got float 8.0"),
     ("block size zero", lambda: sp.check_block_alignment(torch.tensor([[0, 1]]), 0),

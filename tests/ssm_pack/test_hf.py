@@ -4,6 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ssm_pack as sp
+from tests.megatron_standin import megatron_copy
 
 
 def collator_batch(lengths, *, flash=True, seq_idx=True):
@@ -52,3 +53,37 @@ def test_hf_batch_errors():
                                             "position_ids": torch.zeros(2, 3, dtype=torch.long)})
     with pytest.raises(ValueError, match="max_length_q.*smaller than the longest"):
         sp.packed_seq_params_from_hf_batch({"cu_seq_lens_q": torch.tensor([0, 4]), "max_length_q": 2})
+
+
+@pytest.mark.parametrize("positions,match", [
+    pytest.param([2, 3, 4, 0, 1], r"restarts at 0 at token 3 \(after 4\) but the row starts at 2", id="lower-restart"),
+    pytest.param([0, 1, 2, 1, 2], r"restarts at 1 at token 3 \(after 2\) but the row starts at 0", id="other-restart"),
+    pytest.param([0, 1, 5, 6], r"restarts at 5 at token 2 \(after 1\)", id="jump"),
+])
+def test_ambiguous_position_resets_are_refused(positions, match):
+    with pytest.raises(ValueError, match=match) as caught:
+        sp.PackedSeqParams.from_hf_batch({"position_ids": torch.tensor([positions])})
+    assert "return_flash_attn_kwargs=True" in str(caught.value)
+
+
+def test_single_token_documents_at_any_start():
+    params = sp.PackedSeqParams.from_hf_batch({"position_ids": torch.tensor([[5, 5, 6, 5]])})
+    assert params.lengths().tolist() == [1, 2, 1]
+
+
+def test_hf_batch_of_megatron_style_params():
+    """Any object with Megatron's fields (no methods of ours) gives the same batch; padded slots
+    are the physical layout, a tail one more document."""
+    params = sp.PackedSeqParams.from_lengths([3, 5, 0, 2], pad_to_multiple_of=4, total_tokens=19)
+    ours, theirs = sp.hf_batch_from_packed_seq_params(params), sp.hf_batch_from_packed_seq_params(megatron_copy(params))
+    varlen = sp.hf_batch_from_packed_seq_params(sp.VarlenBatch.build(params, 19))
+    for batch in (theirs, varlen):
+        assert batch.keys() == ours.keys()
+        for key, value in ours.items():
+            assert (value.tolist() if isinstance(value, torch.Tensor) else value) == \
+                (batch[key].tolist() if isinstance(batch[key], torch.Tensor) else batch[key]), key
+    assert ours["cu_seq_lens_q"].tolist() == [0, 4, 12, 12, 16, 19] and ours["max_length_k"] == 8
+    assert ours["position_ids"].tolist() == [[0, 1, 2, 3] + list(range(8)) + [0, 1, 2, 3, 0, 1, 2]]
+    assert ours["seq_idx"].tolist() == [[0] * 4 + [1] * 8 + [3] * 4 + [4] * 3]
+    with pytest.raises(TypeError, match="params must be a PackedSeqParams"):
+        sp.hf_batch_from_packed_seq_params({"cu_seq_lens_q": [0, 3]})

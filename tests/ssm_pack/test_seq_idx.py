@@ -3,7 +3,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ssm_pack import PackedSeqParams, build_packed_seq_idx, get_cu_seqlens, seq_idx_from_cu_seqlens
+from ssm_pack import PackedSeqParams, VarlenBatch, build_packed_seq_idx, get_cu_seqlens, seq_idx_from_cu_seqlens
+from tests.megatron_standin import megatron_copy
 
 
 def loop_seq_idx(cu, total):
@@ -81,3 +82,49 @@ def test_torch_path_equals_numpy_path(lengths, tail):
     finally:
         mod._np = saved
     assert plain.dtype == fast.dtype == torch.int32 and torch.equal(plain, fast)
+
+
+# ----------------------------------------------------------------- padded boundaries, no cache to hide behind
+def padded():
+    # documents of 3, 5, 0 and 2 tokens in slots of 4, 8, 0 and 4: physical [0, 4, 12, 12, 16]
+    return PackedSeqParams.from_lengths([3, 5, 0, 2], pad_to_multiple_of=4)
+
+
+@pytest.mark.parametrize("total", [pytest.param(16, id="no-tail"), pytest.param(19, id="tail")])
+@pytest.mark.parametrize("form", [
+    pytest.param(lambda p: p, id="PackedSeqParams"),
+    pytest.param(lambda p: megatron_copy(p, seq_idx=None, total_tokens=None), id="megatron-no-cache"),
+    pytest.param(lambda p: megatron_copy(p, seq_idx=build_packed_seq_idx(p.cu_seqlens_q, 16)), id="megatron-stale"),
+])
+def test_build_packed_seq_idx_reads_the_padded_boundaries(form, total):
+    """Computed, not read from a cache: another length than the precomputed one, a Megatron-style
+    object without one, or one whose seq_idx was built from the unpadded boundaries."""
+    want = [loop_seq_idx([0, 4, 12, 12, 16], total)]
+    got = build_packed_seq_idx(form(padded()), total)
+    assert got.dtype == torch.int32 and got.tolist() == want
+    assert want != [loop_seq_idx([0, 3, 8, 8, 10], total)]              # the unpadded answer differs
+
+
+@pytest.mark.parametrize("total", [pytest.param(16, id="no-tail"), pytest.param(19, id="tail")])
+@pytest.mark.parametrize("form", [
+    pytest.param(lambda p: p, id="PackedSeqParams"),
+    pytest.param(lambda p: megatron_copy(p, seq_idx=None), id="megatron-no-cache"),
+    pytest.param(lambda p: megatron_copy(p, seq_idx=build_packed_seq_idx(p.cu_seqlens_q, 16)), id="megatron-stale"),
+])
+def test_varlen_batch_seq_idx_is_the_padded_one(form, total):
+    params = form(padded())
+    varlen = VarlenBatch.build(params, total)
+    assert varlen.seq_idx.tolist() == [loop_seq_idx([0, 4, 12, 12, 16], total)]
+    assert varlen.position_ids.tolist() == [[0, 1, 2, 3] + list(range(8)) + [0, 1, 2, 3] + list(range(total - 16))]
+
+
+def test_layers_on_padded_boundaries_without_a_cached_seq_idx():
+    """Mamba2's conv and scan read seq_idx: with no cached copy, the one built from the padded
+    boundaries must still give every document its own result."""
+    from mixers import Mamba2Mixer
+    from ssm_pack.testing import assert_packed_equals_unpacked
+    torch.manual_seed(0)
+    mixer = Mamba2Mixer(16, head_dim=8, state_size=4, chunk_size=8).double()
+    x = torch.randn(1, 19, 16, dtype=torch.float64)
+    assert_packed_equals_unpacked(mixer, x, megatron_copy(padded(), seq_idx=None, total_tokens=19))
+    assert_packed_equals_unpacked(mixer, x, padded().replace(total_tokens=19))

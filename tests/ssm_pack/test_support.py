@@ -212,3 +212,51 @@ def test_interpreter_switch(fake, monkeypatch, switch, interpret, on):
     for check in (sp.check_causal_conv1d_support, sp.check_flash_attn_support, sp.check_mamba_sequence_packing_support):
         ok, reason = check()                                           # CUDA C++ kernels: never the interpreter
         assert not ok and "no CUDA device" in reason
+
+
+# ----------------------------------------------------------------- versions with two-digit parts
+# compared as strings, "1.10.0" < "1.4.0" and "0.10.0" < "0.6.0": each row fails on a string comparison
+@pytest.mark.parametrize("dist,version,kernel,features", [
+    pytest.param("causal-conv1d", "1.10.0", "causal_conv1d", ("seq_idx", "varlen_states"), id="conv-1.10.0>=1.4.0"),
+    pytest.param("causal-conv1d", "1.10.0", "causal_conv1d", ("padding_seq_idx", "initial_states_with_seq_idx"),
+                 id="conv-1.10.0>=1.7.0"),
+    pytest.param("causal-conv1d", "1.5.10", "causal_conv1d", ("padding_seq_idx",), id="conv-1.5.10>=1.5.3.post1"),
+    pytest.param("flash-linear-attention", "0.10.0", "fla_conv", (), id="fla-0.10.0>=0.6.0"),
+    pytest.param("flash-linear-attention", "0.10.0", "fla", ("varlen",), id="fla-0.10.0>=0.4.0"),
+    pytest.param("mamba-ssm", "2.2.10", "mamba_ssd", ("packed_inference",), id="mamba-2.2.10>=2.2.6.post3"),
+    pytest.param("mamba-ssm", "2.10.0", "mamba_ssd", ("seq_idx",), id="mamba-2.10.0>=2.0.0"),
+    pytest.param("triton", "3.10.0", "fla", ("varlen",), id="triton-3.10.0>=3.3.0"),
+    pytest.param("flash-attn", "2.10.1", "flash_attn", ("varlen",), id="flash-attn-2.10.1>=2.3.0"),
+])
+def test_two_digit_version_parts_compare_as_numbers(fake, dist, version, kernel, features):
+    fake(FakeProbe({**ALL_GOOD.versions, dist: version}, ALL_GOOD.modules))
+    assert kernels.kernel_support(kernel, features) == (True, None)
+
+
+@pytest.mark.parametrize("dist,version,kernel,features,minimum", [
+    pytest.param("causal-conv1d", "1.3.10", "causal_conv1d", ("seq_idx",), "1.4.0", id="conv-1.3.10<1.4.0"),
+    pytest.param("flash-linear-attention", "0.5.10", "fla_conv", (), "0.6.0", id="fla-0.5.10<0.6.0"),
+    pytest.param("mamba-ssm", "2.2.5.post10", "mamba_ssd", ("packed_inference",), "2.2.6.post3",
+                 id="mamba-2.2.5.post10<2.2.6.post3"),
+])
+def test_two_digit_version_parts_still_refuse_older_releases(fake, dist, version, kernel, features, minimum):
+    fake(FakeProbe({**ALL_GOOD.versions, dist: version}, ALL_GOOD.modules))
+    ok, reason = kernels.kernel_support(kernel, features)
+    assert not ok and f"{dist} {version} is too old" in reason and f">= {minimum}" in reason
+
+
+def test_megatron_gates_accept_two_digit_releases(fake):
+    fake(FakeProbe({**ALL_GOOD.versions, "causal-conv1d": "1.10.0", "mamba-ssm": "2.10.0",
+                    "flash-linear-attention": "0.10.0", "triton": "3.10.0"}, ALL_GOOD.modules))
+    assert sp.check_mamba_sequence_packing_support() == (True, None)
+    assert sp.check_mamba_sequence_packing_support(for_inference_not_training=True) == (True, None)
+    assert sp.check_fla_sequence_packing_support() == (True, None)
+    assert sp.check_causal_conv1d_support(kernels.features_of("causal_conv1d")) == (True, None)
+
+
+def test_strictest_minimum_compares_as_numbers(monkeypatch):
+    """The report's one install line per package takes the newest minimum: 1.10.0 beats 1.7.0."""
+    monkeypatch.setitem(kernels.FEATURES, ("causal_conv1d", "future"),
+                        kernels.Feature("causal_conv1d", "future", "causal_conv1d", "1.10.0", "a future feature"))
+    assert kernels.strictest_minimums()["causal_conv1d"] == "1.10.0"
+    assert kernels.requirements("causal_conv1d", ("seq_idx", "future"))[0][1] == "1.10.0"

@@ -18,6 +18,7 @@ from ssm_pack.convert import max_seqlen_from_cu_seqlens
 from ssm_pack.segment_attention import blockwise_attention
 
 from .. import dispatch
+from .._autocast import outside_autocast
 from .._checks import varlen_of
 from ..chunks import compute_dtype
 from .kernel import flash_varlen, unsupported
@@ -59,6 +60,7 @@ def _check_max_seqlen(max_seqlen, varlen) -> int:
     return varlen.max_seqlen
 
 
+@outside_autocast
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, causal=True, window_size=None, softmax_scale=None,
                      backend="auto"):
     """Attention restricted to each document (see the module docstring)."""

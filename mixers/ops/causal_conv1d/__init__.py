@@ -25,6 +25,7 @@ import torch
 from ssm_pack.segments import Segments, segments_from_seq_idx
 
 from .. import dispatch
+from .._autocast import outside_autocast
 from . import fla_kernel
 from ._validate import check_conv_inputs
 from .kernel import causal_conv1d_kernel, unsupported_shape, varlen_states_kernel
@@ -60,6 +61,7 @@ def _final_states(final_slots, segs: Segments, per_doc: bool, initial_states, sh
     return final_slots.index_select(0, last)
 
 
+@outside_autocast
 def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
                      final_states_out=None, activation=None, *, cu_seqlens=None, backend="auto"):
     """Causal depthwise conv1d over packed rows, resetting at every document boundary.

@@ -112,6 +112,11 @@ class VarlenConv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        with torch.autocast(grad.device.type, enabled=False):   # computed like the forward: in x_tok's dtype
+            return VarlenConv._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         x_tok, weight, slots, rows, valid, pad_mask, pre, tokens = ctx.saved_tensors
         n, dim = x_tok.shape
         state_len = weight.shape[1] - 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
+from .._autocast import outside_autocast
 from ..chunks import compute_dtype
 from ._validate import check_delta_inputs
 from .chunk import delta_rule_chunked
@@ -111,6 +112,7 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2nor
     return o.to(v.dtype), final
 
 
+@outside_autocast
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, chunk_size=64, backend="auto"):
     """Gated DeltaNet: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g, beta ``[B, T, HV]``."""
@@ -118,6 +120,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                 cu_seqlens, chunk_size, backend)
 
 
+@outside_autocast
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, chunk_size=64, backend="auto"):
     """Kimi Delta Attention: like GDN with a per-channel log-decay g ``[B, T, HV, K]``."""
@@ -125,6 +128,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                 cu_seqlens, chunk_size, backend)
 
 
+@outside_autocast
 def chunk_gated_delta_product(q, k, v, g, beta, num_householder, scale=None, initial_state=None,
                               output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, *,
                               chunk_size=64, backend="auto"):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ssm_pack.segments import segments_from_seq_idx
 
 from .. import dispatch
+from .._autocast import outside_autocast
 from ..chunks import compute_dtype
 from ._validate import check_ssd_inputs, default_limit
 from .kernel import KERNEL_DTYPES, ssd_kernel
@@ -70,6 +71,7 @@ def _empty_result(x, B, initial_states, per_doc, varlen, return_final_states, re
     return results[0] if len(results) == 1 else tuple(results)
 
 
+@outside_autocast
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                               seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf),
                               return_final_states=False, return_varlen_states=False, *, backend="auto"):
