@@ -38,7 +38,7 @@ def generation_demo(model, documents: list[bytes], max_new_tokens: int = 32, slo
           f"{batcher.steps} steps ({batcher.packed_steps} packed: prefill chunks of <= {prefill_chunk} with decodes; "
           f"{batcher.decode_steps} decode-only), {batcher.slots_reused} slots reused")
     for prompt, out in zip(prompts, outputs):
-        print(f"    {_show(bytes(prompt))} -> {_show(bytes(out))}")
+        print(f"    prompt {_show(bytes(prompt))} -> {_show(bytes(out))}")
     check = check_against_recompute(model, prompts, outputs, batcher.logits)
     dtype = next(model.parameters()).dtype
     limit = TOLERANCES.get(dtype, TOLERANCES[torch.float32])[0]

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ssm_pack.checks import check_tensor, describe
 
 from .. import dispatch
+from .._autocast import outside_autocast
 from ..chunks import compute_dtype
 from .kvcache_kernel import kvcache_kernel, unsupported
 
@@ -105,6 +106,7 @@ def _attend(q, k_cache, v_cache, index, total, scale, causal, window):
     return torch.where(keep.any(-1)[..., None, None], out, torch.zeros_like(out)).to(q.dtype)
 
 
+@outside_autocast
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
                            softmax_scale=None, causal=False, window_size=(-1, -1), *, backend="auto"):
     """Queries ``[N, t, Hq, D]`` over the cached keys of their slots (see the module docstring).

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ssm_pack.checks import check_tensor, describe
 
 from .. import dispatch
+from .._autocast import outside_autocast
 from ..chunks import compute_dtype
 from . import update_kernels
 from ._validate import ACTIVATIONS
@@ -92,6 +93,7 @@ def _choose(x, conv_state, weight, indices, backend) -> str:
     return dispatch.choose_kernel("causal_conv1d_update", backend, on_cuda=dispatch.is_cuda(x), candidates=candidates)
 
 
+@outside_autocast
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
                          conv_state_indices=None, *, backend="auto"):
     """One decode step (or a few tokens) of the short convolution; ``conv_state`` updated in place.

@@ -17,6 +17,7 @@ from __future__ import annotations
 from ssm_pack.checks import check_int
 
 from .. import dispatch
+from .._autocast import outside_autocast
 from ..chunks import compute_dtype
 from ._validate import check_delta_inputs
 from .fused_recurrent_kernel import fused_recurrent_kernel, unsupported
@@ -69,6 +70,7 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2nor
     return _step(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, nh)
 
 
+@outside_autocast
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, backend="auto"):
     """Gated DeltaNet decode step: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g, beta ``[B, T, HV]``.
@@ -79,6 +81,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
                 cu_seqlens, backend)
 
 
+@outside_autocast
 def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, backend="auto"):
     """KDA decode step: like :func:`fused_recurrent_gated_delta_rule` with g ``[B, T, HV, K]``."""
@@ -86,6 +89,7 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
                 cu_seqlens, backend)
 
 
+@outside_autocast
 def fused_recurrent_gated_delta_product(q, k, v, g, beta, num_householder, scale=None, initial_state=None,
                                         output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None, *,
                                         backend="auto"):

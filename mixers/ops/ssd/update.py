@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ssm_pack.checks import check_tensor, describe
 
 from .. import dispatch
+from .._autocast import outside_autocast
 from ..chunks import compute_dtype
 from ._validate import default_limit
 from .update_kernel import selective_state_update_kernel, unsupported
@@ -110,6 +111,7 @@ def _reference(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, indices, dt_li
     return out.to(x.dtype)
 
 
+@outside_autocast
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
                            state_batch_indices=None, *, dt_limit=(0.0, math.inf), backend="auto"):
     """One token per row of the SSD recurrence; ``state`` updated in place (see the module docstring).

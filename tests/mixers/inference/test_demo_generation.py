@@ -7,6 +7,7 @@ import torch
 import mixers.demo.generation as generation
 from mixers import HybridLM
 from tests.mixers.inference.common import SMALL
+from tests.tolerances import FP32_REL
 
 DOCS = [bytes(range(65, 65 + 26)) * 3, b"hello world, " * 8, b"packed sequences " * 5, b"0123456789" * 9,
         b"slots and states " * 5, b"continuous batching " * 4, b"short"]
@@ -22,7 +23,7 @@ def test_generation_demo_prints_continuations_and_the_check(capsys):
     out = capsys.readouterr().out
     assert "6 prompts (12-64 bytes) through 3 slots" in out and "3 slots reused" in out
     assert "cached decoding matches a full recompute: 6 sequences, 30 tokens" in out
-    assert summary["greedy_match"] and summary["rel_rms"] <= 1e-5 and len(summary["continuations"]) == 6
+    assert summary["greedy_match"] and summary["rel_rms"] <= FP32_REL and len(summary["continuations"]) == 6
 
 
 def test_generation_demo_fails_when_cached_decoding_drifts(monkeypatch, capsys):

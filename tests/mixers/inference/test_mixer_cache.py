@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from mixers.model import MIXERS
-from ssm_pack.testing import TOLERANCES
 from tests.mixers.inference.common import (
     CHUNK,
     HIDDEN,
@@ -22,8 +21,9 @@ from tests.mixers.inference.common import (
     snapshot,
 )
 from tests.oracles import rel_rms
+from tests.tolerances import FP32_REL, FP64_ABS
 
-EXACT = TOLERANCES[torch.float64][0]
+EXACT = FP64_ABS
 # 1, W-1, chunk-1, chunk, chunk+1, across two chunk boundaries, inside the conv window
 PROMPTS = [5, 1, WIDTH - 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3]
 
@@ -175,7 +175,7 @@ def test_fp32_within_tolerance(letter):
     got = [torch.cat([outs[0], rows[0], rows2[0]]), torch.cat([outs[1], rows[1], rows2[1]]), outs[2]]
     want = [full(layer, seqs[0]), full(layer, seqs[1]), full(layer, seqs[2])]
     for g, w in zip(got, want):
-        assert rel_rms(g, w) <= TOLERANCES[torch.float32][0]
+        assert rel_rms(g, w) <= FP32_REL
 
 
 def test_sliding_window_attention_cache():
