@@ -125,57 +125,66 @@ def test_generate_sampling_is_reproducible_and_eos_stops():
     assert stopped[0] == greedy[0][:greedy[0].index(stop) + 1]
 
 
-def bad_calls(m, cache):
+def bad_call(case, m, cache):
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     p = PackedSeqParams.from_lengths([2, 3])
-    other = model()
-    return [
-        pytest.param(lambda: m(ids, p, cache=cache, cache_slots=[0, 9]), ValueError,
-                     r"cache_slots\[1\]=9 is out of range for a cache of 4 slots", id="slot-out-of-range"),
-        pytest.param(lambda: m(ids, p, cache=cache, cache_slots=[2, 2]), ValueError,
-                     "names slot 2 twice", id="same-slot-twice"),
-        pytest.param(lambda: m(torch.zeros(2, 7, dtype=torch.long), cache=cache, cache_slots=[0, 1]), ValueError,
-                     r"slot 0 would hold 9 tokens \(2 cached \+ 7 new\) but the cache was allocated with max_seqlen=8",
-                     id="max-seqlen-exceeded"),
-        pytest.param(lambda: m(ids, p, cache=cache, cache_slots=[0, 1, 2]), ValueError,
-                     "names 3 slots but the call has 2 documents", id="rows-vs-slots"),
-        pytest.param(lambda: m(torch.zeros(3, 1, dtype=torch.long), cache=cache, cache_slots=[0, 1]), ValueError,
-                     "names 2 slots but the call has 3 rows", id="rows-vs-slots-decode"),
-        pytest.param(lambda: other(ids, p, cache=cache, cache_slots=[0, 1]), ValueError,
-                     "allocated by another HybridLM", id="other-model"),
-        pytest.param(lambda: m.float()(ids, p, cache=cache, cache_slots=[0, 1]), ValueError,
-                     "allocated for torch.float64 activations but the model now runs torch.float32", id="other-dtype"),
-        pytest.param(lambda: m(ids, p, cache=m.double().allocate_inference_cache(4, 8, device="meta"),
-                               cache_slots=[0, 1]), ValueError, "the cache lives on meta but input_ids on cpu",
-                     id="other-device"),
-        pytest.param(lambda: m(ids, p, cache=cache), ValueError, "cache_slots is required with cache=",
-                     id="no-slots"),
-        pytest.param(lambda: m(ids, p, cache=cache, cache_slots=torch.tensor([0.0, 1.0])), TypeError,
-                     "cache_slots must be a 1-D integer tensor", id="float-slots"),
-        pytest.param(lambda: m(ids, p, cache_slots=[0, 1]), TypeError, "cache must be the InferenceCache",
-                     id="slots-without-cache"),
-        pytest.param(lambda: m(ids, p, cache=cache.layers[0], cache_slots=[0, 1]), TypeError,
-                     "cache must be the InferenceCache", id="layer-cache-to-model"),
-    ]
+    return {
+        "slot-out-of-range": lambda: m(ids, p, cache=cache, cache_slots=[0, 9]),
+        "same-slot-twice": lambda: m(ids, p, cache=cache, cache_slots=[2, 2]),
+        "max-seqlen-exceeded": lambda: m(torch.zeros(2, 7, dtype=torch.long), cache=cache, cache_slots=[0, 1]),
+        "slots-vs-documents": lambda: m(ids, p, cache=cache, cache_slots=[0, 1, 2]),
+        "slots-vs-rows": lambda: m(torch.zeros(3, 1, dtype=torch.long), cache=cache, cache_slots=[0, 1]),
+        "other-model": lambda: model()(ids, p, cache=cache, cache_slots=[0, 1]),
+        "other-dtype": lambda: m.float()(ids, p, cache=cache, cache_slots=[0, 1]),
+        "other-device": lambda: m(ids, p, cache=m.allocate_inference_cache(4, 8, device="meta"), cache_slots=[0, 1]),
+        "no-slots": lambda: m(ids, p, cache=cache),
+        "float-slots": lambda: m(ids, p, cache=cache, cache_slots=torch.tensor([0.0, 1.0])),
+        "slots-without-cache": lambda: m(ids, p, cache_slots=[0, 1]),
+        "layer-cache-to-model": lambda: m(ids, p, cache=cache.layers[0], cache_slots=[0, 1]),
+    }[case]
 
 
-def test_bad_input_is_refused_and_leaves_the_cache_unchanged():
+BAD = [
+    pytest.param("slot-out-of-range", ValueError, r"cache_slots\[1\]=9 is out of range for a cache of 4 slots",
+                 id="slot-out-of-range"),
+    pytest.param("same-slot-twice", ValueError, "names slot 2 twice", id="same-slot-twice"),
+    pytest.param("max-seqlen-exceeded", ValueError,
+                 r"slot 0 would hold 9 tokens \(2 cached \+ 7 new\) but the cache was allocated with max_seqlen=8",
+                 id="max-seqlen-exceeded"),
+    pytest.param("slots-vs-documents", ValueError, "names 3 slots but the call has 2 documents",
+                 id="slots-vs-documents"),
+    pytest.param("slots-vs-rows", ValueError, "names 2 slots but the call has 3 rows", id="slots-vs-rows"),
+    pytest.param("other-model", ValueError, "allocated by another HybridLM", id="other-model"),
+    pytest.param("other-dtype", ValueError,
+                 "allocated for torch.float64 activations but the model now runs torch.float32", id="other-dtype"),
+    pytest.param("other-device", ValueError, "the cache lives on meta but input_ids on cpu", id="other-device"),
+    pytest.param("no-slots", ValueError, "cache_slots is required with cache=", id="no-slots"),
+    pytest.param("float-slots", TypeError, "cache_slots must be a 1-D integer tensor", id="float-slots"),
+    pytest.param("slots-without-cache", TypeError, "cache must be the InferenceCache", id="slots-without-cache"),
+    pytest.param("layer-cache-to-model", TypeError, "cache must be the InferenceCache", id="layer-cache-to-model"),
+]
+
+
+@pytest.mark.parametrize("case,error,match", BAD)
+def test_bad_input_is_refused_and_leaves_the_cache_unchanged(case, error, match):
     m = model()
     cache = m.allocate_inference_cache(4, 8)
     prefill(m, cache, [[5, 6], [7]], [0, 3])
-    for case in bad_calls(m, cache):
-        call, error, match = case.values
-        before = snapshot(cache)
-        with pytest.raises(error, match=match):
-            call()
-        m.double()
-        assert same(before, snapshot(cache)), case.id
+    before = snapshot(cache)
+    with pytest.raises(error, match=match):
+        bad_call(case, m, cache)()
+    assert same(before, snapshot(cache))
+
+
+def test_reset_errors_and_the_snapshot_sees_a_reset():
+    m = model("GA")
+    cache = m.allocate_inference_cache(4, 8)
+    prefill(m, cache, [[5, 6], [7]], [0, 3])
     with pytest.raises(ValueError, match=r"slots\[0\]=4 is out of range"):
         cache.reset([4])
     with pytest.raises(ValueError, match="part of a model's InferenceCache"):
         cache.layers[0].reset([0])
-    # the snapshot comparison does fail when something changes (negative control)
-    before = snapshot(cache)
+    before = snapshot(cache)                      # negative control: the comparison does see a change
     cache.reset([3])
     assert not same(before, snapshot(cache)) and cache.free_slots() == [1, 2, 3]
 
