@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import bench_conv_ssd, bench_delta_rule, bench_layers, bench_metadata
+from benchmarks import bench_conv_ssd, bench_delta_rule, bench_inference, bench_layers, bench_metadata
 from benchmarks.common import Result, results_table
 
 QUICK = dict(meta=(2**19, 5000), conv_ssd=(2048, 256), delta=(2048, [64], 1024), layers=(4, 256), repeat=2)
@@ -52,7 +52,9 @@ def collect(sizes: dict, log) -> list[Result]:
     results += bench_delta_rule.attention_rows(tokens, repeat)
     log("layers ...")
     layer_results, _ = bench_layers.run(*sizes["layers"], repeat)
-    return results + layer_results
+    log("inference ...")
+    inference_results, _ = bench_inference.run(quick=sizes is QUICK, rounds=max(3, repeat + 2))
+    return results + layer_results + inference_results
 
 
 def plot(results: list[Result], out: Path) -> list[Path]:

@@ -18,6 +18,7 @@ from ssm_pack import PackedSeqParams, VarlenBatch
 
 from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer, RMSNorm
 from .layers.norm import upcast
+from .model_inference import CachedLM
 from .sizes import size_problem
 
 MIXERS = {"M": Mamba2Mixer, "G": GatedDeltaNetMixer, "K": KDAMixer, "P": GatedDeltaProductMixer, "A": AttentionMixer}
@@ -43,12 +44,16 @@ class Block(nn.Module):
         self.mixer = MIXERS[letter](hidden, backend=backend, **overrides.get(letter, {}))
         self.mlp = SwiGLU(hidden)
 
-    def forward(self, x, packed_seq_params=None):
-        x = x + self.mixer(self.mixer_norm(x), packed_seq_params=packed_seq_params)
+    def forward(self, x, packed_seq_params=None, *, cache=None, cache_slots=None):
+        if cache is None:
+            x = x + self.mixer(self.mixer_norm(x), packed_seq_params=packed_seq_params)
+        else:                                      # inference: the mixer's own per-slot states
+            x = x + self.mixer(self.mixer_norm(x), packed_seq_params=packed_seq_params, cache=cache,
+                               cache_slots=cache_slots)
         return x + self.mlp(self.mlp_norm(x))
 
 
-class HybridLM(nn.Module):
+class HybridLM(CachedLM, nn.Module):
     """``forward(input_ids [B, T], packed_seq_params=None, labels=None) -> {"logits", "loss"}``.
 
     Args:
@@ -64,6 +69,10 @@ class HybridLM(nn.Module):
     Under context parallelism (``packed_seq_params`` from :func:`ssm_pack.shard_for_context_parallel`
     with its ``cp_group`` set) the loss is this rank's share: the shares sum to the whole row's
     mean, so gradients summed over the CP group equal the single-process ones.
+
+    Inference (:mod:`mixers.model_inference`): ``allocate_inference_cache``, ``forward(...,
+    cache=, cache_slots=)`` (packed prefill ``[1, T]`` with one slot per document, or rows
+    ``[N, t]`` with one slot per row) and ``generate`` (continuous batching).
     """
 
     def __init__(self, vocab_size: int = 256, hidden_size: int = 128, pattern: str = "MGKPA", *,
@@ -82,7 +91,8 @@ class HybridLM(nn.Module):
         self.norm = RMSNorm(hidden_size)
         nn.init.normal_(self.embed.weight, std=hidden_size ** -0.5)
 
-    def backbone(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+    def backbone(self, hidden_states: torch.Tensor, packed_seq_params=None, *, cache=None,
+                 cache_slots=None) -> torch.Tensor:
         """The blocks and the final norm: ``[B, T, D] -> [B, T, D]`` (what the leakage checker probes).
 
         The packing metadata is resolved once here (a :class:`ssm_pack.VarlenBatch`) and handed
@@ -90,6 +100,8 @@ class HybridLM(nn.Module):
         varlen = None
         if packed_seq_params is not None:
             varlen = VarlenBatch.build(packed_seq_params, hidden_states.shape[1], device=hidden_states.device)
+        if cache is not None or cache_slots is not None:  # inference: per-slot states (mixers/model_inference.py)
+            return self._backbone_cached(hidden_states, varlen, cache, cache_slots)
         for block in self.blocks:
             hidden_states = block(hidden_states, packed_seq_params=varlen)
         return self.norm(hidden_states)
@@ -97,13 +109,15 @@ class HybridLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, packed_seq_params: PackedSeqParams | None = None,
                 labels: torch.Tensor | None = None, *, position_ids: torch.Tensor | None = None,
                 cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q: int | None = None,
-                max_length_k: int | None = None, seq_idx: torch.Tensor | None = None) -> dict:
+                max_length_k: int | None = None, seq_idx: torch.Tensor | None = None, cache=None,
+                cache_slots=None) -> dict:
         """``{"logits" [B, T, V], "loss"}``; packed by ``packed_seq_params`` or by the boundaries of a
         Hugging Face ``DataCollatorWithFlattening`` batch, so ``model(**batch)`` works the way HF's
         ``Trainer`` calls a model: ``position_ids`` restarting at 0, optionally ``cu_seq_lens_q/k``
         with ``max_length_q/k`` and ``seq_idx`` (read by :meth:`ssm_pack.PackedSeqParams.from_hf_batch`).
         ``[B, S]`` rows with ``position_ids`` run as one packed row of ``B * S`` tokens (every row
-        start is a boundary) and come back as ``[B, S]``.
+        start is a boundary) and come back as ``[B, S]``. With ``cache`` and ``cache_slots``:
+        inference on per-slot states (:mod:`mixers.model_inference`).
         """
         for name, value in (("input_ids", input_ids), ("labels", labels)):
             if value is not None and not isinstance(value, torch.Tensor):
@@ -127,7 +141,7 @@ class HybridLM(nn.Module):
         varlen = None
         if packed_seq_params is not None:
             varlen = VarlenBatch.build(packed_seq_params, input_ids.shape[1], device=input_ids.device)
-        hidden = self.backbone(self.embed(input_ids), varlen)
+        hidden = self.backbone(self.embed(input_ids), varlen, cache=cache, cache_slots=cache_slots)
         logits = hidden @ self.embed.weight.t()                                     # tied output head
         loss = None
         if labels is not None:

@@ -1,7 +1,9 @@
 """``ssm-pack report``: the ``ssm_pack`` support report plus, for every mixer, which backend each
 part of its packed forward takes here, read from the mixer's own ``PLAN`` (the rows a
-``backend="kernel"`` mixer checks at construction and ``auto`` warns about), so the report and
-the layers cannot disagree.
+``backend="kernel"`` mixer checks at construction and ``auto`` warns about), and each part of its
+inference beyond that (decode steps, the KV cache) from its ``INFERENCE_PLAN`` (what
+``backend="kernel"`` checks when a cache is allocated), so the report and the layers cannot
+disagree.
 """
 
 from __future__ import annotations
@@ -24,11 +26,25 @@ def mixer_backends(mixers=MIXERS) -> list[tuple[str, str, str, str | None]]:
     return rows
 
 
+def inference_backends(mixers=MIXERS) -> list[tuple[str, str, str, str | None]]:
+    """``(mixer, part, backend, reason)``: what each inference part of each mixer (decode steps, the
+    KV cache) runs on a CUDA device here, from the mixers' ``INFERENCE_PLAN`` (a packed prefill runs
+    the training parts, :func:`mixer_backends`)."""
+    rows = []
+    for cls in mixers:
+        for part, kernel, ok, reason in plan_support(cls.INFERENCE_PLAN):
+            rows.append((cls.__name__, part, kernel if ok else "reference", reason))
+    return rows
+
+
 def full_report() -> str:
     """Packages, kernel features and the backend of every mixer part."""
     lines = header_lines() + [""] + kernel_lines() + ["", "packed training backends per mixer "
                                                        "(kernel name, or reference = ssm-pack's exact PyTorch path):"]
     for mixer, part, backend, reason in mixer_backends():
+        lines.append(f"  {mixer:24s} {part:18s} {backend}" + (f"  ({reason})" if reason else ""))
+    lines += ["", "inference backends per mixer (decode steps, KV cache; a packed prefill runs the parts above):"]
+    for mixer, part, backend, reason in inference_backends():
         lines.append(f"  {mixer:24s} {part:18s} {backend}" + (f"  ({reason})" if reason else ""))
     lines += fix_lines()
     lines += ["", "The reference path is exact and packs correctly everywhere; kernels are faster on CUDA."]

@@ -47,9 +47,12 @@ KERNELS = {k.name: k for k in (
     Kernel("fla_conv", "flash-linear-attention's Triton short convolution", (("fla", "0.6.0"), ("triton", "3.3.0")),
            triton=True),
     Kernel("mamba_ssd", "mamba-ssm's Triton SSD scan", (("mamba_ssm", "2.0.0"), ("triton", "3.3.0")), triton=True),
+    # decoding: one token per sequence into pooled states (mixers.ops.selective_state_update)
+    Kernel("mamba_decode", "mamba-ssm's Triton selective_state_update (decode step)",
+           (("mamba_ssm", "2.0.0"), ("triton", "3.3.0")), triton=True),
     Kernel("fla", "flash-linear-attention's Triton delta-rule kernels", (("fla", "0.4.0"), ("triton", "3.3.0")),
            triton=True),
-    Kernel("flash_attn", "flash-attn's varlen attention", (("flash_attn", "2.3.0"),)),
+    Kernel("flash_attn", "flash-attn's attention kernels", (("flash_attn", "2.3.0"),)),
 )}
 
 FEATURES = {(f.kernel, f.name): f for f in (
@@ -59,10 +62,20 @@ FEATURES = {(f.kernel, f.name): f for f in (
     Feature("causal_conv1d", "padding_seq_idx", "causal_conv1d", "1.5.3.post1", "negative seq_idx marking padding"),
     Feature("causal_conv1d", "initial_states_with_seq_idx", "causal_conv1d", "1.7.0",
             "initial_states together with seq_idx"),
+    # inference (issue 12): each row's first release, read from the upstream repositories' history
+    Feature("causal_conv1d", "update_indices", "causal_conv1d", "1.5.0",
+            "decode steps on pooled conv states (causal_conv1d_update with conv_state_indices)"),
+    Feature("fla_conv", "update", "fla", "0.6.0", "decode steps (causal_conv1d_update, [N, D, W] cache)"),
+    Feature("mamba_decode", "state_batch_indices", "mamba_ssm", "2.2.3",
+            "decode steps on pooled SSM states (selective_state_update with state_batch_indices)"),
     Feature("mamba_ssd", "seq_idx", "mamba_ssm", "2.0.0", "document resets in the SSD scan (packed training)"),
     Feature("mamba_ssd", "packed_inference", "mamba_ssm", "2.2.6.post3", "packed inference with the SSD scan"),
     Feature("fla", "varlen", "fla", "0.4.0", "varlen cu_seqlens in every delta-rule op"),
+    Feature("fla", "fused_recurrent", "fla", "0.4.0",
+            "decode steps (fused_recurrent_gated_delta_rule / fused_recurrent_kda with initial states)"),
     Feature("flash_attn", "varlen", "flash_attn", "2.3.0", "varlen attention with window_size"),
+    Feature("flash_attn", "kvcache", "flash_attn", "2.3.1",
+            "attention over a slot-indexed KV cache (flash_attn_with_kvcache with cache_batch_idx)"),
 )}
 
 

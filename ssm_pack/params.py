@@ -92,8 +92,10 @@ class PackedSeqParams:
         object.__setattr__(self, name, value)
 
     def _tensor_versions(self) -> dict[str, int]:
+        # tensors made under torch.inference_mode() have no version counter: their in-place changes
+        # cannot be seen (and outside inference mode they cannot be changed in place at all)
         return {name: getattr(self, name)._version for name in _TENSOR_FIELDS
-                if isinstance(getattr(self, name), torch.Tensor)}
+                if isinstance(getattr(self, name), torch.Tensor) and not getattr(self, name).is_inference()}
 
     def check_unmodified(self) -> None:
         """Raise ``ValueError`` if a boundary tensor was changed in place after construction

@@ -76,6 +76,7 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict:
     from ..model import HybridLM
     from .corpus import load_documents
+    from .generation import generation_demo
     from .plot import require_matplotlib, write_png
     from .train import leakage_check, make_batches, throughput, train
 
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> dict:
           f"{plan.padded_row_length}, fastest of 3 alternating runs)")
     checked = leakage_check(model, documents, device, ALIGN)
     print(f"  leaks:  none (bitwise, {checked} perturbations; the negative control without metadata leaks)")
+    generation_demo(model, documents)                        # continuous batching + the recompute check
     out = Path(args.out)
     png = write_png(out / "demo.png", losses, tput,
                     f"ssm-pack demo: {args.pattern} hybrid, {args.steps} steps, packing removed "

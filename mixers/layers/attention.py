@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..ops import varlen_attention
+from .attention_cache import AttentionCached
 from .base import MixerBase
 from .config import AttentionConfig
 from .norm import upcast
@@ -28,7 +29,7 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-class AttentionMixer(MixerBase):
+class AttentionMixer(AttentionCached, MixerBase):
     """GQA attention mixer: ``forward(hidden_states [B, T, D], packed_seq_params=None) -> [B, T, D]``."""
 
     PLAN = (("varlen attention", (("flash_attn", ("varlen",)),)),)
@@ -42,7 +43,10 @@ class AttentionMixer(MixerBase):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, packed_seq_params=None, *, cache=None,
+                cache_slots=None) -> torch.Tensor:
+        if cache is not None or cache_slots is not None:   # inference: attention_cache.py
+            return self._forward_cached(hidden_states, packed_seq_params, cache, cache_slots)
         c = self.config
         varlen = self.varlen(hidden_states, packed_seq_params)
         b, t, _ = hidden_states.shape

@@ -17,11 +17,12 @@ from torch import nn
 
 from ._init import inverse_softplus_dt
 from .base import SHORT_CONV, MixerBase
+from .delta_cache import DeltaCached
 from .norm import GatedRMSNorm, upcast
 from .short_conv import ShortConvolution
 
 
-class DeltaMixerBase(MixerBase):
+class DeltaMixerBase(DeltaCached, MixerBase):
     """Base of the delta-rule mixers; subclasses set ``CONFIG`` and build the gates."""
 
     CONFIG = None
@@ -44,8 +45,12 @@ class DeltaMixerBase(MixerBase):
     def householder(self) -> int:
         return getattr(self.config, "num_householder", 1)
 
-    def forward(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
-        """``[B, T, D]`` -> ``[B, T, D]``; packed input needs ``B == 1``."""
+    def forward(self, hidden_states: torch.Tensor, packed_seq_params=None, *, cache=None,
+                cache_slots=None) -> torch.Tensor:
+        """``[B, T, D]`` -> ``[B, T, D]``; packed input needs ``B == 1``. With ``cache``: inference
+        (:mod:`mixers.layers.delta_cache`)."""
+        if cache is not None or cache_slots is not None:   # inference: delta_cache.py
+            return self._forward_cached(hidden_states, packed_seq_params, cache, cache_slots)
         c, nh = self.config, self.householder
         varlen = self.varlen(hidden_states, packed_seq_params)
         b, t, _ = hidden_states.shape

@@ -18,6 +18,7 @@ class GatedDeltaNetMixer(ScalarGateMixer):
     """
 
     CONFIG = GatedDeltaNetConfig
+    KIND = "gdn"
 
     def _scan(self, q, k, v, g, beta, varlen):
         o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,

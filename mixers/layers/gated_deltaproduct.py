@@ -20,6 +20,7 @@ class GatedDeltaProductMixer(ScalarGateMixer):
     """
 
     CONFIG = GatedDeltaProductConfig
+    KIND = "gdp"
 
     def _scan(self, q, k, v, g, beta, varlen):
         o, _ = chunk_gated_delta_product(q, k, v, g, beta, self.config.num_householder,

@@ -23,6 +23,7 @@ class KDAMixer(DeltaMixerBase):
     """
 
     CONFIG = KDAConfig
+    KIND = "kda"
 
     def __init__(self, hidden_size: int | None = None, *, config=None, backend: str = "auto", **overrides):
         super().__init__(hidden_size, config=config, backend=backend, **overrides)

@@ -17,12 +17,16 @@ from ..ops import mamba_chunk_scan_combined
 from ._init import inverse_softplus_dt
 from .base import SHORT_CONV, MixerBase
 from .config import Mamba2Config
+from .mamba2_cache import Mamba2Cached
 from .norm import GatedRMSNorm, upcast
 from .short_conv import ShortConvolution
 
 
-class Mamba2Mixer(MixerBase):
+class Mamba2Mixer(Mamba2Cached, MixerBase):
     """Mamba2 mixer: ``forward(hidden_states [B, T, D], packed_seq_params=None) -> [B, T, D]``.
+
+    Inference: ``allocate_inference_cache`` and ``forward(..., cache=, cache_slots=)``
+    (:mod:`mixers.layers.mamba2_cache`).
 
     Build it from ``hidden_size`` alone (``Mamba2Mixer(512)``), with overrides
     (``Mamba2Mixer(512, state_size=128)``) or from a :class:`Mamba2Config`. ``backend``:
@@ -47,7 +51,10 @@ class Mamba2Mixer(MixerBase):
                                  group_size=c.d_inner // c.num_groups)
         self.out_proj = nn.Linear(c.d_inner, c.hidden_size, bias=False)
 
-    def forward(self, hidden_states: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, packed_seq_params=None, *, cache=None,
+                cache_slots=None) -> torch.Tensor:
+        if cache is not None or cache_slots is not None:   # inference: mamba2_cache.py
+            return self._forward_cached(hidden_states, packed_seq_params, cache, cache_slots)
         c = self.config
         varlen = self.varlen(hidden_states, packed_seq_params)
         b, t, _ = hidden_states.shape

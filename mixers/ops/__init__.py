@@ -5,7 +5,9 @@ upstream CUDA kernel, chosen by ``backend="auto" | "kernel" | "reference"``.
 """
 
 from .attention import varlen_attention
+from .attention.kvcache import attention_with_kvcache
 from .causal_conv1d import causal_conv1d_fn
+from .causal_conv1d.update import causal_conv1d_update
 from .delta_rule import (
     chunk_gated_delta_product,
     chunk_gated_delta_rule,
@@ -14,8 +16,16 @@ from .delta_rule import (
     gated_delta_rule_step,
     kda_step,
 )
+from .delta_rule.fused_recurrent import (
+    fused_recurrent_gated_delta_product,
+    fused_recurrent_gated_delta_rule,
+    fused_recurrent_kda,
+)
 from .ssd import mamba_chunk_scan_combined
+from .ssd.update import selective_state_update
 
-__all__ = ["causal_conv1d_fn", "chunk_gated_delta_product", "chunk_gated_delta_rule", "chunk_kda",
-           "gated_delta_product_step", "gated_delta_rule_step", "kda_step", "mamba_chunk_scan_combined",
+__all__ = ["attention_with_kvcache", "causal_conv1d_fn", "causal_conv1d_update", "chunk_gated_delta_product",
+           "chunk_gated_delta_rule", "chunk_kda", "fused_recurrent_gated_delta_product",
+           "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "gated_delta_product_step",
+           "gated_delta_rule_step", "kda_step", "mamba_chunk_scan_combined", "selective_state_update",
            "varlen_attention"]

@@ -69,3 +69,34 @@ def cached_support(kernel: str, features: tuple[str, ...] = ()) -> tuple[bool, s
     """``(ok, reason)`` of ``kernel`` with ``features`` from the requirements table
     (:mod:`ssm_pack.kernels`), read once per process (``cache_clear()`` resets)."""
     return kernels.kernel_support(kernel, tuple(features))
+
+
+def choose_kernel(op: str, backend: str, *, on_cuda: bool, candidates) -> str:
+    """The first kernel of ``candidates`` that can run this call, else ``"reference"``.
+
+    ``candidates``: ``(name, label, missing, support_state)`` in the order to try, where
+    ``missing`` is a feature the kernel cannot do for these inputs (or ``None``) and
+    ``support_state()`` returns ``(ok, reason)`` (called only when the kernel is still possible).
+    ``"kernel"`` raises naming every kernel's reason when none can run: ``ValueError`` when the
+    inputs are what no kernel takes, ``RuntimeError`` when a package is missing.
+    """
+    check_backend(backend)
+    if backend == "reference" or (backend == "auto" and not on_cuda):
+        return "reference"
+    if not on_cuda:
+        raise ValueError(f"{op}: backend='kernel' needs CUDA tensors; use backend='reference' on CPU")
+    reasons, cannot = [], 0
+    for name, label, missing, state in candidates:
+        if missing is not None:
+            reasons.append(f"{label} cannot do {missing}")
+            cannot += 1
+            continue
+        ok, reason = state()
+        if ok:
+            return name
+        reasons.append(f"{label}: {reason}")
+    if backend == "kernel":
+        error = ValueError if cannot == len(candidates) else RuntimeError
+        raise error(f"{op}: backend='kernel' is unavailable ({'; '.join(reasons)}); "
+                    "use backend='reference' (or 'auto', which picks it)")
+    return "reference"

@@ -1,0 +1,187 @@
+"""Continuous batching: many prompts through a fixed pool of slots, one forward per step.
+
+    S = slots (``max_batch_size``), N = sequences active in a step, V = vocabulary
+
+Every step admits waiting prompts into free slots, then runs **one** forward over every active
+sequence: a sequence still reading its prompt brings its next piece (the whole rest, or
+``prefill_chunk`` tokens), a generating one its last token. When every piece is one token the
+step is a row call ``[N, 1]`` (the decode-step kernels); otherwise one packed call ``[1, T]``
+with one document per sequence, each continuing its slot (prefill chunks and decodes together).
+The logits at each piece's last token give the next token of the sequences that have read their
+whole prompt (greedy at ``temperature=0``, else sampled). A sequence that has its
+``max_new_tokens`` (or produced ``eos_token_id``) leaves; its slot is reset and taken by the next
+prompt. Works with any model that has ``allocate_inference_cache`` and takes ``cache=`` /
+``cache_slots=`` (``HybridLM``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ssm_pack import PackedSeqParams
+from ssm_pack.checks import check_int, describe
+
+
+@dataclass
+class _Sequence:
+    index: int
+    prompt: list[int]
+    slot: int
+    fed: int = 0
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+def _as_prompt(i: int, prompt, vocab: int | None) -> list[int]:
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.is_floating_point():
+            raise TypeError(f"prompts[{i}] must be a 1-D integer tensor or a sequence of ints, got {describe(prompt)}")
+        tokens = [int(t) for t in prompt.tolist()]
+    else:
+        try:
+            tokens = list(prompt)
+        except TypeError:
+            raise TypeError(f"prompts[{i}] must be a sequence of token ids, got {describe(prompt)}") from None
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in tokens):
+            raise TypeError(f"prompts[{i}] must hold int token ids, got {describe(prompt)}")
+    if not tokens:
+        raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+    if vocab is not None and not all(0 <= t < vocab for t in tokens):
+        bad = next(t for t in tokens if not 0 <= t < vocab)
+        raise ValueError(f"prompts[{i}] holds token {bad}, outside the vocabulary 0..{vocab - 1}")
+    return tokens
+
+
+class ContinuousBatcher:
+    """Runs :func:`generate`'s loop (see the module docstring); after :meth:`run`, ``steps``,
+    ``packed_steps``, ``decode_steps``, ``admitted`` and ``slots_reused`` describe what happened and,
+    with ``record_logits=True``, ``logits[i]`` ``[len(outputs[i]), V]`` holds the logits each
+    generated token of prompt i was chosen from."""
+
+    def __init__(self, model, *, max_batch_size: int = 8, prefill_chunk: int | None = None,
+                 temperature: float = 0.0, eos_token_id: int | None = None, generator: torch.Generator | None = None,
+                 record_logits: bool = False, cache=None):
+        self.model = model
+        self.max_batch_size = check_int("max_batch_size", max_batch_size, minimum=1)
+        self.prefill_chunk = check_int("prefill_chunk", prefill_chunk, minimum=1, allow_none=True)
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+        self.temperature = float(temperature)
+        self.eos_token_id = check_int("eos_token_id", eos_token_id, minimum=0, allow_none=True)
+        self.generator, self.record_logits, self.cache = generator, record_logits, cache
+        self.steps = self.packed_steps = self.decode_steps = self.admitted = self.slots_reused = 0
+        self.logits: list[torch.Tensor] = []
+
+    def _cache_for(self, longest: int):
+        if self.cache is None:
+            return self.model.allocate_inference_cache(self.max_batch_size, longest)
+        if self.cache.max_seqlen < longest:
+            raise ValueError(f"the cache holds {self.cache.max_seqlen} tokens per slot but a prompt plus "
+                             f"max_new_tokens needs {longest}; allocate a longer cache")
+        return self.cache
+
+    def run(self, prompts, max_new_tokens: int) -> list[list[int]]:
+        """The generated tokens of every prompt, in the prompts' order."""
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=0)
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+            raise TypeError(f"prompts must be a list of token-id sequences, got {describe(prompts)}")
+        vocab = getattr(getattr(self.model, "embed", None), "num_embeddings", None)
+        prompts = [_as_prompt(i, p, vocab) for i, p in enumerate(prompts)]
+        outputs: list[list[int]] = [[] for _ in prompts]
+        self.logits = [torch.zeros(0) for _ in prompts]
+        if not prompts or max_new_tokens == 0:
+            return outputs
+        cache = self._cache_for(max(len(p) for p in prompts) + max_new_tokens)
+        cache.reset()
+        waiting, active, used = deque(range(len(prompts))), [], set()
+        free = deque(range(cache.capacity))
+        with torch.no_grad():
+            while waiting or active:
+                while waiting and free:
+                    slot = free.popleft()
+                    self.slots_reused += slot in used
+                    used.add(slot)
+                    index = waiting.popleft()
+                    active.append(_Sequence(index, prompts[index], slot))
+                    self.admitted += 1
+                finished = self._step(cache, active, max_new_tokens)
+                for seq in finished:
+                    outputs[seq.index] = seq.tokens
+                    if self.record_logits:
+                        self.logits[seq.index] = torch.stack(seq.logits)
+                    active.remove(seq)
+                    cache.reset([seq.slot])
+                    free.append(seq.slot)
+        return outputs
+
+    def _step(self, cache, active: list[_Sequence], max_new_tokens: int) -> list[_Sequence]:
+        """One forward over every active sequence; returns those that are done."""
+        pieces = []
+        for seq in active:
+            if seq.fed < len(seq.prompt):
+                end = len(seq.prompt) if self.prefill_chunk is None else seq.fed + self.prefill_chunk
+                pieces.append(seq.prompt[seq.fed:end])
+            else:
+                pieces.append(seq.tokens[-1:])
+        last = self._forward(cache, pieces, [seq.slot for seq in active])
+        done = []
+        for seq, piece, logits in zip(active, pieces, last):
+            if seq.fed < len(seq.prompt):
+                seq.fed += len(piece)
+                if seq.fed < len(seq.prompt):
+                    continue                                   # still reading its prompt
+            token = self._choose(logits)
+            seq.tokens.append(token)
+            if self.record_logits:
+                seq.logits.append(logits.detach().clone())
+            if len(seq.tokens) >= max_new_tokens or token == self.eos_token_id:
+                done.append(seq)
+        return done
+
+    def _forward(self, cache, pieces: list[list[int]], slots: list[int]) -> torch.Tensor:
+        """``[N, V]`` logits at the last token of every piece."""
+        device = cache.device
+        self.steps += 1
+        if all(len(p) == 1 for p in pieces):
+            self.decode_steps += 1
+            ids = torch.tensor(pieces, dtype=torch.long, device=device)
+            return self.model(ids, cache=cache, cache_slots=slots)["logits"][:, -1]
+        self.packed_steps += 1
+        lengths = [len(p) for p in pieces]
+        params = PackedSeqParams.from_lengths(lengths)
+        ids = torch.tensor([t for p in pieces for t in p], dtype=torch.long, device=device).unsqueeze(0)
+        logits = self.model(ids, params, cache=cache, cache_slots=slots)["logits"][0]
+        ends = params.cu_seqlens_q[1:].to(torch.long) - 1
+        return logits[ends.to(logits.device)]
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        if self.temperature == 0.0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.double() / self.temperature, dim=-1)
+        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+
+
+def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, *, max_batch_size: int = 8,
+             prefill_chunk: int | None = None, eos_token_id: int | None = None,
+             generator: torch.Generator | None = None, cache=None) -> list[list[int]]:
+    """Continuations of ``prompts`` (each a sequence of token ids: a list, a 1-D tensor, bytes), by
+    continuous batching over ``max_batch_size`` slots (see the module docstring).
+
+    Args:
+        max_new_tokens: tokens to generate per prompt (fewer when ``eos_token_id`` comes first).
+        temperature: 0 = greedy (argmax), else sampling from ``softmax(logits / temperature)``.
+        prefill_chunk: at most this many prompt tokens per sequence and step (chunked prefill);
+            ``None`` reads a prompt in one step.
+        generator: the sampler's ``torch.Generator`` (CPU).
+        cache: an :class:`~mixers.inference.InferenceCache` of ``model`` to use (all its slots are
+            reset first); ``None`` allocates one sized to the prompts.
+
+    Returns:
+        The generated token ids of every prompt, in order.
+    """
+    batcher = ContinuousBatcher(model, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk,
+                                temperature=temperature, eos_token_id=eos_token_id, generator=generator, cache=cache)
+    return batcher.run(prompts, max_new_tokens)

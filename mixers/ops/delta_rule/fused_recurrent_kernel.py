@@ -1,0 +1,43 @@
+"""flash-linear-attention's Triton ``fused_recurrent_*`` kernels (the decode step), called as fla wants.
+
+fla's contract (``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule``,
+``fla.ops.kda.fused_recurrent_kda``; both with ``initial_state`` / ``output_final_state`` since
+0.4.0): rows ``[B, T, ...]`` with one initial state per row ``[B, HV, K, V]``, fp32 / fp16 / bf16,
+forward only. fla >= 0.4 put ``gk`` and ``gv`` between ``g`` and ``beta`` in the GDN function,
+so every argument after ``v`` is passed by keyword. Gated DeltaProduct has no fused recurrent
+kernel of its own: like fla's ``GatedDeltaProduct`` layer in decoding, ssm-pack runs GDN's on the
+sub-step layout (``num_householder`` steps per token, the query on the last, the gate on the first)
+and keeps every token's last output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def unsupported(q: torch.Tensor) -> str | None:
+    return None if q.dtype in KERNEL_DTYPES else f"dtype {q.dtype}"
+
+
+def load_upstream(kind: str):
+    if kind == "kda":
+        from fla.ops.kda import fused_recurrent_kda as op
+    else:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as op
+    return op
+
+
+def fused_recurrent_kernel(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, nh):
+    from . import _expand_householder
+    op = load_upstream(kind)
+    if kind == "gdp":
+        if g is None:
+            g = beta.new_zeros(q.shape[0], q.shape[1], q.shape[2])
+        q, g = _expand_householder(q, g, nh)
+    o, final = op(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=l2norm)
+    if kind == "gdp":
+        o = o[:, nh - 1::nh]
+    return o, final
