@@ -23,7 +23,8 @@ entering the chunk:
 
 Steps 1-2 depend on no state and run for many chunks at once (:mod:`.prep`). Every
 cross-document term is a masked zero (the solve is block-diagonal per document), so documents
-stay bitwise independent. The fast path (:mod:`.blocked`) runs blocks of chunks with a
+stay bitwise independent. A gate ``g = -inf`` (decay exactly 0) is a reset, computed exactly.
+The fast path (:mod:`.blocked`) runs blocks of chunks with a
 hand-written backward; per-document initial or final states use the composed path below, which
 keeps every intermediate.
 """
@@ -46,6 +47,7 @@ class Chunked:
     s_final: torch.Tensor               # [B, H, K, V] state after the last chunk
     chunk: int
     G: torch.Tensor | None = None       # [B, C, H, L, Kg] segmented cumulative log-decay
+    gate: torch.Tensor | None = None    # [B, C, H, L, Kg] per-token log-decays, floored
     keys: torch.Tensor | None = None    # [B, C, H, L, K]
     delta: torch.Tensor | None = None   # [B, C, H, L, V] corrected values
     enter_seg: torch.Tensor | None = None  # [B, C]
@@ -89,7 +91,7 @@ def delta_rule_chunked(q, k, v, g, beta, seg_id, chunk: int, initial_state=None,
     o = p.q_read @ s_enter + p.qk @ delta
     if extra is not None:
         o = o + extra.reads(p.G, qc * p.decay_in)
-    return _tokens(o, b, c, L, t), Chunked(s_final=state, chunk=L, G=p.G, keys=kc, delta=delta,
+    return _tokens(o, b, c, L, t), Chunked(s_final=state, chunk=L, G=p.G, gate=p.gate, keys=kc, delta=delta,
                                            enter_seg=enter_seg, s_enter=s_enter)
 
 

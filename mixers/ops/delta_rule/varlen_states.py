@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .._chunks import suffix_sums
 from .._grouped import buckets, finish_document_states, initial_states_leaving_chunks
 from .._segments import Segments
 
@@ -66,6 +67,7 @@ def doc_final_states(ch, segs: Segments, s0, num_docs: int) -> torch.Tensor:
     L = ch.chunk
     docs, start, end, seg = segs.document_runs()
     G_tm, k_tm, d_tm = _token_major(ch.G), _token_major(ch.keys), _token_major(ch.delta)
+    gate_tm = _token_major(ch.gate)
     h, kd, vd = k_tm.shape[1], k_tm.shape[2], d_tm.shape[2]
     last = end - 1
     last_chunk = last // L
@@ -73,8 +75,9 @@ def doc_final_states(ch, segs: Segments, s0, num_docs: int) -> torch.Tensor:
     g_end = G_tm[last]                                                             # [k, H, Kg]
     own = d_tm.new_zeros(docs.numel(), h, kd, vd)
     for bucket in buckets(run_start, end - run_start):
-        w = torch.exp(g_end[bucket.ids].unsqueeze(1) - G_tm[bucket.index])         # [k, n, H, Kg]
-        keys = torch.where(bucket.valid[:, :, None, None], k_tm[bucket.index] * w, 0.0)
+        valid = bucket.valid[:, :, None, None]
+        w = torch.exp(suffix_sums(torch.where(valid, gate_tm[bucket.index], 0.0), 1))  # [k, n, H, Kg]: sum_(t, end)
+        keys = torch.where(valid, k_tm[bucket.index] * w, 0.0)
         outer = keys.permute(0, 2, 3, 1) @ d_tm[bucket.index].transpose(1, 2)      # [k, H, K, V]
         own = own.index_copy(0, bucket.ids, outer)
     return finish_document_states(own, torch.exp(g_end).unsqueeze(-1), ch.s_enter, ch.enter_seg, seg, start,
