@@ -9,6 +9,10 @@ inside it, then the block's outputs. Only the state entering each block is kept.
 walks the blocks in reverse: it recomputes the block's preparation under autograd, replays the
 recurrence from the block's checkpoint, runs the recurrence backwards by hand, and hands the
 gradients of the preparation's outputs to autograd.
+
+Like every mixing step of the references, the masks here multiply exact zeros into the
+cross-document terms; every value is finite (the caller sanitizes non-finite inputs and output
+gradients, see :mod:`.._isolation`), so that is exact.
 """
 
 from __future__ import annotations
