@@ -48,7 +48,8 @@ def floor_log_decay(g: torch.Tensor) -> torch.Tensor:
 
 
 def suffix_sums(g: torch.Tensor, dim: int) -> torch.Tensor:
-    """``out[t] = sum_{u > t} g[u]`` along ``dim``: a sum over exactly the interval, never the
-    difference of two cumulative sums (which loses ``ulp(|cumsum|)`` when gates are large)."""
-    incl = torch.cumsum(g.flip(dim), dim).flip(dim)
-    return torch.cat([incl.narrow(dim, 1, g.shape[dim] - 1), torch.zeros_like(g.narrow(dim, 0, 1))], dim)
+    """``out[t] = sum_{u > t} g[u]`` along ``dim``: a sum over exactly the interval (of
+    same-signed log-decays: a small relative error), never the difference of two cumulative
+    sums, which loses ``ulp(|cumsum|)`` when one gate of the chunk is large."""
+    after = torch.cat([g.narrow(dim, 1, g.shape[dim] - 1), torch.zeros_like(g.narrow(dim, 0, 1))], dim)
+    return after.flip(dim).cumsum(dim).flip(dim)

@@ -14,8 +14,8 @@ precision once one gate of the chunk is large (``|g| ~ 1e3`` in fp32 leaves ~1e-
 in the exponent of every later pair). A sum of same-signed terms has a small *relative* error, so
 a decay that matters is as exact as the step recurrence's product of ``exp(g)``.
 
-* Scalar gate (GDN): the interval sums are one cumulative sum down the rows of the strictly
-  lower-triangular ``[t, s] -> g_t`` matrix; masked before ``exp``, shared by both products.
+* Scalar gate (GDN): the decay matrix, shared by both products, is built by the halving below:
+  each (upper half, lower half) quadrant is the outer product ``exp(sum_(r,t]) exp(sum_(s,r])``.
 * Per-channel gate (KDA): ``exp(sum_(s,t])`` differs per channel, so it cannot leave the sum.
   It is split at a reference position ``r`` between ``s`` and ``t``:
   ``exp(sum_(r,t]) * exp(sum_(s,r])``, both factors <= 1 (no overflow, and an underflow only
@@ -23,7 +23,8 @@ a decay that matters is as exact as the step recurrence's product of ``exp(g)``.
   Halving the chunk recursively puts every pair ``s < t`` in exactly one (upper half, lower
   half) block whose split point lies between them, and each block is one batched matmul (q and k
   rows stacked, sharing the k factor). A pair from two segments is excluded by zeroing the
-  factor rows whose segment differs from the reference's.
+  factor rows whose segment differs from the reference's. The local sums of all levels come
+  from one doubling pass (:func:`_level_sums`).
 
 The backward is written out for both (the recursion runs again on the output gradients). It
 returns the gradient with respect to the cumulative log-decay ``G`` (the interval sums are
@@ -33,8 +34,6 @@ returns the gradient with respect to the cumulative log-decay ``G`` (the interva
 from __future__ import annotations
 
 import torch
-
-from .._chunks import same_segment_causal
 
 
 def _exp_masked(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -58,28 +57,55 @@ def _halves(t: torch.Tensor, block: int):
     return blocks[:, :, half:], blocks[:, :, :half], blocks[:, :, half - 1]
 
 
-def _local_sums(gate, block):
-    """Per block: ``sum_(r, t]`` for the upper half's ``t`` and ``sum_(s, r]`` for the lower
-    half's ``s`` (``r`` the lower half's last token), ``[N, L/block, half, Kg]`` each."""
-    n, length = gate.shape[:2]
-    half = block // 2
-    blocks = gate.reshape(n, length // block, block, gate.shape[-1])
-    up = torch.cumsum(blocks[:, :, half:], dim=2)
-    incl = torch.cumsum(blocks[:, :, :half].flip(2), dim=2).flip(2)                  # sum_[s, r]
-    lo = torch.cat([incl[:, :, 1:], torch.zeros_like(incl[:, :, :1])], dim=2)
-    return up, lo
+def _level_sums(gate):
+    """For ``block = 2, 4, ..., L``: ``(block, up, lo)``, ``[N, L/block, half, Kg]`` each, with
+    ``up = sum_(r, t]`` for the upper half's ``t`` and ``lo = sum_(s, r]`` for the lower half's
+    ``s`` (``r`` the lower half's last token).
+
+    Built by doubling: a block's sums are its halves' sums plus one value, so a level costs one
+    add over half the tokens (a cumulative sum along a middle dim is many times slower on CPUs),
+    and every sum is a tree of same-signed terms (relative error <= log2(L) eps). The views are
+    updated in place for the next level: use them before asking for it.
+    """
+    n, length, kg = gate.shape
+    fwd = gate.clone()               # sum from the start of each half-size block through t
+    rev = torch.zeros_like(gate)     # sum after t to the end of each half-size block
+    half = 1
+    while half < length:
+        block = 2 * half
+        f = fwd.view(n, length // block, 2, half, kg)
+        r = rev.view(n, length // block, 2, half, kg)
+        yield block, f[:, :, 1], r[:, :, 0]
+        r[:, :, 0] += f[:, :, 1, -1:]            # + the whole upper half
+        f[:, :, 1] += f[:, :, 0, -1:]            # + the whole lower half
+        half = block
 
 
-def _factors(q, k, gate, seg, block):
+def _exp_factors(up, lo, seg, block):
+    """``exp(up)``, ``exp(lo)``, zero on the rows whose segment is not the reference's."""
+    s_up, s_lo, s_ref = _halves(seg, block)
+    keep_up = (s_up == s_ref.unsqueeze(-1)).unsqueeze(-1).to(up.dtype)
+    keep_lo = (s_lo == s_ref.unsqueeze(-1)).unsqueeze(-1).to(up.dtype)
+    return _exp_masked(up, keep_up), _exp_masked(lo, keep_lo)
+
+
+def _factors(q, k, up, lo, seg, block):
     """One recursion level: left factors of q and k (upper halves), the right factor of k
     (lower halves), and the two exp factors, ``[N, L/block, half, K]`` each."""
-    up, lo = _local_sums(gate, block)
-    s_up, s_lo, s_ref = _halves(seg, block)
-    keep_up = (s_up == s_ref.unsqueeze(-1)).unsqueeze(-1).to(gate.dtype)
-    keep_lo = (s_lo == s_ref.unsqueeze(-1)).unsqueeze(-1).to(gate.dtype)
-    e_up = _exp_masked(up, keep_up)
-    e_lo = _exp_masked(lo, keep_lo)
+    e_up, e_lo = _exp_factors(up, lo, seg, block)
     return _halves(q, block)[0] * e_up, _halves(k, block)[0] * e_up, _halves(k, block)[1] * e_lo, e_up, e_lo
+
+
+def _scalar_decay(gate, seg):
+    """``[N, L, L]`` ``exp(sum_(s, t] g)`` on same-segment pairs ``s <= t``, exactly 0 elsewhere:
+    each level's quadrant is the outer product of its two factors (only ``L`` exps per level)."""
+    n, length, _ = gate.shape
+    decay = gate.new_zeros(n, length, length)
+    for block, up, lo in _level_sums(gate):
+        e_up, e_lo = _exp_factors(up, lo, seg, block)
+        torch.mul(e_up, e_lo.transpose(-1, -2), out=_quadrant(decay, block))
+    decay.diagonal(dim1=1, dim2=2).fill_(1.0)
+    return decay
 
 
 class DecayedGrams(torch.autograd.Function):
@@ -94,22 +120,19 @@ class DecayedGrams(torch.autograd.Function):
         n, length, _ = k.shape
         ctx.scalar = gate.shape[-1] == 1
         if ctx.scalar:
-            intervals = torch.cumsum(gate.expand(n, length, length).tril(-1), dim=1)   # sum_(s, t]
-            decay = _exp_masked(intervals, same_segment_causal(seg).to(gate.dtype))
+            decay = _scalar_decay(gate, seg)
             qk = (q @ k.transpose(1, 2)).mul_(decay)
             kk = (k @ k.transpose(1, 2)).mul_(decay)
             kk.diagonal(dim1=1, dim2=2).zero_()
             ctx.save_for_backward(q, k, decay, qk, kk)
             return qk, kk
         qk, kk = k.new_zeros(n, length, length), k.new_zeros(n, length, length)
-        block = length
-        while block >= 2:
-            left_q, left_k, right, _, _ = _factors(q, k, gate, seg, block)
+        for block, up, lo in _level_sums(gate):
+            left_q, left_k, right, _, _ = _factors(q, k, up, lo, seg, block)
             both = torch.cat([left_q, left_k], dim=2) @ right.transpose(-1, -2)    # [N, L/b, 2*half, half]
             half = block // 2
             _quadrant(qk, block).copy_(both[:, :, :half])
             _quadrant(kk, block).copy_(both[:, :, half:])
-            block //= 2
         qk.diagonal(dim1=1, dim2=2).copy_((q * k).sum(-1))
         ctx.save_for_backward(q, k, gate, seg)
         return qk, kk
@@ -134,9 +157,8 @@ class DecayedGrams(torch.autograd.Function):
 def _per_channel_backward(ctx, d_qk, d_kk):
     q, k, gate, seg = ctx.saved_tensors
     dq, dk, dg = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(gate)   # dg: w.r.t. G
-    block = k.shape[1]
-    while block >= 2:
-        left_q, left_k, right, e_up, e_lo = _factors(q, k, gate, seg, block)
+    for block, up_sum, lo_sum in _level_sums(gate):
+        left_q, left_k, right, e_up, e_lo = _factors(q, k, up_sum, lo_sum, seg, block)
         b_qk, b_kk = _quadrant(d_qk, block), _quadrant(d_kk, block)             # [N, L/b, half, half]
         d_left_q, d_left_k = b_qk @ right, b_kk @ right
         d_right = b_qk.transpose(-1, -2) @ left_q + b_kk.transpose(-1, -2) @ left_k
@@ -149,7 +171,6 @@ def _per_channel_backward(ctx, d_qk, d_kk):
         dg_up += up
         dg_lo -= lo
         dg_ref += lo.sum(2) - up.sum(2)
-        block //= 2
     dd = d_qk.diagonal(dim1=1, dim2=2).unsqueeze(-1)
     dq += dd * k
     dk += dd * q
