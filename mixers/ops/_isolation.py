@@ -41,10 +41,11 @@ e.g. an unstable delta rule with ``beta * |k|^2 > 2`` growing past the dtype's r
 reach other documents that share a chunk with it; they are a property of the inputs, not a NaN
 or inf passed in.
 
-The guards are autograd nodes even when nothing is non-finite (identity views, no copy), so the
-backward graph has the same shape with and without a poisoned document: gradients that several
-paths sum into a leaf are summed in the same order, hence bitwise equal. For the same reason an
-input used by several paths is cleaned once.
+The input guards are autograd nodes even when nothing is non-finite (identity views, no copy),
+so the backward graph has the same shape with and without a poisoned document: gradients that
+several paths sum into a leaf are summed in the same order, hence bitwise equal. For the same
+reason an input used by several paths is cleaned once. (On the output side a node or a hook is
+transparent to that order; the outputs stay ordinary tensors, modifiable in place.)
 """
 
 from __future__ import annotations
@@ -82,6 +83,21 @@ class _Clean(torch.autograd.Function):
         return grad, None, None, None
 
 
+def _drop_cotangent(grad, drop, owner, iso):
+    """``grad`` with 0 on ``drop`` and on its own non-finite entries; the segments (``owner``,
+    the leading dims) that lost a nonzero value become hot. ``None``: nothing to drop."""
+    if grad is None:
+        return None
+    finite = bool(torch.isfinite(grad.sum()))
+    if drop is None and finite:
+        return None
+    drop = torch.zeros_like(grad, dtype=torch.bool) if drop is None else drop.expand_as(grad)
+    if not finite:
+        drop = drop | ~torch.isfinite(grad)
+    iso.mark_hot(owner[(drop & (grad != 0)).reshape(*owner.shape, -1).any(-1)])
+    return torch.where(drop, 0.0, grad)
+
+
 class _Poison(torch.autograd.Function):
     """``where(bad, nan, y)``; backward drops the cotangent on ``bad`` and wherever it is not
     finite itself (a non-finite output gradient would leak like a non-finite input), and marks
@@ -91,22 +107,13 @@ class _Poison(torch.autograd.Function):
     def forward(ctx, y, bad, owner, iso):
         ctx.save_for_backward(bad, owner)
         ctx.iso = iso
-        if bad is None:
-            return y.view_as(y)
         return torch.where(_trailing(bad, y), _NAN, y)
 
     @staticmethod
     def backward(ctx, grad):
         bad, owner = ctx.saved_tensors
-        finite = bool(torch.isfinite(grad.sum()))
-        if bad is None and finite:
-            return grad, None, None, None
-        drop = torch.zeros_like(grad, dtype=torch.bool) if bad is None else _trailing(bad, grad).expand_as(grad)
-        if not finite:
-            drop = drop | ~torch.isfinite(grad)
-        hit = (drop & (grad != 0)).reshape(*owner.shape, -1).any(-1)
-        ctx.iso.mark_hot(owner[hit])
-        return torch.where(drop, 0.0, grad), None, None, None
+        kept = _drop_cotangent(grad, _trailing(bad, grad), owner, ctx.iso)
+        return grad if kept is None else kept, None, None, None
 
 
 class _Shared(torch.autograd.Function):
@@ -132,8 +139,9 @@ class Isolation:
     order from 0. Scan every input (:meth:`scan`, :meth:`scan_states`); if :attr:`active`,
     pass every input through :meth:`clean` / :meth:`clean_states` (shared parameters through
     :meth:`shared`), compute, then pass the results through :meth:`poison_tokens` /
-    :meth:`poison_states`. While the guard is not active every method is an identity view (an
-    autograd node all the same, see the module docstring).
+    :meth:`poison_states`. While the guard is not active the input methods are identity views
+    (autograd nodes all the same, see the module docstring) and the output methods return their
+    input (with a hook that drops non-finite cotangents).
     """
 
     def __init__(self, seg: torch.Tensor):
@@ -228,26 +236,36 @@ class Isolation:
         start = start_bad[first_seg] if start_bad.numel() else torch.zeros_like(after)
         return torch.where(flat >= 0, after, start)
 
+    def _guard_output(self, y: torch.Tensor, bad: torch.Tensor | None, owner: torch.Tensor) -> torch.Tensor:
+        """NaN where ``bad``, through :class:`_Poison`; while the guard is not active, ``y`` itself
+        with a hook that drops non-finite cotangents (a node here would be a view of ``y``,
+        which autograd forbids modifying in place; a node or a hook on the output side is
+        transparent to the order in which gradients are summed)."""
+        if bad is not None:
+            return _Poison.apply(y, bad, owner, self)
+        if y.requires_grad:
+            y.register_hook(lambda grad: _drop_cotangent(grad, None, owner, self))
+        return y
+
     def poison_tokens(self, y: torch.Tensor) -> torch.Tensor:
         """``y [*seg.shape, ...]`` with NaN where the recurrence is non-finite."""
-        out_bad = self._compute_masks()[0] if self.active else None
-        return _Poison.apply(y, out_bad, self.seg, self)
+        return self._guard_output(y, self._compute_masks()[0] if self.active else None, self.seg)
 
     def poison_states(self, s: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
         """Final states ``s [n, ...]`` of segments ``owner [n]``: NaN for those whose state is
         non-finite (``owner`` -1: left unchanged)."""
         if not self.active:
-            return _Poison.apply(s, None, owner, self)
+            return self._guard_output(s, None, owner)
         state_bad = self._compute_masks()[1]
         if state_bad.numel():
             bad = state_bad[owner.clamp(min=0)] & (owner >= 0)
         else:                                                        # no token: no segment is bad
             bad = torch.zeros_like(owner, dtype=torch.bool)
-        return _Poison.apply(s, bad, owner, self)
+        return self._guard_output(s, bad, owner)
 
-    def poison_where(self, y: torch.Tensor, bad: torch.Tensor, owner: torch.Tensor | None = None) -> torch.Tensor:
+    def poison_where(self, y: torch.Tensor, bad: torch.Tensor | None, owner: torch.Tensor | None = None):
         """``y`` with NaN where ``bad`` (its leading dims), for a caller that knows better."""
-        return _Poison.apply(y, bad if self.active else None, self.seg if owner is None else owner, self)
+        return self._guard_output(y, bad if self.active else None, self.seg if owner is None else owner)
 
     # ---- backward bookkeeping -------------------------------------------------------------
     def mark_hot(self, owners: torch.Tensor) -> None:

@@ -73,7 +73,7 @@ class DeltaRuleBlocked(torch.autograd.Function):
             out[:, c0:c1] = _bmm(p.q_read, entering) + _bmm(p.qk, delta)
         ctx.save_for_backward(qc, kc, vc, gc, bc, seg, enter_seg, torch.stack(checkpoints))
         ctx.step = step
-        return out, state
+        return out, state.clone()      # not a view of the recurrence's buffer: callers may modify it in place
 
     @staticmethod
     def backward(ctx, d_out, d_final):

@@ -147,7 +147,9 @@ class SSDChunkScan(torch.autograd.Function):
         if z is not None:
             pre_gate = out
             out = out * F.silu(z)
-        ctx.save_for_backward(x, dt, a, Bm, Cm, keep, last, reads, keep_state, h_enter, h_final, D, z, pre_gate,
+        # h_final is returned to the caller, who may modify it in place: keep only its shape
+        ctx.final_shape = h_final.shape
+        ctx.save_for_backward(x, dt, a, Bm, Cm, keep, last, reads, keep_state, h_enter, D, z, pre_gate,
                               y_off)
         ctx.chunk = chunk
         return out, h_enter, h_final

@@ -404,3 +404,21 @@ def test_nonfinite_output_gradient_stays_in_its_document(op):
 def test_masked_loss_gives_finite_gradients(op):
     for seed in range(SEEDS // 2):
         check_masked_loss(op, 200 + seed)
+
+
+@pytest.mark.parametrize("poisoned", [pytest.param(False, id="finite"), pytest.param(True, id="poisoned")])
+@pytest.mark.parametrize("op", GUARDED)
+def test_outputs_stay_ordinary_tensors(op, poisoned):
+    """The guard's outputs can be modified in place and differentiated, like the kernels' (no
+    view of a custom autograd node reaches the caller)."""
+    rng, lay, opts, x, where_of = _setup(op, 7)
+    if poisoned:
+        x = _with_poison(x, lay, where_of, _poisoned_input(op, rng, lay, opts, x, where_of)[0])
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in x.items()}
+    results = OPS[op][1](lay, leaves, opts)
+    loss = 0
+    for r, _ in results.values():
+        r.mul_(2.0)
+        loss = loss + torch.where(torch.isfinite(r), r, 0.0).sum()
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    assert any(g is not None for g in grads)
