@@ -24,7 +24,8 @@ a decay that matters is as exact as the step recurrence's product of ``exp(g)``.
   half) block whose split point lies between them, and each block is one batched matmul (q and k
   rows stacked, sharing the k factor). A pair from two segments is excluded by zeroing the
   factor rows whose segment differs from the reference's. The local sums of all levels come
-  from one doubling pass (:func:`_level_sums`).
+  from one doubling pass (:class:`_Levels`), and so does the log-decay from each token to the
+  chunk's end (the state leaving the chunk needs it).
 
 The backward is written out for both (the recursion runs again on the output gradients). It
 returns the gradient with respect to the cumulative log-decay ``G`` (the interval sums are
@@ -57,28 +58,36 @@ def _halves(t: torch.Tensor, block: int):
     return blocks[:, :, half:], blocks[:, :, :half], blocks[:, :, half - 1]
 
 
-def _level_sums(gate):
+class _Levels:
     """For ``block = 2, 4, ..., L``: ``(block, up, lo)``, ``[N, L/block, half, Kg]`` each, with
     ``up = sum_(r, t]`` for the upper half's ``t`` and ``lo = sum_(s, r]`` for the lower half's
-    ``s`` (``r`` the lower half's last token).
+    ``s`` (``r`` the lower half's last token); once iterated, :attr:`suffix` ``[N, L, Kg]`` holds
+    ``sum_(t, L)``.
 
     Built by doubling: a block's sums are its halves' sums plus one value, so a level costs one
     add over half the tokens (a cumulative sum along a middle dim is many times slower on CPUs),
     and every sum is a tree of same-signed terms (relative error <= log2(L) eps). The views are
     updated in place for the next level: use them before asking for it.
     """
-    n, length, kg = gate.shape
-    fwd = gate.clone()               # sum from the start of each half-size block through t
-    rev = torch.zeros_like(gate)     # sum after t to the end of each half-size block
-    half = 1
-    while half < length:
-        block = 2 * half
-        f = fwd.view(n, length // block, 2, half, kg)
-        r = rev.view(n, length // block, 2, half, kg)
-        yield block, f[:, :, 1], r[:, :, 0]
-        r[:, :, 0] += f[:, :, 1, -1:]            # + the whole upper half
-        f[:, :, 1] += f[:, :, 0, -1:]            # + the whole lower half
-        half = block
+
+    def __init__(self, gate: torch.Tensor):
+        self.gate = gate
+        self.suffix: torch.Tensor | None = None
+
+    def __iter__(self):
+        n, length, kg = self.gate.shape
+        fwd = self.gate.clone()               # sum from the start of each half-size block through t
+        rev = torch.zeros_like(self.gate)     # sum after t to the end of each half-size block
+        half = 1
+        while half < length:
+            block = 2 * half
+            f = fwd.view(n, length // block, 2, half, kg)
+            r = rev.view(n, length // block, 2, half, kg)
+            yield block, f[:, :, 1], r[:, :, 0]
+            r[:, :, 0] += f[:, :, 1, -1:]            # + the whole upper half
+            f[:, :, 1] += f[:, :, 0, -1:]            # + the whole lower half
+            half = block
+        self.suffix = rev
 
 
 def _exp_factors(up, lo, seg, block):
@@ -96,38 +105,46 @@ def _factors(q, k, up, lo, seg, block):
     return _halves(q, block)[0] * e_up, _halves(k, block)[0] * e_up, _halves(k, block)[1] * e_lo, e_up, e_lo
 
 
-def _scalar_decay(gate, seg):
+def _scalar_decay(levels: _Levels, seg):
     """``[N, L, L]`` ``exp(sum_(s, t] g)`` on same-segment pairs ``s <= t``, exactly 0 elsewhere:
     each level's quadrant is the outer product of its two factors (only ``L`` exps per level)."""
-    n, length, _ = gate.shape
-    decay = gate.new_zeros(n, length, length)
-    for block, up, lo in _level_sums(gate):
+    n, length, _ = levels.gate.shape
+    decay = levels.gate.new_zeros(n, length, length)
+    for block, up, lo in levels:
         e_up, e_lo = _exp_factors(up, lo, seg, block)
         torch.mul(e_up, e_lo.transpose(-1, -2), out=_quadrant(decay, block))
     decay.diagonal(dim1=1, dim2=2).fill_(1.0)
     return decay
 
 
+def _tail(levels: _Levels, seg):
+    """``[N, L, Kg]`` ``sum_(t, L)`` for the tokens of each chunk's last segment, 0 elsewhere."""
+    return torch.where((seg == seg[:, -1:]).unsqueeze(-1), levels.suffix, 0.0)
+
+
 class DecayedGrams(torch.autograd.Function):
-    """``(q [N,L,K], k [N,L,K], G [N,L,Kg], seg [N,L], gate [N,L,Kg]) -> (qk [N,L,L], kk [N,L,L])``.
+    """``(q [N,L,K], k [N,L,K], G [N,L,Kg], seg [N,L], gate [N,L,Kg]) -> (qk [N,L,L], kk [N,L,L],
+    tail [N,L,Kg])``; ``tail = sum_(t, L) g`` (the log-decay to the chunk's end) for the tokens of
+    the chunk's last segment, 0 elsewhere: a by-product of the doubling.
 
     ``gate`` are the per-token log-decays the values are computed from; ``G`` (their segmented
-    cumulative sum) only receives the gradient.
+    cumulative sum) only receives the gradient (``tail_t = G_last - G_t`` mathematically).
     """
 
     @staticmethod
     def forward(ctx, q, k, G, seg, gate):
         n, length, _ = k.shape
         ctx.scalar = gate.shape[-1] == 1
+        levels = _Levels(gate)
         if ctx.scalar:
-            decay = _scalar_decay(gate, seg)
+            decay = _scalar_decay(levels, seg)
             qk = (q @ k.transpose(1, 2)).mul_(decay)
             kk = (k @ k.transpose(1, 2)).mul_(decay)
             kk.diagonal(dim1=1, dim2=2).zero_()
-            ctx.save_for_backward(q, k, decay, qk, kk)
-            return qk, kk
+            ctx.save_for_backward(q, k, decay, qk, kk, seg)
+            return qk, kk, _tail(levels, seg)
         qk, kk = k.new_zeros(n, length, length), k.new_zeros(n, length, length)
-        for block, up, lo in _level_sums(gate):
+        for block, up, lo in levels:
             left_q, left_k, right, _, _ = _factors(q, k, up, lo, seg, block)
             both = torch.cat([left_q, left_k], dim=2) @ right.transpose(-1, -2)    # [N, L/b, 2*half, half]
             half = block // 2
@@ -135,29 +152,35 @@ class DecayedGrams(torch.autograd.Function):
             _quadrant(kk, block).copy_(both[:, :, half:])
         qk.diagonal(dim1=1, dim2=2).copy_((q * k).sum(-1))
         ctx.save_for_backward(q, k, gate, seg)
-        return qk, kk
+        return qk, kk, _tail(levels, seg)
 
     @staticmethod
-    def backward(ctx, d_qk, d_kk):
-        k = ctx.saved_tensors[1]
+    def backward(ctx, d_qk, d_kk, d_tail):
+        k, seg = ctx.saved_tensors[1], ctx.saved_tensors[-1]
         square = (k.shape[0], k.shape[1], k.shape[1])
         d_qk = k.new_zeros(square) if d_qk is None else d_qk.contiguous()
         d_kk = k.new_zeros(square) if d_kk is None else d_kk.contiguous()
         if ctx.scalar:
-            q, k, decay, qk, kk = ctx.saved_tensors
+            q, k, decay, qk, kk, _ = ctx.saved_tensors
             s_q, s_k = d_qk * decay, d_kk * decay
             s_k.diagonal(dim1=1, dim2=2).zero_()                         # kk has no diagonal
             dd = d_qk * qk + d_kk * kk                                   # d/d(G_t - G_s) on kept pairs
             dq = s_q @ k
             dk = s_q.transpose(1, 2) @ q + s_k @ k + s_k.transpose(1, 2) @ k
-            return dq, dk, (dd.sum(-1) - dd.sum(-2)).unsqueeze(-1), None, None
-        return (*_per_channel_backward(ctx, d_qk, d_kk), None)
+            dG = (dd.sum(-1) - dd.sum(-2)).unsqueeze(-1)
+        else:
+            dq, dk, dG = _per_channel_backward(ctx, d_qk, d_kk)
+        if d_tail is not None:                                           # tail_t = G_last - G_t
+            d_tail = torch.where((seg == seg[:, -1:]).unsqueeze(-1), d_tail, 0.0)
+            dG = dG - d_tail
+            dG[:, -1] += d_tail.sum(1)
+        return dq, dk, dG, None, None
 
 
 def _per_channel_backward(ctx, d_qk, d_kk):
     q, k, gate, seg = ctx.saved_tensors
     dq, dk, dg = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(gate)   # dg: w.r.t. G
-    for block, up_sum, lo_sum in _level_sums(gate):
+    for block, up_sum, lo_sum in _Levels(gate):
         left_q, left_k, right, e_up, e_lo = _factors(q, k, up_sum, lo_sum, seg, block)
         b_qk, b_kk = _quadrant(d_qk, block), _quadrant(d_kk, block)             # [N, L/b, half, half]
         d_left_q, d_left_k = b_qk @ right, b_kk @ right
@@ -174,4 +197,4 @@ def _per_channel_backward(ctx, d_qk, d_kk):
     dd = d_qk.diagonal(dim1=1, dim2=2).unsqueeze(-1)
     dq += dd * k
     dk += dd * q
-    return dq, dk, dg, None
+    return dq, dk, dg

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._chunks import floor_log_decay, same_segment_causal, suffix_sums
+from .._chunks import floor_log_decay, same_segment_causal
 from .gram import DecayedGrams
 
 
@@ -64,9 +64,10 @@ def chunk_prep(qc, kc, vc, gc, bc, seg, enter_seg) -> ChunkPrep:
     G = keep.to(dtype).unsqueeze(-3) @ gc                                        # [X, H, L, Kg]
     segh = seg.unsqueeze(-2).expand(*lead, h, length).reshape(-1, length)
     kg = gc.shape[-1]
-    qk, kk = DecayedGrams.apply(qc.reshape(-1, length, kd), kc.reshape(-1, length, kd),
-                                G.reshape(-1, length, kg), segh, gc.reshape(-1, length, kg))
+    qk, kk, tail = DecayedGrams.apply(qc.reshape(-1, length, kd), kc.reshape(-1, length, kd),
+                                      G.reshape(-1, length, kg), segh, gc.reshape(-1, length, kg))
     qk, kk = qk.reshape(*lead, h, length, length), kk.reshape(*lead, h, length, length)
+    tail = tail.reshape(*lead, h, length, kg)                                     # sum_(t, L), last document
     eye = torch.eye(length, dtype=dtype, device=kc.device)
     decay_in = torch.exp(G)
     # the WY representation: one unit-lower-triangular solve for keys and values
@@ -77,7 +78,7 @@ def chunk_prep(qc, kc, vc, gc, bc, seg, enter_seg) -> ChunkPrep:
     readf = reads.to(dtype).unsqueeze(-2).unsqueeze(-1)                           # [X, 1, L, 1]
     lastf = last.to(dtype).unsqueeze(-2).unsqueeze(-1)
     G_last = G[..., -1:, :]
-    k_out = kc * torch.exp(suffix_sums(gc, -2) * lastf) * lastf                   # exp(sum_(t, L)) k
+    k_out = kc * torch.exp(tail * lastf) * lastf
     kappa = keep_state.to(dtype).reshape(*lead, 1, 1, 1) * torch.exp(G_last).transpose(-1, -2)
     return ChunkPrep(G=G, gate=gc, qk=qk, W=W, w_read=readf * W, U=U, q_read=readf * qc * decay_in, k_out=k_out,
                      kappa=kappa, decay_in=decay_in)
