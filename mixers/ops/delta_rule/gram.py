@@ -8,23 +8,23 @@
 Only pairs of one segment are kept; all others are exactly 0. ``g`` are the per-token log-decays
 (<= 0, floored at :data:`.._chunks.LOG_DECAY_FLOOR`, so a reset ``-inf`` is a large finite value).
 
-Every decay is the exponential of a sum over exactly its interval ``(s, t]``, never of the
-difference ``G_t - G_s`` of two cumulative sums: that difference loses ``ulp(|G|)``, i.e. all
-precision once one gate of the chunk is large (``|g| ~ 1e3`` in fp32 leaves ~1e-4 absolute error
-in the exponent of every later pair). A sum of same-signed terms has a small *relative* error, so
-a decay that matters is as exact as the step recurrence's product of ``exp(g)``.
+Every decay is the product of the per-token decays ``exp(g_u)`` over exactly its interval
+``(s, t]``, never the exponential of the difference ``G_t - G_s`` of two cumulative sums: that
+difference loses ``ulp(|G|)``, i.e. all precision once one gate of the chunk is large
+(``|g| ~ 1e3`` in fp32 leaves ~1e-4 absolute error in the exponent of every later pair). A product
+of factors <= 1 has a small *relative* error, like the step recurrence's.
 
 * Scalar gate (GDN): the decay matrix, shared by both products, is built by the halving below:
-  each (upper half, lower half) quadrant is the outer product ``exp(sum_(r,t]) exp(sum_(s,r])``.
+  each (upper half, lower half) quadrant is the outer product of its two factors.
 * Per-channel gate (KDA): ``exp(sum_(s,t])`` differs per channel, so it cannot leave the sum.
   It is split at a reference position ``r`` between ``s`` and ``t``:
   ``exp(sum_(r,t]) * exp(sum_(s,r])``, both factors <= 1 (no overflow, and an underflow only
-  where the true value is smaller still), each a local cumulative sum inside its half block.
+  where the true value is smaller still), each a product inside its half block.
   Halving the chunk recursively puts every pair ``s < t`` in exactly one (upper half, lower
   half) block whose split point lies between them, and each block is one batched matmul (q and k
   rows stacked, sharing the k factor). A pair from two segments is excluded by zeroing the
   factor rows whose segment differs from the reference's. The local sums of all levels come
-  from one doubling pass (:class:`_Levels`), and so does the log-decay from each token to the
+  from one doubling pass (:class:`_Levels`), and so does the decay from each token to the
   chunk's end (the state leaving the chunk needs it).
 
 The backward is written out for both (the recursion runs again on the output gradients). It
@@ -35,11 +35,6 @@ returns the gradient with respect to the cumulative log-decay ``G`` (the interva
 from __future__ import annotations
 
 import torch
-
-
-def _exp_masked(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` where ``keep``, exactly 0 elsewhere (no ``-inf`` or overflow reaches ``exp``)."""
-    return torch.exp(x * keep).mul_(keep)
 
 
 def _quadrant(m: torch.Tensor, block: int) -> torch.Tensor:
@@ -60,75 +55,74 @@ def _halves(t: torch.Tensor, block: int):
 
 class _Levels:
     """For ``block = 2, 4, ..., L``: ``(block, up, lo)``, ``[N, L/block, half, Kg]`` each, with
-    ``up = sum_(r, t]`` for the upper half's ``t`` and ``lo = sum_(s, r]`` for the lower half's
-    ``s`` (``r`` the lower half's last token); once iterated, :attr:`suffix` ``[N, L, Kg]`` holds
-    ``sum_(t, L)``.
+    ``up = exp(sum_(r, t] g)`` for the upper half's ``t`` and ``lo = exp(sum_(s, r] g)`` for the
+    lower half's ``s`` (``r`` the lower half's last token); once iterated, :attr:`suffix`
+    ``[N, L, Kg]`` holds ``exp(sum_(t, L) g)``.
 
-    Built by doubling: a block's sums are its halves' sums plus one value, so a level costs one
-    add over half the tokens (a cumulative sum along a middle dim is many times slower on CPUs),
-    and every sum is a tree of same-signed terms (relative error <= log2(L) eps). The views are
-    updated in place for the next level: use them before asking for it.
+    Built by doubling on the per-token decays ``exp(g)`` (one ``exp`` per token): a block's
+    factors are its halves' factors times one value, so a level costs one in-place product over
+    half the tokens (a cumulative sum along a middle dim, or an ``exp`` per level, costs several
+    times more), and every factor is a tree of at most ``L`` factors <= 1: relative error
+    <= log2(L) ulp, whatever the magnitudes elsewhere; an underflow only where the true value is
+    smaller still. The views are updated in place for the next level: use them before asking for
+    it.
     """
 
     def __init__(self, gate: torch.Tensor):
-        self.gate = gate
+        self.decay = torch.exp(gate)
         self.suffix: torch.Tensor | None = None
 
     def __iter__(self):
-        n, length, kg = self.gate.shape
-        fwd = self.gate.clone()               # sum from the start of each half-size block through t
-        rev = torch.zeros_like(self.gate)     # sum after t to the end of each half-size block
+        n, length, kg = self.decay.shape
+        fwd = self.decay.clone()                # from the start of each half-size block through t
+        rev = torch.ones_like(self.decay)       # after t to the end of each half-size block
         half = 1
         while half < length:
             block = 2 * half
             f = fwd.view(n, length // block, 2, half, kg)
             r = rev.view(n, length // block, 2, half, kg)
             yield block, f[:, :, 1], r[:, :, 0]
-            r[:, :, 0] += f[:, :, 1, -1:]            # + the whole upper half
-            f[:, :, 1] += f[:, :, 0, -1:]            # + the whole lower half
+            r[:, :, 0] *= f[:, :, 1, -1:]            # * the whole upper half
+            f[:, :, 1] *= f[:, :, 0, -1:]            # * the whole lower half
             half = block
         self.suffix = rev
 
 
-def _exp_factors(up, lo, seg, block):
-    """``exp(up)``, ``exp(lo)``, zero on the rows whose segment is not the reference's."""
+def _masked_factors(up, lo, seg, block):
+    """``up``, ``lo`` with the rows whose segment is not the reference's set to 0."""
     s_up, s_lo, s_ref = _halves(seg, block)
     keep_up = (s_up == s_ref.unsqueeze(-1)).unsqueeze(-1).to(up.dtype)
     keep_lo = (s_lo == s_ref.unsqueeze(-1)).unsqueeze(-1).to(up.dtype)
-    return _exp_masked(up, keep_up), _exp_masked(lo, keep_lo)
+    return up * keep_up, lo * keep_lo
 
 
 def _factors(q, k, up, lo, seg, block):
     """One recursion level: left factors of q and k (upper halves), the right factor of k
-    (lower halves), and the two exp factors, ``[N, L/block, half, K]`` each."""
-    e_up, e_lo = _exp_factors(up, lo, seg, block)
+    (lower halves), and the two decay factors, ``[N, L/block, half, K]`` each."""
+    e_up, e_lo = _masked_factors(up, lo, seg, block)
     return _halves(q, block)[0] * e_up, _halves(k, block)[0] * e_up, _halves(k, block)[1] * e_lo, e_up, e_lo
 
 
 def _scalar_decay(levels: _Levels, seg):
     """``[N, L, L]`` ``exp(sum_(s, t] g)`` on same-segment pairs ``s <= t``, exactly 0 elsewhere:
-    each level's quadrant is the outer product of its two factors (only ``L`` exps per level)."""
-    n, length, _ = levels.gate.shape
-    decay = levels.gate.new_zeros(n, length, length)
+    each level's quadrant is the outer product of its two factors."""
+    n, length, _ = levels.decay.shape
+    decay = levels.decay.new_zeros(n, length, length)
     for block, up, lo in levels:
-        e_up, e_lo = _exp_factors(up, lo, seg, block)
+        e_up, e_lo = _masked_factors(up, lo, seg, block)
         torch.mul(e_up, e_lo.transpose(-1, -2), out=_quadrant(decay, block))
     decay.diagonal(dim1=1, dim2=2).fill_(1.0)
     return decay
 
 
-def _tail(levels: _Levels, seg):
-    """``[N, L, Kg]`` ``sum_(t, L)`` for the tokens of each chunk's last segment, 0 elsewhere."""
-    return torch.where((seg == seg[:, -1:]).unsqueeze(-1), levels.suffix, 0.0)
-
-
 class DecayedGrams(torch.autograd.Function):
     """``(q [N,L,K], k [N,L,K], G [N,L,Kg], seg [N,L], gate [N,L,Kg]) -> (qk [N,L,L], kk [N,L,L],
-    tail [N,L,Kg])``; ``tail = sum_(t, L) g`` (the log-decay to the chunk's end) for the tokens of
-    the chunk's last segment, 0 elsewhere: a by-product of the doubling.
+    tail [N,L,Kg])``; ``tail = exp(sum_(t, L) g)``, the decay to the chunk's end, a by-product of
+    the doubling, is meant for the tokens of the chunk's last segment only: elsewhere it is not
+    masked, and its gradient is not propagated.
 
     ``gate`` are the per-token log-decays the values are computed from; ``G`` (their segmented
-    cumulative sum) only receives the gradient (``tail_t = G_last - G_t`` mathematically).
+    cumulative sum) only receives the gradient (``tail_t = exp(G_last - G_t)`` mathematically).
     """
 
     @staticmethod
@@ -141,8 +135,8 @@ class DecayedGrams(torch.autograd.Function):
             qk = (q @ k.transpose(1, 2)).mul_(decay)
             kk = (k @ k.transpose(1, 2)).mul_(decay)
             kk.diagonal(dim1=1, dim2=2).zero_()
-            ctx.save_for_backward(q, k, decay, qk, kk, seg)
-            return qk, kk, _tail(levels, seg)
+            ctx.save_for_backward(q, k, decay, qk, kk, seg, levels.suffix)
+            return qk, kk, levels.suffix
         qk, kk = k.new_zeros(n, length, length), k.new_zeros(n, length, length)
         for block, up, lo in levels:
             left_q, left_k, right, _, _ = _factors(q, k, up, lo, seg, block)
@@ -151,17 +145,17 @@ class DecayedGrams(torch.autograd.Function):
             _quadrant(qk, block).copy_(both[:, :, :half])
             _quadrant(kk, block).copy_(both[:, :, half:])
         qk.diagonal(dim1=1, dim2=2).copy_((q * k).sum(-1))
-        ctx.save_for_backward(q, k, gate, seg)
-        return qk, kk, _tail(levels, seg)
+        ctx.save_for_backward(q, k, gate, seg, levels.suffix)
+        return qk, kk, levels.suffix
 
     @staticmethod
     def backward(ctx, d_qk, d_kk, d_tail):
-        k, seg = ctx.saved_tensors[1], ctx.saved_tensors[-1]
+        k, seg, tail = ctx.saved_tensors[1], ctx.saved_tensors[-2], ctx.saved_tensors[-1]
         square = (k.shape[0], k.shape[1], k.shape[1])
         d_qk = k.new_zeros(square) if d_qk is None else d_qk.contiguous()
         d_kk = k.new_zeros(square) if d_kk is None else d_kk.contiguous()
         if ctx.scalar:
-            q, k, decay, qk, kk, _ = ctx.saved_tensors
+            q, k, decay, qk, kk = ctx.saved_tensors[:5]
             s_q, s_k = d_qk * decay, d_kk * decay
             s_k.diagonal(dim1=1, dim2=2).zero_()                         # kk has no diagonal
             dd = d_qk * qk + d_kk * kk                                   # d/d(G_t - G_s) on kept pairs
@@ -170,15 +164,15 @@ class DecayedGrams(torch.autograd.Function):
             dG = (dd.sum(-1) - dd.sum(-2)).unsqueeze(-1)
         else:
             dq, dk, dG = _per_channel_backward(ctx, d_qk, d_kk)
-        if d_tail is not None:                                           # tail_t = G_last - G_t
-            d_tail = torch.where((seg == seg[:, -1:]).unsqueeze(-1), d_tail, 0.0)
-            dG = dG - d_tail
-            dG[:, -1] += d_tail.sum(1)
+        if d_tail is not None:                                           # tail_t = exp(G_last - G_t)
+            d_exp = torch.where((seg == seg[:, -1:]).unsqueeze(-1), d_tail * tail, 0.0)
+            dG = dG - d_exp
+            dG[:, -1] += d_exp.sum(1)
         return dq, dk, dG, None, None
 
 
 def _per_channel_backward(ctx, d_qk, d_kk):
-    q, k, gate, seg = ctx.saved_tensors
+    q, k, gate, seg = ctx.saved_tensors[:4]
     dq, dk, dg = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(gate)   # dg: w.r.t. G
     for block, up_sum, lo_sum in _Levels(gate):
         left_q, left_k, right, e_up, e_lo = _factors(q, k, up_sum, lo_sum, seg, block)

@@ -51,9 +51,9 @@ def chunk_prep(qc, kc, vc, gc, bc, seg, enter_seg) -> ChunkPrep:
     """Steps 1-2 for chunks ``qc, kc [X, H, L, K]``, ``vc [X, H, L, V]``, ``gc [X, H, L, Kg]``,
     ``bc [X, H, L]``, ``seg [X, L]``, ``enter_seg [X]``.
 
-    Decays are exponentials of sums of log-decays over exactly their interval: from the chunk
-    (or document) start for ``exp(G)``, over ``(s, t]`` in the Gram matrices, over ``(t, L)``
-    for the leaving state; never of a difference of cumulative sums (see :mod:`.gram`).
+    Decays cover exactly their interval: ``exp(G)`` of a sum from the chunk (or document) start,
+    products of ``exp(g)`` over ``(s, t]`` in the Gram matrices and over ``(t, L)`` for the
+    leaving state; never an exponential of a difference of cumulative sums (see :mod:`.gram`).
     """
     lead = kc.shape[:-3]
     h, length, kd = kc.shape[-3:]
@@ -67,7 +67,7 @@ def chunk_prep(qc, kc, vc, gc, bc, seg, enter_seg) -> ChunkPrep:
     qk, kk, tail = DecayedGrams.apply(qc.reshape(-1, length, kd), kc.reshape(-1, length, kd),
                                       G.reshape(-1, length, kg), segh, gc.reshape(-1, length, kg))
     qk, kk = qk.reshape(*lead, h, length, length), kk.reshape(*lead, h, length, length)
-    tail = tail.reshape(*lead, h, length, kg)                                     # sum_(t, L), last document
+    tail = tail.reshape(*lead, h, length, kg)                        # exp(sum_(t, L) g), for the last document
     eye = torch.eye(length, dtype=dtype, device=kc.device)
     decay_in = torch.exp(G)
     # the WY representation: one unit-lower-triangular solve for keys and values
@@ -78,7 +78,7 @@ def chunk_prep(qc, kc, vc, gc, bc, seg, enter_seg) -> ChunkPrep:
     readf = reads.to(dtype).unsqueeze(-2).unsqueeze(-1)                           # [X, 1, L, 1]
     lastf = last.to(dtype).unsqueeze(-2).unsqueeze(-1)
     G_last = G[..., -1:, :]
-    k_out = kc * torch.exp(tail * lastf) * lastf
+    k_out = kc * tail * lastf
     kappa = keep_state.to(dtype).reshape(*lead, 1, 1, 1) * torch.exp(G_last).transpose(-1, -2)
     return ChunkPrep(G=G, gate=gc, qk=qk, W=W, w_read=readf * W, U=U, q_read=readf * qc * decay_in, k_out=k_out,
                      kappa=kappa, decay_in=decay_in)
