@@ -6,7 +6,7 @@
     kk[t, s] = sum_c k_t[c] k_s[c] exp(sum_{s < u <= t} g_u[c])      (s <  t)
 
 Only pairs of one segment are kept; all others are exactly 0. ``g`` are the per-token log-decays
-(<= 0, floored at :data:`.._chunks.LOG_DECAY_FLOOR`, so a reset ``-inf`` is a large finite value).
+(<= 0; a reset ``g = -inf``, floored at :data:`.._chunks.LOG_DECAY_FLOOR`, has ``exp(g) = 0``).
 
 Every decay is the product of the per-token decays ``exp(g_u)`` over exactly its interval
 ``(s, t]``, never the exponential of the difference ``G_t - G_s`` of two cumulative sums: that
@@ -23,9 +23,9 @@ of factors <= 1 has a small *relative* error, like the step recurrence's.
   Halving the chunk recursively puts every pair ``s < t`` in exactly one (upper half, lower
   half) block whose split point lies between them, and each block is one batched matmul (q and k
   rows stacked, sharing the k factor). A pair from two segments is excluded by zeroing the
-  factor rows whose segment differs from the reference's. The local sums of all levels come
-  from one doubling pass (:class:`_Levels`), and so does the decay from each token to the
-  chunk's end (the state leaving the chunk needs it).
+  factor rows whose segment differs from the reference's. The factors of all levels come from
+  one doubling pass (:class:`_Levels`), and so does the decay from each token to the chunk's
+  end (the state leaving the chunk needs it).
 
 The backward is written out for both (the recursion runs again on the output gradients). It
 returns the gradient with respect to the cumulative log-decay ``G`` (the interval sums are
@@ -174,8 +174,8 @@ class DecayedGrams(torch.autograd.Function):
 def _per_channel_backward(ctx, d_qk, d_kk):
     q, k, gate, seg = ctx.saved_tensors[:4]
     dq, dk, dg = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(gate)   # dg: w.r.t. G
-    for block, up_sum, lo_sum in _Levels(gate):
-        left_q, left_k, right, e_up, e_lo = _factors(q, k, up_sum, lo_sum, seg, block)
+    for block, up_f, lo_f in _Levels(gate):
+        left_q, left_k, right, e_up, e_lo = _factors(q, k, up_f, lo_f, seg, block)
         b_qk, b_kk = _quadrant(d_qk, block), _quadrant(d_kk, block)             # [N, L/b, half, half]
         d_left_q, d_left_k = b_qk @ right, b_kk @ right
         d_right = b_qk.transpose(-1, -2) @ left_q + b_kk.transpose(-1, -2) @ left_k
