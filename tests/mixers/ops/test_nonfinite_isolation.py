@@ -384,7 +384,7 @@ def _dim(where) -> int:
     return where[1] if where[0] == "token" else 0
 
 
-SEEDS = 12
+SEEDS = 24
 GUARDED = [pytest.param(op, id=op) for op in OPS if op != "conv"]   # the conv needs no guard (see module doc)
 
 
