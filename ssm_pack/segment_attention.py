@@ -23,8 +23,11 @@ Non-finite values stay in their segment. A sum over keys would turn a masked ``0
 another segment into ``nan``, so q, k, v (and the output gradient) enter the products with
 non-finite entries replaced by 0, and every row that really depends on a non-finite value is
 set back to ``nan``: a query row whose own q is non-finite or that attends a key whose k or v is
-(a finite 0/1 matmul of the keep-mask with per-token flags), and in the backward every row that
-such a query reaches. Other segments see only finite numbers, bitwise as without the bad values.
+(a finite 0/1 matmul of the keep-mask with per-token flags). In the backward, a query row is hot
+when its output gradient is non-finite, or nonzero on a poisoned output (the loss depends on a
+NaN): its q gradient and the k / v gradients of every key it reaches are NaN; a poisoned output
+whose gradient is exactly 0 (a masked loss) contributes nothing, so the gradients stay finite.
+Other segments see only finite numbers, bitwise as without the bad values.
 """
 
 from __future__ import annotations
@@ -148,8 +151,11 @@ class _BlockAttention(torch.autograd.Function):
         layout = _Layout(total, span, causal, window, block, hq, qs.device)
         pad = layout.padded - total
         do, bad_do = _finite(g_out)
+        # hot rows: a non-finite cotangent, or a nonzero one on a poisoned output (the loss depends on
+        # a NaN); a poisoned output whose cotangent is exactly 0 (a masked loss) contributes nothing
+        hot = bad_do | (poisoned[:total] & (do != 0).flatten(1).any(1))
         do = F.pad(do, (0, 0, 0, 0, 0, pad))
-        rows_bad = (poisoned | F.pad(bad_do, (0, pad))).view(layout.blocks, block)
+        rows_bad = F.pad(hot, (0, pad)).view(layout.blocks, block)
         seg_q = F.pad(seg, (0, pad), value=-1).view(layout.blocks, block)
         k_w, v_w, seg_w = layout.windows(ks, 0.0), layout.windows(vs, 0.0), layout.windows(seg, -1)
         dq = torch.empty_like(qs)

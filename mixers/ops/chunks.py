@@ -33,3 +33,23 @@ def same_segment_causal(seg: torch.Tensor) -> torch.Tensor:
     length = seg.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool, device=seg.device).tril()
     return (seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal
+
+
+# Log-decays below this are a full reset: exp() of any sum holding one is exactly 0 in fp32 and
+# fp64 (both underflow far above), and L such values still sum to a finite number, so no -inf
+# ever meets a masked zero (0 * -inf = nan) in a masked matmul.
+LOG_DECAY_FLOOR = -1.0e4
+
+
+def floor_log_decay(g: torch.Tensor) -> torch.Tensor:
+    """``g`` raised to :data:`LOG_DECAY_FLOOR` (``-inf``, a reset, included; gradient 0 there,
+    as ``exp(g) = 0`` makes it)."""
+    return g.clamp(min=LOG_DECAY_FLOOR)
+
+
+def suffix_sums(g: torch.Tensor, dim: int) -> torch.Tensor:
+    """``out[t] = sum_{u > t} g[u]`` along ``dim``: a sum over exactly the interval (of
+    same-signed log-decays: a small relative error), never the difference of two cumulative
+    sums, which loses ``ulp(|cumsum|)`` when one gate of the chunk is large."""
+    after = torch.cat([g.narrow(dim, 1, g.shape[dim] - 1), torch.zeros_like(g.narrow(dim, 0, 1))], dim)
+    return after.flip(dim).cumsum(dim).flip(dim)

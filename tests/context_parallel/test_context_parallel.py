@@ -124,18 +124,11 @@ def test_without_the_exchange_cp_differs(ranks, world, case_id, subject, kind, s
         assert _max_err(alone, ref) <= TOL
 
 
-DELTA_NAN = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "mixers/ops/delta_rule reference: a NaN in one document's final-state gradient reaches the other documents "
-    "of its chunk in the backward (one process too: cu_seqlens [0, 2, 12], chunk 8, a NaN weight on document 1's "
-    "final state makes document 0's k/v/g/beta gradients NaN); under CP the entering state's gradient is the "
-    "previous rank's final-state gradient, so a NaN crossing back leaks there"))
-
-
 def _steps(subject, key):
     return 2 if subject == "gdp" and key in ("grad_k", "grad_v", "grad_beta") else 1
 
 
-@pytest.mark.parametrize("subject", [pytest.param(s, id=s, marks=DELTA_NAN if s in ("gdn", "kda", "gdp") else ())
+@pytest.mark.parametrize("subject", [pytest.param(s, id=s)
                                      for s in OPS])
 def test_a_nan_stays_in_its_document(ranks, subject):
     """DESIGN's isolation under CP: a NaN in the document spanning the 4 ranks (token 20, rank 1)

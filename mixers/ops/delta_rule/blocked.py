@@ -9,6 +9,10 @@ inside it, then the block's outputs. Only the state entering each block is kept.
 walks the blocks in reverse: it recomputes the block's preparation under autograd, replays the
 recurrence from the block's checkpoint, runs the recurrence backwards by hand, and hands the
 gradients of the preparation's outputs to autograd.
+
+Like every mixing step of the references, the masks here multiply exact zeros into the
+cross-document terms; every value is finite (the caller sanitizes non-finite inputs and output
+gradients, see :mod:`.._isolation`), so that is exact.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ class DeltaRuleBlocked(torch.autograd.Function):
             out[:, c0:c1] = _bmm(p.q_read, entering) + _bmm(p.qk, delta)
         ctx.save_for_backward(qc, kc, vc, gc, bc, seg, enter_seg, torch.stack(checkpoints))
         ctx.step = step
-        return out, state
+        return out, state.clone()      # not a view of the recurrence's buffer: callers may modify it in place
 
     @staticmethod
     def backward(ctx, d_out, d_final):

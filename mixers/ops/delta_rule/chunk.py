@@ -23,9 +23,11 @@ entering the chunk:
 
 Steps 1-2 depend on no state and run for many chunks at once (:mod:`.prep`). Every
 cross-document term is a masked zero (the solve is block-diagonal per document), so documents
-stay bitwise independent. The fast path (:mod:`.blocked`) runs blocks of chunks with a
-hand-written backward; per-document initial or final states use the composed path below, which
-keeps every intermediate.
+stay bitwise independent for finite values; non-finite inputs are sanitized on the way in and
+re-poisoned on the way out (:mod:`.._isolation`), so a NaN or inf stays in its document. A gate
+``g = -inf`` (decay exactly 0) is a reset, computed exactly. The fast path (:mod:`.blocked`)
+runs blocks of chunks with a hand-written backward; per-document initial or final states use
+the composed path below, which keeps every intermediate.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._isolation import Isolation
 from ..chunks import entering_segments, pad_tokens
 from .blocked import DeltaRuleBlocked
 from .prep import chunk_prep
@@ -46,10 +49,13 @@ class Chunked:
     s_final: torch.Tensor               # [B, H, K, V] state after the last chunk
     chunk: int
     G: torch.Tensor | None = None       # [B, C, H, L, Kg] segmented cumulative log-decay
+    gate: torch.Tensor | None = None    # [B, C, H, L, Kg] per-token log-decays, floored
     keys: torch.Tensor | None = None    # [B, C, H, L, K]
     delta: torch.Tensor | None = None   # [B, C, H, L, V] corrected values
     enter_seg: torch.Tensor | None = None  # [B, C]
     s_enter: torch.Tensor | None = None    # [B, C, H, K, V] state entering each chunk
+    iso: Isolation | None = None           # the guard against non-finite inputs (per-document states use it)
+    s0: torch.Tensor | None = None         # [D, H, K, V] per-document initial states, sanitized by ``iso``
 
 
 def _heads_major(t: torch.Tensor, b: int, c: int, L: int) -> torch.Tensor:
@@ -68,6 +74,33 @@ def delta_rule_chunked(q, k, v, g, beta, seg_id, chunk: int, initial_state=None,
         extra: per-document initial states (:class:`.varlen_states.DocInitialStates`).
         keep_intermediates: keep what per-document final states need.
     """
+    iso = _guard(q, k, v, g, beta, seg_id, initial_state, extra)
+    q, k, v, beta = (iso.clean(x) for x in (q, k, v, beta))
+    g = iso.clean(g, gate=True)
+    initial_state = iso.clean_states(initial_state, seg_id[:, 0])
+    if extra is not None:
+        extra.isolate(iso)
+    o, ch = _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_intermediates)
+    ch.iso, ch.s0 = iso, None if extra is None else extra.s0
+    ch.s_final = iso.poison_states(ch.s_final, seg_id[:, -1])
+    return iso.poison_tokens(o), ch
+
+
+def _guard(q, k, v, g, beta, seg_id, initial_state, extra) -> Isolation:
+    """Scan every input for non-finite values (q is read at its own token only)."""
+    iso = Isolation(seg_id)
+    iso.scan(q, reads=True)
+    for x in (k, v, beta):
+        iso.scan(x)
+    iso.scan(g, gate=True)
+    if initial_state is not None:
+        iso.scan_states(initial_state, seg_id[:, 0])
+    if extra is not None:
+        iso.scan_states(extra.s0, extra.owner)
+    return iso
+
+
+def _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_intermediates):
     b, t, h, kd = k.shape
     L = chunk
     pad = (-t) % L
@@ -89,7 +122,7 @@ def delta_rule_chunked(q, k, v, g, beta, seg_id, chunk: int, initial_state=None,
     o = p.q_read @ s_enter + p.qk @ delta
     if extra is not None:
         o = o + extra.reads(p.G, qc * p.decay_in)
-    return _tokens(o, b, c, L, t), Chunked(s_final=state, chunk=L, G=p.G, keys=kc, delta=delta,
+    return _tokens(o, b, c, L, t), Chunked(s_final=state, chunk=L, G=p.G, gate=p.gate, keys=kc, delta=delta,
                                            enter_seg=enter_seg, s_enter=s_enter)
 
 

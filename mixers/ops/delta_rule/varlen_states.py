@@ -10,6 +10,11 @@ the leaving state as ``exp(G_L) S0``. A document's final state is the entering s
 last chunk (when it is that state's document) decayed to its last token, plus its own tokens
 in that chunk, plus ``S0`` when it also started there. Each document only touches a run of at
 most ``L`` tokens; runs are batched by length (:mod:`mixers.ops._grouped`).
+
+Non-finite initial states go through the chunked call's guard (:mod:`.._isolation`): sanitized
+before any mixing op (a NaN ``S0`` times a masked zero would reach its neighbours, and times a
+decay it would reach the decay's gradient), and the document's outputs and final state
+re-poisoned. An empty document's final state is its initial state as given.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 
 from ssm_pack.segments import Segments
 
+from ..chunks import suffix_sums
 from .._grouped import buckets, finish_document_states, initial_states_leaving_chunks
 
 
@@ -37,9 +43,15 @@ class DocInitialStates:
 
     def __init__(self, s0: torch.Tensor, segs: Segments, chunk: int):
         self.s0, self.segs, self.chunk = s0, segs, chunk
+        self.owner = segs.doc_segment                                       # [D] segment of each document
         docs, start, end, _ = segs.document_runs()
         self.docs, self.start = docs, start
         self.count = torch.minimum(end - start, chunk - start % chunk)    # the first-chunk run
+
+    def isolate(self, iso) -> None:
+        """Use the initial states sanitized by the chunked call's guard (cleaned once: the final
+        states use the same tensor, see :attr:`.chunk.Chunked.s0`)."""
+        self.s0 = iso.clean_states(self.s0, self.owner)
 
     def _apply(self, rows_tm: torch.Tensor) -> torch.Tensor:
         """``out[t] = rows[t] @ S0[doc(t)]`` on every first-chunk run (``[T, H, K]`` -> ``[T, H, V]``)."""
@@ -65,8 +77,12 @@ class DocInitialStates:
 def doc_final_states(ch, segs: Segments, s0, num_docs: int) -> torch.Tensor:
     """``[D, H, K, V]`` state after every document's last token (see the module docstring)."""
     L = ch.chunk
+    raw_s0 = s0
+    if s0 is not None:
+        s0 = ch.s0                                     # sanitized by the guard (see DocInitialStates)
     docs, start, end, seg = segs.document_runs()
     G_tm, k_tm, d_tm = _token_major(ch.G), _token_major(ch.keys), _token_major(ch.delta)
+    gate_tm = _token_major(ch.gate)
     h, kd, vd = k_tm.shape[1], k_tm.shape[2], d_tm.shape[2]
     last = end - 1
     last_chunk = last // L
@@ -74,9 +90,15 @@ def doc_final_states(ch, segs: Segments, s0, num_docs: int) -> torch.Tensor:
     g_end = G_tm[last]                                                             # [k, H, Kg]
     own = d_tm.new_zeros(docs.numel(), h, kd, vd)
     for bucket in buckets(run_start, end - run_start):
-        w = torch.exp(g_end[bucket.ids].unsqueeze(1) - G_tm[bucket.index])         # [k, n, H, Kg]
-        keys = torch.where(bucket.valid[:, :, None, None], k_tm[bucket.index] * w, 0.0)
+        valid = bucket.valid[:, :, None, None]
+        w = torch.exp(suffix_sums(torch.where(valid, gate_tm[bucket.index], 0.0), 1))  # [k, n, H, Kg]: sum_(t, end)
+        keys = torch.where(valid, k_tm[bucket.index] * w, 0.0)
         outer = keys.permute(0, 2, 3, 1) @ d_tm[bucket.index].transpose(1, 2)      # [k, H, K, V]
         own = own.index_copy(0, bucket.ids, outer)
-    return finish_document_states(own, torch.exp(g_end).unsqueeze(-1), ch.s_enter, ch.enter_seg, seg, start,
-                                  last_chunk, L, s0, docs, num_docs)
+    final = finish_document_states(own, torch.exp(g_end).unsqueeze(-1), ch.s_enter, ch.enter_seg, seg, start,
+                                   last_chunk, L, s0, docs, num_docs)
+    final = ch.iso.poison_states(final, segs.doc_segment)
+    if raw_s0 is not None:                           # an empty document keeps its initial state as given
+        empty = (segs.doc_segment < 0).reshape(-1, 1, 1, 1)
+        final = torch.where(empty, raw_s0.to(final.dtype), final)
+    return final

@@ -16,7 +16,8 @@ Autograd through these steps allocates many ``[Q, H, L, L]`` and ``[T, H, P]`` t
 CPU the page faults of those allocations cost more than the arithmetic. Here every step runs
 over blocks of K chunks in buffers that stay in cache, nothing ``L x L`` is kept for backward
 (it is recomputed), and the state passing runs in place. Masks multiply exact zeros into every
-cross-document term (all values are finite), so documents stay bitwise independent.
+cross-document term, so documents stay bitwise independent: exact because every value here is
+finite (the caller sanitizes non-finite inputs and output gradients, see :mod:`.._isolation`).
 """
 
 from __future__ import annotations
@@ -146,7 +147,9 @@ class SSDChunkScan(torch.autograd.Function):
         if z is not None:
             pre_gate = out
             out = out * F.silu(z)
-        ctx.save_for_backward(x, dt, a, Bm, Cm, keep, last, reads, keep_state, h_enter, h_final, D, z, pre_gate,
+        # h_final is returned to the caller, who may modify it in place: keep only its shape
+        ctx.final_shape = h_final.shape
+        ctx.save_for_backward(x, dt, a, Bm, Cm, keep, last, reads, keep_state, h_enter, D, z, pre_gate,
                               y_off)
         ctx.chunk = chunk
         return out, h_enter, h_final

@@ -53,7 +53,7 @@ def _unpass_states(g_enter, g_final, h_enter, decay, keep_state):
 
 
 def chunk_scan_backward(ctx, g_out, g_enter, g_final):
-    (x, dt, a, Bm, Cm, keep, last, reads, keep_state, h_enter, h_final, D, z, pre_gate, y_off) = ctx.saved_tensors
+    (x, dt, a, Bm, Cm, keep, last, reads, keep_state, h_enter, D, z, pre_gate, y_off) = ctx.saved_tensors
     b, t, h, p = x.shape
     g, n = Bm.shape[2:]
     L = ctx.chunk
@@ -85,7 +85,7 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
     if g_enter is not None:
         g_h += g_enter
     decay = torch.exp(a.reshape(b, c, L, h)[:, :, -1])
-    g_final = torch.zeros_like(h_final) if g_final is None else g_final
+    g_final = x.new_zeros(ctx.final_shape) if g_final is None else g_final
     g_u, g_decay, g_h0 = _unpass_states(g_h, g_final, h_enter, decay, keep_state)
     g_a.reshape(b, c, L, h)[:, :, -1] += g_decay * decay
     g_uq = g_u.reshape(q, h, p, n)

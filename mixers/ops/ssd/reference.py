@@ -18,6 +18,12 @@ carried into every step:
 Every mask is applied before ``exp`` (``-inf``) or with ``torch.where``, so a decay across a
 boundary is exactly 0 and no value of another document ever enters a sum. Steps 2-5 run in
 one autograd function over blocks of chunks (:mod:`.chunk_scan`).
+
+Those masks multiply exact zeros into the cross-document terms, which is exact for finite values
+only (``0 * nan = nan``), so the whole scan is guarded (:mod:`.._isolation`): non-finite inputs
+(``x``, ``dt``, ``B``, ``C``, ``z``, initial states) are sanitized on the way in and their
+document's outputs and states re-poisoned on the way out; ``A`` and ``D``, which every document
+shares, get NaN gradients when a poisoned value is differentiated.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .._isolation import Isolation
 from ..chunks import entering_segments, pad_tokens, same_segment_causal
 from .chunk_scan import SSDChunkScan
+from .varlen_states import LeavingStates
 
 
 @dataclass
@@ -37,7 +45,7 @@ class Chunked:
     a_cs: torch.Tensor       # [B, C, L, H] segmented cumulative log-decay
     seg: torch.Tensor        # [B, C, L] segment id
     enter_seg: torch.Tensor  # [B, C] segment of each chunk's entering state
-    h_enter: torch.Tensor    # [B, C, H, P, N] state entering each chunk
+    h_enter: torch.Tensor    # [B, C, H, P, N] state entering each chunk (NaN where non-finite, see reference)
     h_final: torch.Tensor    # [B, H, P, N] state after the last chunk (the row's last segment)
     chunk: int
 
@@ -50,13 +58,23 @@ def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_sta
         x: ``[B, T, H, P]``; dt: ``[B, T, H]`` (already biased, softplus-ed, clamped);
         A: ``[H]``; Bm, Cm: ``[B, T, G, N]``; seg_id: ``[B, T]`` segment ids.
         initial_state: ``[B, H, P, N]`` state entering chunk 0 (the row's first segment).
-        extra_states: optional callable ``(a_cs, seg) -> [B, C, H, P, N]`` whose result is
-            added to each chunk's state before passing (per-document initial states of
-            documents starting inside a chunk, see :mod:`.varlen_states`).
+        extra_states: optional callable ``(a_cs, seg) -> [B, C, H, P, N]`` (or a
+            :class:`.varlen_states.LeavingStates` giving it) whose result is added to each
+            chunk's state before passing (per-document initial states of documents starting
+            inside a chunk, see :mod:`.varlen_states`).
         D: ``[H]`` or ``[H, P]`` skip; z: ``[B, T, H, P]`` gate.
 
     Returns ``out`` ``[B, T, H, P]`` and the :class:`Chunked` intermediates.
     """
+    iso = Isolation(seg_id)
+    for t_ in (x, dt, Bm):
+        iso.scan(t_)
+    for t_ in (Cm, z):
+        iso.scan(t_, reads=True)
+    iso.scan_states(initial_state, seg_id[:, 0])
+    x, dt, Bm, Cm, z = (iso.clean(t_) for t_ in (x, dt, Bm, Cm, z))
+    initial_state = iso.clean_states(initial_state, seg_id[:, 0])
+    A, D = iso.shared(A), iso.shared(D)
     b, t, h, p = x.shape
     n = Bm.shape[3]
     L = chunk_size
@@ -75,11 +93,20 @@ def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_sta
     reads = seg == enter_seg.unsqueeze(-1)                                        # [b, c, L]
     keep_state = seg[:, :, -1] == enter_seg                                      # [b, c]
     extra = None if extra_states is None else extra_states(a_cs, seg)
+    if isinstance(extra, LeavingStates):         # per-document initial states: guarded like the inputs
+        iso.scan_states(extra.h0, extra.owner)
+        extra = extra.states(iso)
     h0 = x.new_zeros(b, h, p, n) if initial_state is None else initial_state.to(x.dtype)
     # 2.-5. intra-chunk output, chunk states, state passing, entering-state read
     out, h_enter, h_final = SSDChunkScan.apply(
         x.contiguous(), dt.contiguous(), a_cs.reshape(b, c * L, h), Bm.contiguous(), Cm.contiguous(),
         keep.reshape(b * c, L, L), keep[:, :, -1, :].reshape(b * c, L), reads.reshape(b * c, L),
         keep_state, h0, extra, D, None if z is None else z.contiguous(), L)
-    return out[:, :t], Chunked(a_cs=a_cs, seg=seg, enter_seg=enter_seg, h_enter=h_enter, h_final=h_final,
-                               chunk=L)
+    # a state entering a chunk is non-finite when its segment's state was before the chunk
+    chunk_start = torch.arange(c, device=x.device) * L
+    before = torch.arange(b, device=x.device).unsqueeze(1) * t + chunk_start - 1   # flat token before each chunk
+    bad_enter = iso.state_bad_after(torch.where(chunk_start > 0, before, -1), seg_id[:, :1].expand(b, c))
+    h_enter = iso.poison_where(h_enter, bad_enter, enter_seg)
+    h_final = iso.poison_states(h_final, seg_id[:, -1])
+    return iso.poison_tokens(out[:, :t]), Chunked(a_cs=a_cs, seg=seg, enter_seg=enter_seg, h_enter=h_enter,
+                                                  h_final=h_final, chunk=L)

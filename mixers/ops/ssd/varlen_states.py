@@ -9,25 +9,61 @@ document is the chunk's last segment, from where state passing carries it on. It
 is (c) the entering state of its last chunk when it is that state's segment, plus (d) its own
 tokens inside that last chunk, plus (e) ``h0`` when it starts in that chunk. Each document only
 touches a run of at most ``L`` tokens, batched by length (:mod:`mixers.ops._grouped`).
+
+Each piece mixes documents (a NaN ``h0`` times a masked zero reaches its neighbours; times a
+decay it reaches the decay's gradient, hence every document of the chunk), so each is guarded
+(:mod:`.._isolation`): (b) by the scan's guard, which learns about ``h0`` through
+:class:`LeavingStates`; (a) and (c)-(e) by their own, which also reads the states entering the
+chunks (NaN where the scan found them non-finite). An empty document's final state is its
+initial state as given.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ssm_pack.segments import Segments
 
 from .._grouped import buckets, finish_document_states, initial_states_leaving_chunks
+from ssm_pack.segments import Segments
+
+from .._isolation import Isolation
 
 
-def initial_chunk_states(h0, segs: Segments, a_cs, seg_chunked, chunk: int) -> torch.Tensor:
-    """(b): ``[1, C, H, P, N]`` to add to the chunk states before state passing."""
-    decay = torch.exp(a_cs[0, :, -1, :])[:, :, None, None]                      # [C, H, 1, 1]
-    return initial_states_leaving_chunks(h0, segs, seg_chunked, decay, chunk)
+@dataclass
+class LeavingStates:
+    """(b), for the scan to guard: ``h0 [D, H, P, N]`` of documents ``owner [D]`` (segments)."""
+
+    h0: torch.Tensor
+    segs: Segments
+    a_cs: torch.Tensor
+    seg_chunked: torch.Tensor
+    chunk: int
+
+    @property
+    def owner(self) -> torch.Tensor:
+        return self.segs.doc_segment
+
+    def states(self, iso: Isolation) -> torch.Tensor:
+        """``[1, C, H, P, N]`` to add to the chunk states before state passing."""
+        decay = torch.exp(self.a_cs[0, :, -1, :])[:, :, None, None]             # [C, H, 1, 1]
+        h0 = iso.clean_states(self.h0, self.owner)
+        return initial_states_leaving_chunks(h0, self.segs, self.seg_chunked, decay, self.chunk)
+
+
+def initial_chunk_states(h0, segs: Segments, a_cs, seg_chunked, chunk: int) -> LeavingStates:
+    """(b), resolved by the scan (:func:`.reference.ssd_chunked_reference`) under its guard."""
+    return LeavingStates(h0, segs, a_cs, seg_chunked, chunk)
 
 
 def initial_outputs(h0, segs: Segments, a_cs_flat, c_flat, chunk: int, heads: int) -> torch.Tensor:
     """(a): ``[T, H, P]`` read of ``h0`` by each document's tokens inside its first chunk."""
+    iso = Isolation(segs.seg_id[0])
+    iso.scan(c_flat, reads=True)
+    iso.scan_states(h0, segs.doc_segment)
+    h0, c_flat = iso.clean_states(h0, segs.doc_segment), iso.clean(c_flat)
     docs, start, end, _ = segs.document_runs()
     count = torch.minimum(end - start, chunk - start % chunk)
     g, n = c_flat.shape[1:]
@@ -40,12 +76,21 @@ def initial_outputs(h0, segs: Segments, a_cs_flat, c_flat, chunk: int, heads: in
         w = torch.exp(a_cs_flat[bucket.index]).unsqueeze(-1)                      # [k, n, H, 1]
         y = torch.where(bucket.valid[:, :, None, None], y * w, 0.0)
         out = out.index_add(0, bucket.index.reshape(-1), y.reshape(-1, heads, p))
-    return out
+    return iso.poison_tokens(out)
 
 
 def final_states(h0, segs: Segments, a_cs_flat, xdt_flat, b_flat, h_enter, enter_seg, chunk: int,
                  num_docs: int) -> torch.Tensor:
     """(c) + (d) + (e): ``[D, H, P, N]`` state after every document's last token."""
+    raw_h0 = h0
+    iso = Isolation(segs.seg_id[0])
+    iso.scan(xdt_flat)
+    iso.scan(b_flat)
+    iso.scan_states(h0, segs.doc_segment)
+    iso.scan_states(h_enter[0], enter_seg[0])
+    xdt_flat, b_flat = iso.clean(xdt_flat), iso.clean(b_flat)
+    h0 = iso.clean_states(h0, segs.doc_segment)
+    h_enter = iso.clean_states(h_enter[0], enter_seg[0]).unsqueeze(0)
     docs, start, end, seg = segs.document_runs()
     heads, p = xdt_flat.shape[1:]
     g, n = b_flat.shape[1:]
@@ -61,5 +106,9 @@ def final_states(h0, segs: Segments, a_cs_flat, xdt_flat, b_flat, h_enter, enter
         xw = xw.reshape(*bucket.index.shape, g, r, p).permute(0, 2, 3, 4, 1)      # [k, g, r, p, m]
         bg = b_flat[bucket.index].permute(0, 2, 1, 3).unsqueeze(2)                # [k, g, 1, m, N]
         own = own.index_copy(0, bucket.ids, (xw @ bg).reshape(-1, heads, p, n))
-    return finish_document_states(own, torch.exp(a_end)[:, :, None, None], h_enter, enter_seg, seg, start,
-                                  last_chunk, chunk, h0, docs, num_docs)
+    final = finish_document_states(own, torch.exp(a_end)[:, :, None, None], h_enter, enter_seg, seg, start,
+                                   last_chunk, chunk, h0, docs, num_docs)
+    final = iso.poison_states(final, segs.doc_segment)
+    if raw_h0 is not None:                           # an empty document keeps its initial state as given
+        final = torch.where((segs.doc_segment < 0).reshape(-1, 1, 1, 1), raw_h0.to(final.dtype), final)
+    return final
