@@ -23,8 +23,8 @@ import torch
 
 from ssm_pack.segments import Segments
 
-from ..chunks import suffix_sums
 from .._grouped import buckets, finish_document_states, initial_states_leaving_chunks
+from ..chunks import suffix_sums
 
 
 def _token_major(t: torch.Tensor) -> torch.Tensor:

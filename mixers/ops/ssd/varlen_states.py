@@ -27,8 +27,6 @@ import torch
 from ssm_pack.segments import Segments
 
 from .._grouped import buckets, finish_document_states, initial_states_leaving_chunks
-from ssm_pack.segments import Segments
-
 from .._isolation import Isolation
 
 
