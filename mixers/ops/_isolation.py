@@ -36,6 +36,11 @@ every function that mixes documents is guarded at its boundary, which closes the
    of the recurrence with the non-finite entries held constant: finite, and exact for the tokens
    before them.
 
+Under ``torch.compile`` (while tracing) the guard is off: detection reads tensor values, which a
+graph cannot, so compiled references do not isolate non-finite values (the eager references and
+the upstream kernels do). Compile a model whose inputs can be non-finite only if a NaN reaching
+other documents of the row is acceptable.
+
 Not covered: values that become non-finite *inside* a document from finite inputs (overflow,
 e.g. an unstable delta rule with ``beta * |k|^2 > 2`` growing past the dtype's range) can still
 reach other documents that share a chunk with it; they are a property of the inputs, not a NaN
@@ -146,6 +151,7 @@ class Isolation:
 
     def __init__(self, seg: torch.Tensor):
         self.seg = seg
+        self.enabled = not torch.compiler.is_compiling()      # see the module docstring
         self.active = False
         self.hot: torch.Tensor | None = None
         self._reads = self._writes = None
@@ -163,7 +169,7 @@ class Isolation:
         """Record the tokens where ``t`` (``[*seg.shape, ...]``) is non-finite. ``reads``: a value
         read at its own token only (q, C, z); else it enters the state (k, v, beta, g, x, dt, B).
         ``gate``: a log-decay, where ``-inf`` is allowed (a reset)."""
-        if t is None or t.numel() == 0:
+        if not self.enabled or t is None or t.numel() == 0:
             return
         bad = self._token_bad(t, gate)
         if bad is None:
@@ -177,7 +183,7 @@ class Isolation:
     def scan_states(self, s: torch.Tensor | None, owner: torch.Tensor) -> None:
         """Record non-finite initial states ``s [n, ...]`` of segments ``owner [n]`` (-1: a state
         no token reads, e.g. of an empty document; it is still sanitized)."""
-        if s is None or s.numel() == 0 or bool(torch.isfinite(s.sum())):
+        if not self.enabled or s is None or s.numel() == 0 or bool(torch.isfinite(s.sum())):
             return
         bad = ~torch.isfinite(s).reshape(s.shape[0], -1).all(-1)
         if bool(bad.any()):
@@ -187,7 +193,7 @@ class Isolation:
     # ---- sanitizing -----------------------------------------------------------------------
     def clean(self, t: torch.Tensor | None, *, gate: bool = False, owner: torch.Tensor | None = None):
         """``t`` with its non-finite entries (``+-inf``/NaN; ``+inf``/NaN for a ``gate``) set to 0."""
-        if t is None:
+        if t is None or not self.enabled:
             return t
         return _Clean.apply(t, self.seg if owner is None else owner, self, gate)
 
@@ -197,7 +203,7 @@ class Isolation:
 
     def shared(self, p: torch.Tensor | None):
         """A parameter every document shares: unchanged, NaN gradient when any segment is hot."""
-        if p is None:
+        if p is None or not self.enabled:
             return p
         return _Shared.apply(p, self)
 
@@ -241,6 +247,8 @@ class Isolation:
         with a hook that drops non-finite cotangents (a node here would be a view of ``y``,
         which autograd forbids modifying in place; a node or a hook on the output side is
         transparent to the order in which gradients are summed)."""
+        if not self.enabled:
+            return y
         if bad is not None:
             return _Poison.apply(y, bad, owner, self)
         if y.requires_grad:
