@@ -129,12 +129,6 @@ def _segments(x, seq_idx, varlen) -> Segments:
 
 def _choose(x, weight, initial_states, init_per_doc, backend, seq_idx) -> str:
     """``"causal_conv1d"`` (CUDA kernel), else ``"fla_conv"`` (Triton kernel), else ``"reference"``."""
-    dispatch.check_backend(backend)
-    on_cuda = dispatch.is_cuda(x)
-    if backend == "reference" or (backend == "auto" and not on_cuda):
-        return "reference"
-    if not on_cuda:
-        raise ValueError("causal_conv1d_fn: backend='kernel' needs CUDA tensors; use backend='reference' on CPU")
     features = ("seq_idx",) + (("initial_states_with_seq_idx",) if initial_states is not None else ())
 
     def causal_conv1d_state():
@@ -146,21 +140,7 @@ def _choose(x, weight, initial_states, init_per_doc, backend, seq_idx) -> str:
          "per-document initial states" if init_per_doc else unsupported_shape(x, weight), causal_conv1d_state),
         ("fla_conv", "fla's Triton conv", fla_kernel.unsupported(x), lambda: dispatch.cached_support("fla_conv")),
     )
-    reasons, cannot = [], 0
-    for name, label, missing, state in candidates:
-        if missing is not None:
-            reasons.append(f"{label} cannot do {missing}")
-            cannot += 1
-            continue
-        ok, reason = state()
-        if ok:
-            return name
-        reasons.append(f"{label}: {reason}")
-    if backend == "kernel":
-        error = ValueError if cannot == len(candidates) else RuntimeError
-        raise error(f"causal_conv1d_fn: backend='kernel' is unavailable ({'; '.join(reasons)}); "
-                    "use backend='reference' (or 'auto', which picks it)")
-    return "reference"
+    return dispatch.choose_kernel("causal_conv1d_fn", backend, on_cuda=dispatch.is_cuda(x), candidates=candidates)
 
 
 def _gather_final_states(x, seq_idx, varlen, segs, initial_states, init_per_doc, state_len, kernel):
