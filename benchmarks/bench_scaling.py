@@ -112,11 +112,15 @@ def memory_point(name: str, tokens: int) -> dict:
 
 
 def time_points(name: str, sizes: list[int], rounds: int) -> dict:
-    """Seconds of one forward + backward at each size, the sizes alternating round after round."""
+    """Seconds of one forward + backward at each size, the sizes alternating round after round.
+
+    In every round each size runs twice in a row and the second run is timed: the first puts the
+    allocator in that size's steady state (what a training loop at one size sees), which a step
+    of another size just before would otherwise disturb."""
     _, inputs = build(name)
     steps = {str(t): inputs(t) for t in sizes}
-    timings = alternate(steps, rounds=rounds, warmup=1)
-    return timings.rounds
+    timings = alternate(steps, rounds=rounds, warmup=0, untimed=1)
+    return {"rounds": timings.rounds, "others": timings.others}
 
 
 # ------------------------------------------------------------------------------- driver (subprocesses)
@@ -167,13 +171,14 @@ def run(sizes: list[int], rounds: int, names=None, log=print) -> dict:
     for name in names or NAMES:
         memory, skipped = measure_memory(name, sizes, log)
         fits = [t for t in sizes if t in memory]
-        rounds_s, why = _worker(["time", name, str(rounds), *map(str, fits)], timeout=3600) if fits else ({}, "")
-        if rounds_s is None:
+        got, why = _worker(["time", name, str(rounds), *map(str, fits)], timeout=3600) if fits else (None, "")
+        if got is None and fits:
             skipped.update({t: f"timing {why}" for t in fits})
-            rounds_s = {}
-        times = {int(k): v for k, v in rounds_s.items()}
+        got = got or {"rounds": {}, "others": {}}
+        times = {int(k): v for k, v in got["rounds"].items()}
+        others = {int(k): v for k, v in got["others"].items()}
         log(f"    {name}: " + ", ".join(f"T={t} {min(v) / t * 1e6:.1f} us/token" for t, v in times.items()))
-        data[name] = {"memory": memory, "time": times, "skipped": skipped}
+        data[name] = {"memory": memory, "time": times, "others": others, "skipped": skipped}
     return data
 
 
@@ -184,12 +189,14 @@ def results(data: dict) -> list[Result]:
     for name, d in data.items():
         times = d["time"]
         if small in times and large in times:
-            t = Timings({"small": times[small], "large": times[large]}).scaled({"small": 1 / small, "large": 1 / large})
+            raw = Timings({"small": times[small], "large": times[large]},
+                          {"small": d["others"][small], "large": d["others"][large]})
+            t = raw.scaled({"small": 1 / small, "large": 1 / large})
             ratios = t.ratios("large", "small")
             ratio = t.best("large") / t.best("small")
             out.append(Result("scaling", f"{name}: fwd+bwd per token, T={large:,} vs T={small:,}",
                               t.best("large") * 1e6, t.best("small") * 1e6, ratio, TIME_TARGET, False,
-                              unit="us/token", rounds=ratios,
+                              unit="us/token", rounds=ratios, load=raw.load(),
                               possible=Possible(small / large, None, f"T={large:,} does {large // small}x the work "
                                                 f"of T={small:,}: it cannot take less time")))
         else:

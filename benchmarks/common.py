@@ -15,6 +15,9 @@ How a figure is graded (the rules every ``bench_*.py`` follows):
      repeat is believed);
   2. it is physically impossible: outside the figure's ``possible`` interval, whose reason is
      printed next to it (e.g. forward + backward faster than the forward alone);
+  3. the machine was busy: other processes kept more than :data:`BUSY` cores busy on average
+     during its timed runs (:class:`LoadMeter`; on 2 cores a third thread stalls every parallel
+     region of ours, by up to 30x);
 
   and the benchmark reruns it (:func:`settle`, at most :data:`RETRIES` more times). Each figure
   keeps its first stable attempt; one still unstable after the reruns is reported as UNSTABLE
@@ -24,6 +27,8 @@ How a figure is graded (the rules every ``bench_*.py`` follows):
 from __future__ import annotations
 
 import gc
+import os
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -33,6 +38,7 @@ import torch
 
 BOUND = 0.15          # default: the median per-round ratio within 15% of the best ratio
 RETRIES = 2           # default: an UNSTABLE group is rerun at most twice
+BUSY = 0.3            # a measurement during which other processes kept > 0.3 cores busy is UNSTABLE
 
 
 def _sync():
@@ -62,11 +68,40 @@ def measure(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1, min_t
     return min(times)
 
 
+class LoadMeter:
+    """CPU time other processes use while we measure: ``/proc/stat``'s busy time of all CPUs minus
+    this process's own (and its waited-for children's) CPU time. Linux only; elsewhere 0."""
+
+    def __init__(self):
+        self.ok = os.path.exists("/proc/stat")
+        self.tick = os.sysconf("SC_CLK_TCK") if self.ok else 100
+
+    def _busy(self) -> float:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)          # idle + iowait
+        return (sum(fields[:8]) - idle) / self.tick
+
+    def snapshot(self) -> tuple[float, float]:
+        if not self.ok:
+            return 0.0, 0.0
+        own = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+                  for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        return self._busy(), own
+
+    @staticmethod
+    def others(before: tuple[float, float], after: tuple[float, float]) -> float:
+        """Other processes' CPU seconds between two snapshots (clock ticks: +-0.01 s)."""
+        return max(0.0, (after[0] - before[0]) - (after[1] - before[1]))
+
+
 @dataclass
 class Timings:
-    """Seconds of every round, per function (rounds alternate the functions)."""
+    """Seconds of every round, per function (rounds alternate the functions), and the CPU seconds
+    other processes used during each timed run (``others``)."""
 
     rounds: dict[str, list[float]]
+    others: dict[str, list[float]] = field(default_factory=dict)
 
     def best(self, name: str) -> float:
         return min(self.rounds[name])
@@ -78,26 +113,45 @@ class Timings:
         """Per-round ``num / den`` (the two ran back to back in each round)."""
         return [a / b for a, b in zip(self.rounds[num], self.rounds[den])]
 
+    def load(self, *names: str) -> float:
+        """Mean number of cores other processes kept busy during the timed runs of ``names``."""
+        names = names or tuple(self.rounds)
+        wall = sum(sum(self.rounds[n]) for n in names)
+        other = sum(sum(self.others.get(n, [])) for n in names)
+        return other / wall if wall > 0 else 0.0
+
     def scaled(self, factors: dict[str, float]) -> Timings:
-        """Every round of ``name`` multiplied by ``factors[name]`` (e.g. 1 / tokens: per token)."""
-        return Timings({k: [t * factors.get(k, 1.0) for t in v] for k, v in self.rounds.items()})
+        """Every round of ``name`` multiplied by ``factors[name]`` (e.g. 1 / tokens: per token); the
+        other processes' seconds scale with them, so :meth:`load` is unchanged."""
+        return Timings({k: [t * factors.get(k, 1.0) for t in v] for k, v in self.rounds.items()},
+                       {k: [t * factors.get(k, 1.0) for t in v] for k, v in self.others.items()})
 
 
-def alternate(fns: dict[str, Callable[[], object]], rounds: int = 3, warmup: int = 1) -> Timings:
-    """Every round runs each function once, in turn; returns every round's seconds per function."""
+def alternate(fns: dict[str, Callable[[], object]], rounds: int = 3, warmup: int = 1, untimed: int = 0) -> Timings:
+    """Every round runs each function once, in turn; returns every round's seconds per function.
+
+    ``untimed``: runs of each function right before its timed run, every round (to put the
+    allocator and caches in that function's steady state when the others disturb it)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     _sync()
+    meter = LoadMeter()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    others: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            for _ in range(untimed):
+                fn()
+            _sync()
             gc.collect()
+            before = meter.snapshot()
             start = time.perf_counter()
             fn()
             _sync()
             times[name].append(time.perf_counter() - start)
-    return Timings(times)
+            others[name].append(LoadMeter.others(before, meter.snapshot()))
+    return Timings(times, others)
 
 
 class BestTimes(dict):
@@ -190,6 +244,7 @@ class Result:
     bound: float | None = BOUND
     possible: Possible | None = None
     ratio_unit: str = "x"
+    load: float | None = None          # cores other processes kept busy while this was measured
     attempts: int = 1
     unstable: str | None = field(default=None, init=False)
 
@@ -209,6 +264,8 @@ class Result:
             bad = [v for v in values if self.possible.violated(v)]
             if bad:
                 return f"impossible: {bad[0]:.3g}{self.ratio_unit}, possible {self.possible.text()}"
+        if self.load is not None and self.load > BUSY:
+            return f"machine busy: other processes used {self.load:.2f} cores"
         if not self.rounds or len(self.rounds) < 2:
             return None
         med = self.median
@@ -229,7 +286,8 @@ class Result:
         if not self.rounds:
             return "(one measurement)"
         r = sorted(self.rounds)
-        return f"{r[0]:.2f} / {statistics.median(r):.2f} / {r[-1]:.2f} ({len(r)})"
+        load = "" if self.load is None else f", others {self.load:.2f} cores"
+        return f"{r[0]:.2f} / {statistics.median(r):.2f} / {r[-1]:.2f} ({len(r)}{load})"
 
     def stable_if(self) -> str:
         parts = []
@@ -237,6 +295,8 @@ class Result:
             parts.append(f"median within {self.bound:.0%} of best")
         if self.possible is not None:
             parts.append(self.possible.text())
+        if self.load is not None:
+            parts.append(f"others < {BUSY:g} cores")
         return "; ".join(parts) or "-"
 
     def row(self) -> list[str]:
@@ -282,7 +342,7 @@ def ratio_result(group: str, measure: str, timings: Timings, ours: str, other: s
     if rate is not None:
         shown_ours, shown_other, shown_unit = rate / best_ours, rate / best_other, unit or "/s"
     return Result(group, measure, shown_ours, shown_other, ratio, target, higher_is_better, shown_unit, note,
-                  rounds=rounds, bound=bound, possible=possible)
+                  rounds=rounds, bound=bound, possible=possible, load=timings.load(ours, other))
 
 
 def settle(run: Callable[[], list[Result]], *, retries: int = RETRIES, log: Callable[[str], None] | None = None

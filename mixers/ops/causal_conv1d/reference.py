@@ -95,6 +95,16 @@ def _pre_activation(x_tok, weight, bias, slots, rows, valid):
     return pre_ext, tokens
 
 
+def _row_blocks(rows: int, width: int, elements: int = 1 << 18):
+    """Row ranges of about ``elements`` elements (one range while compiling: the compiler fuses)."""
+    if torch.compiler.is_compiling():
+        yield 0, rows
+        return
+    step = max(1, elements // max(width, 1))
+    for r0 in range(0, rows, step):
+        yield r0, min(r0 + step, rows)
+
+
 class VarlenConv(torch.autograd.Function):
     """``out [N, D] = act(conv(x_tok))`` with each segment's first J outputs from its own window.
 
@@ -132,10 +142,11 @@ class VarlenConv(torch.autograd.Function):
         n, dim = x_tok.shape
         state_len = weight.shape[1] - 1
         if ctx.silu:                               # d silu(p) = sig (1 + p (1 - sig)), p recomputed
-            pre = _pre_activation(x_tok, weight, bias, slots, rows, valid)[0][:n]
-            sig = torch.sigmoid(pre)
-            g_pre = torch.rsub(sig, 1).mul_(pre).add_(1).mul_(sig).mul_(grad)
-            del pre, sig
+            g_pre = _pre_activation(x_tok, weight, bias, slots, rows, valid)[0][:n]
+            for r0, r1 in _row_blocks(n, dim):     # in place, block by block: no full-size temporary
+                pre = g_pre[r0:r1]
+                sig = torch.sigmoid(pre)
+                pre.mul_(torch.rsub(sig, 1)).add_(1).mul_(sig).mul_(grad[r0:r1])
         else:
             g_pre = grad.clone()
         if pad_mask is not None:

@@ -137,7 +137,7 @@ class SSDChunkScan(torch.autograd.Function):
             out[q0:q1] += _cols_to_heads(cg @ _state_to_cols(hq[q0:q1], g), h).mul_(w_off.unsqueeze(-1))
         out = out.reshape(b, t, h, p)
         if D is not None:
-            out.add_(x * (D.unsqueeze(-1) if D.dim() == 1 else D))
+            out.addcmul_(x, D.unsqueeze(-1) if D.dim() == 1 else D)
         pre_gate = None
         if z is not None:
             pre_gate = out
