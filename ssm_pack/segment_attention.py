@@ -53,7 +53,12 @@ def _reach(span: int, limit: int, block: int) -> int:
 
 
 def _finite(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(t with non-finite entries set to 0, [T] bool: the token has a non-finite entry)``."""
+    """``(t with non-finite entries set to 0, [T] bool: the token has a non-finite entry)``.
+
+    One ``sum`` first (no allocation): when it is finite, so is every entry, and ``t`` itself is
+    returned. Not while compiling (a graph cannot branch on a value; the compiler fuses the mask)."""
+    if not torch.compiler.is_compiling() and bool(torch.isfinite(t.sum())):
+        return t, torch.zeros(t.shape[0], dtype=torch.bool, device=t.device)
     ok = torch.isfinite(t)
     return torch.where(ok, t, torch.zeros((), dtype=t.dtype, device=t.device)), ~ok.flatten(1).all(1)
 

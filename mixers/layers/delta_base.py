@@ -12,10 +12,9 @@ only the op call inside ``_scan`` differs, and the op chooses the backend.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ._init import inverse_softplus_dt
+from ._init import decay_gate, inverse_softplus_dt
 from .base import SHORT_CONV, MixerBase
 from .delta_cache import DeltaCached
 from .norm import GatedRMSNorm, upcast
@@ -79,7 +78,7 @@ class ScalarGateMixer(DeltaMixerBase):
         self.o_norm = GatedRMSNorm(c.head_v_dim, c.norm_eps, "swish")
 
     def _gate(self, x):
-        return -torch.exp(upcast(self.A_log)) * F.softplus(upcast(self.a_proj(x)) + self.dt_bias)
+        return decay_gate(upcast(self.a_proj(x)) + self.dt_bias, upcast(self.A_log))
 
     def _output_gate(self, x):
         return self.g_proj(x)

@@ -6,11 +6,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..ops import chunk_kda
-from ._init import inverse_softplus_dt
+from ._init import decay_gate, inverse_softplus_dt
 from .config import KDAConfig
 from .delta_base import DeltaMixerBase
 from .norm import GatedRMSNorm, upcast
@@ -40,7 +39,7 @@ class KDAMixer(DeltaMixerBase):
     def _gate(self, x):
         c = self.config
         raw = (upcast(self.f_proj(x)) + self.dt_bias).reshape(*x.shape[:2], c.num_v_heads, c.head_dim)
-        return -torch.exp(upcast(self.A_log))[:, None] * F.softplus(raw)
+        return decay_gate(raw, upcast(self.A_log)[:, None])
 
     def _output_gate(self, x):
         return self.g_proj(x)

@@ -11,6 +11,7 @@ through ``seq_idx``; gated RMS norm ``rmsnorm(y * silu(z))`` per group; out_proj
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..ops import mamba_chunk_scan_combined
@@ -58,8 +59,11 @@ class Mamba2Mixer(Mamba2Cached, MixerBase):
         c = self.config
         varlen = self.varlen(hidden_states, packed_seq_params)
         b, t, _ = hidden_states.shape
-        zxbcdt = self.in_proj(hidden_states)
-        z, xbc, dt = torch.split(zxbcdt, [c.d_inner, c.d_inner + 2 * c.num_groups * c.state_size, c.num_heads], -1)
+        # in_proj as three products (its weight's row blocks): each part is its own contiguous tensor, so
+        # the conv reads x B C without a copy and no [T, in_proj] gradient is assembled in backward
+        parts = torch.split(self.in_proj.weight, [c.d_inner, c.d_inner + 2 * c.num_groups * c.state_size,
+                                                  c.num_heads], 0)
+        z, xbc, dt = (F.linear(hidden_states, w) for w in parts)
         xbc = self.conv(xbc, varlen)
         x, B, C = torch.split(xbc, [c.d_inner, c.num_groups * c.state_size, c.num_groups * c.state_size], -1)
         y = mamba_chunk_scan_combined(

@@ -1,6 +1,12 @@
 """RMS norms of the mixers (computed in fp32, returned in the input dtype).
 
-    ... = any leading dims, D = normalised dim
+    ... = any leading dims, D = normalised dim, G = groups of ``group_size`` channels
+
+Both norms are one autograd function each that keeps only its inputs and the per-group
+``1 / rms`` for backward, and recomputes the rest there: autograd through the elementwise
+steps would keep four or five full-size intermediates per norm (the activated gate, the gated
+input, the normalised values, the weighted ones), several KB per token in a layer. Both passes
+run over blocks of rows, so no temporary is larger than a few MB.
 """
 
 from __future__ import annotations
@@ -23,6 +29,124 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
+_BLOCK_ELEMENTS = 1 << 18       # rows per step of the loops below: ~1 MB of fp32 temporaries
+
+
+def _row_blocks(rows: int, width: int):
+    """Row ranges of about :data:`_BLOCK_ELEMENTS` elements (one range while compiling: the
+    compiler fuses the elementwise steps, so there is nothing to bound)."""
+    if torch.compiler.is_compiling():
+        yield 0, rows
+        return
+    step = max(1, _BLOCK_ELEMENTS // max(width, 1))
+    for r0 in range(0, rows, step):
+        yield r0, min(r0 + step, rows)
+
+
+def _act_and_grad(gate: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(act(gate), act'(gate))``."""
+    sig = torch.sigmoid(gate)
+    if activation == "sigmoid":
+        return sig, sig * (1 - sig)
+    return gate * sig, torch.rsub(sig, 1).mul_(gate).add_(1).mul_(sig)
+
+
+def _normalize_backward(g_hat: torch.Tensor, hat: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``hat = y * rstd`` (``rstd = 1 / rms(y)`` over the last dim) w.r.t. ``y``
+    (``g_hat`` is overwritten)."""
+    mean = (g_hat * hat).mean(-1, keepdim=True)
+    return g_hat.sub_(hat * mean).mul_(rstd)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """``rmsnorm(x) * weight`` over the last dim; keeps ``x``, ``weight`` and ``1 / rms``.
+
+    Both passes run over blocks of rows, so their temporaries stay small (a few MB) at any T."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x2 = x.reshape(-1, x.shape[-1])
+        w = upcast(weight)
+        out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        rstd = torch.empty(x2.shape[0], 1, dtype=w.dtype, device=x.device)
+        for r0, r1 in _row_blocks(*x2.shape):
+            xf = upcast(x2[r0:r1])
+            r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+            rstd[r0:r1] = r
+            out[r0:r1] = xf * r * w
+        ctx.save_for_backward(x, weight, rstd)
+        return out.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, x.shape[-1])
+        w = upcast(weight)
+        g_x = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        g_w = torch.zeros_like(w)
+        for r0, r1 in _row_blocks(*x2.shape):
+            hat = upcast(x2[r0:r1]) * rstd[r0:r1]
+            g = upcast(g2[r0:r1])
+            g_w += (g * hat).sum(0)
+            g_x[r0:r1] = _normalize_backward(g * w, hat, rstd[r0:r1])
+        return g_x.reshape(x.shape), g_w.to(weight.dtype), None
+
+
+class _GatedRMSNormFn(torch.autograd.Function):
+    """:class:`GatedRMSNorm`'s math; keeps ``x``, ``gate``, ``weight`` and the per-group ``1 / rms``.
+
+    Both passes run over blocks of rows (the leading dims flattened), so their temporaries stay
+    small (a few MB) at any T."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps, group_size, activation, norm_before_gate):
+        dim = x.shape[-1]
+        x2, gate2, w = x.reshape(-1, dim), gate.reshape(-1, dim), upcast(weight)
+        out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        rstd = torch.empty(x2.shape[0], dim // group_size, 1, dtype=w.dtype, device=x.device)
+        for r0, r1 in _row_blocks(*x2.shape):
+            xf, gf = upcast(x2[r0:r1]), upcast(gate2[r0:r1])
+            act = _ACTIVATIONS[activation](gf)
+            y = (xf if norm_before_gate else xf * act).reshape(r1 - r0, -1, group_size)
+            r = torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)              # [rows, G, 1]
+            rstd[r0:r1] = r
+            o = (y * r).reshape(r1 - r0, dim) * w
+            out[r0:r1] = o * act if norm_before_gate else o
+        ctx.save_for_backward(x, gate, weight, rstd)
+        ctx.meta = (group_size, activation, norm_before_gate)
+        return out.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, gate, weight, rstd = ctx.saved_tensors
+        group_size, activation, norm_before_gate = ctx.meta
+        dim = x.shape[-1]
+        x2, gate2, g2, w = x.reshape(-1, dim), gate.reshape(-1, dim), grad.reshape(-1, dim), upcast(weight)
+        g_x = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        g_gate = torch.empty(gate2.shape, dtype=gate.dtype, device=x.device)
+        g_w = torch.zeros_like(w)
+        for r0, r1 in _row_blocks(*x2.shape):
+            rows = r1 - r0
+            xf, gf, g = upcast(x2[r0:r1]), upcast(gate2[r0:r1]), upcast(g2[r0:r1])
+            act, d_act = _act_and_grad(gf, activation)
+            y = xf if norm_before_gate else xf * act
+            r = rstd[r0:r1]
+            hat = (y.reshape(rows, -1, group_size) * r).reshape(rows, dim)
+            if norm_before_gate:                   # out = hat * w * act
+                g_gate[r0:r1] = g * hat * w * d_act
+                g = g * act
+            g_w += (g * hat).sum(0)                # out = hat * w, hat = rmsnorm(x * act) (mamba)
+            g_y = _normalize_backward((g * w).reshape(rows, -1, group_size), hat.reshape(rows, -1, group_size),
+                                      r).reshape(rows, dim)
+            if norm_before_gate:
+                g_x[r0:r1] = g_y
+            else:
+                g_gate[r0:r1] = g_y * xf * d_act
+                g_x[r0:r1] = g_y.mul_(act)
+        return (g_x.reshape(x.shape), g_gate.reshape(gate.shape), g_w.to(weight.dtype), None, None, None,
+                None)
+
+
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight`` over the last dim ``D``."""
 
@@ -32,7 +156,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (_rms(upcast(x), self.eps) * upcast(self.weight)).to(x.dtype)
+        return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -56,12 +180,5 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        act = _ACTIVATIONS[self.activation]
-        y, g = upcast(x), upcast(gate)
-        if not self.norm_before_gate:
-            y = y * act(g)
-        shape = y.shape
-        y = _rms(y.reshape(*shape[:-1], -1, self.group_size), self.eps).reshape(shape) * upcast(self.weight)
-        if self.norm_before_gate:
-            y = y * act(g)
-        return y.to(x.dtype)
+        return _GatedRMSNormFn.apply(x, gate, self.weight, self.eps, self.group_size, self.activation,
+                                     self.norm_before_gate)

@@ -83,6 +83,28 @@ def _edge_backward(g_edge, tokens, slots, weight):
     return g_window[:, state_len:], g_taps.t(), g_window[:, :state_len]
 
 
+def _pre_activation(x_tok, weight, bias, slots, rows, valid):
+    """``([N + 1, D] conv output with every segment's first J rows overwritten (row N: spare),
+    [S, J, D] the tokens those rows read)``."""
+    n, dim = x_tok.shape
+    pre_ext = conv_causal(x_tok, weight, bias, spare=min(1, weight.shape[1] - 1))   # [N + 1, D] (J > 0)
+    tokens = x_tok.index_select(0, rows.reshape(-1)).reshape(*rows.shape, dim)  # [S, J, D]
+    edge = _edge_outputs(tokens, slots, weight, bias)
+    target = torch.where(valid, rows, n).reshape(-1)                          # invalid -> spare row N
+    pre_ext.index_copy_(0, target, edge.reshape(-1, dim))
+    return pre_ext, tokens
+
+
+def _row_blocks(rows: int, width: int, elements: int = 1 << 18):
+    """Row ranges of about ``elements`` elements (one range while compiling: the compiler fuses)."""
+    if torch.compiler.is_compiling():
+        yield 0, rows
+        return
+    step = max(1, elements // max(width, 1))
+    for r0 in range(0, rows, step):
+        yield r0, min(r0 + step, rows)
+
+
 class VarlenConv(torch.autograd.Function):
     """``out [N, D] = act(conv(x_tok))`` with each segment's first J outputs from its own window.
 
@@ -90,23 +112,22 @@ class VarlenConv(torch.autograd.Function):
     ``index_copy_``: rows of outputs that do not exist (a segment shorter than J) are sent to
     the spare row N of the convolution's output, so no index depends on the values (no
     data-dependent shape: the function traces under ``torch.compile``).
+
+    Backward keeps only the input (``x_tok`` as given, a strided view included: no copy of it
+    is made) and recomputes the pre-activation, one more depthwise convolution, instead of
+    keeping a second ``[N, D]`` tensor per convolution.
     """
 
     @staticmethod
     def forward(ctx, x_tok, weight, bias, slots, rows, valid, pad_mask, silu):
-        n, dim = x_tok.shape
-        pre_ext = conv_causal(x_tok, weight, bias, spare=min(1, weight.shape[1] - 1))   # [N + 1, D] (J > 0)
-        tokens = x_tok.index_select(0, rows.reshape(-1)).reshape(*rows.shape, dim)  # [S, J, D]
-        edge = _edge_outputs(tokens, slots, weight, bias)
-        target = torch.where(valid, rows, n).reshape(-1)                          # invalid -> spare row N
-        pre_ext.index_copy_(0, target, edge.reshape(-1, dim))
-        pre = pre_ext[:n]
-        need_grad = any(ctx.needs_input_grad[:4])
-        out = F.silu(pre, inplace=not need_grad) if silu else pre
+        n = x_tok.shape[0]
+        pre_ext, tokens = _pre_activation(x_tok, weight, bias, slots, rows, valid)
+        out = pre_ext[:n]
+        if silu:
+            F.silu(out, inplace=True)
         if pad_mask is not None:
             out = out.masked_fill(pad_mask.unsqueeze(1), 0.0)
-        ctx.save_for_backward(x_tok, weight, slots, rows, valid, pad_mask, pre if (silu and need_grad) else None,
-                              tokens)
+        ctx.save_for_backward(x_tok, weight, bias, slots, rows, valid, pad_mask, tokens)
         ctx.silu, ctx.has_bias = silu, bias is not None
         return out
 
@@ -117,22 +138,25 @@ class VarlenConv(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad):
-        x_tok, weight, slots, rows, valid, pad_mask, pre, tokens = ctx.saved_tensors
+        x_tok, weight, bias, slots, rows, valid, pad_mask, tokens = ctx.saved_tensors
         n, dim = x_tok.shape
         state_len = weight.shape[1] - 1
-        if ctx.silu:
-            sig = torch.sigmoid(pre)
-            g_pre = grad * sig * (1 + pre * (1 - sig))
+        if ctx.silu:                               # d silu(p) = sig (1 + p (1 - sig)), p recomputed
+            g_pre = _pre_activation(x_tok, weight, bias, slots, rows, valid)[0][:n]
+            for r0, r1 in _row_blocks(n, dim):     # in place, block by block: no full-size temporary
+                pre = g_pre[r0:r1]
+                sig = torch.sigmoid(pre)
+                pre.mul_(torch.rsub(sig, 1)).add_(1).mul_(sig).mul_(grad[r0:r1])
         else:
             g_pre = grad.clone()
         if pad_mask is not None:
-            g_pre = g_pre.masked_fill(pad_mask.unsqueeze(1), 0.0)
+            g_pre.masked_fill_(pad_mask.unsqueeze(1), 0.0)
         g_bias = g_pre.sum(0) if ctx.has_bias else None
         g_edge = torch.where(valid.unsqueeze(-1), g_pre.index_select(0, rows.reshape(-1)).reshape(*rows.shape, dim),
                              0.0)
         overwritten = torch.zeros(n + 1, dtype=torch.bool, device=x_tok.device)
         overwritten.index_fill_(0, torch.where(valid, rows, n).reshape(-1), True)
-        g_pre = g_pre.masked_fill(overwritten[:n].unsqueeze(1), 0.0)   # overwritten: no gradient through the plain conv
+        g_pre.masked_fill_(overwritten[:n].unsqueeze(1), 0.0)   # overwritten: no gradient through the plain conv
         g_x = conv_anticausal(g_pre, weight)                                      # [N, D]
         g_w = weight_grad(g_pre, x_tok, state_len + 1, offset=state_len)
         g_slots = None
@@ -162,7 +186,7 @@ def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     batch, dim, length = x.shape
     state_len = weight.shape[1] - 1
     compute = compute_dtype(x.dtype)
-    x_tok = x.to(compute).transpose(1, 2).reshape(batch * length, dim).contiguous()   # [N, D]
+    x_tok = x.to(compute).transpose(1, 2).reshape(batch * length, dim)     # [N, D] (a view when channel-last)
     rows, valid = edge_layout(segs, state_len)
     slots = None
     if initial_slots is not None and state_len:

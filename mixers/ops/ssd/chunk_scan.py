@@ -131,26 +131,20 @@ class SSDChunkScan(torch.autograd.Function):
         decay = torch.exp(a.reshape(b, c, L, h)[:, :, -1])                       # [B, C, H]
         h_enter, h_final = _pass_states(u, decay, keep_state, h0)
         hq = h_enter.reshape(q, h, p, n)
-        # the entering-state read is kept for backward (it gives the gradient of its decay)
-        y_off = torch.empty_like(out) if any(ctx.needs_input_grad) else None
         for q0, q1 in _blocks(q, h * L * L):
             cg = _group_major(cq[q0:q1])
             w_off = read_weights(aq[q0:q1], readf[q0:q1])
-            read = _cols_to_heads(cg @ _state_to_cols(hq[q0:q1], g), h).mul_(w_off.unsqueeze(-1))
-            out[q0:q1] += read
-            if y_off is not None:
-                y_off[q0:q1] = read
+            out[q0:q1] += _cols_to_heads(cg @ _state_to_cols(hq[q0:q1], g), h).mul_(w_off.unsqueeze(-1))
         out = out.reshape(b, t, h, p)
         if D is not None:
-            out.add_(x * (D.unsqueeze(-1) if D.dim() == 1 else D))
+            out.addcmul_(x, D.unsqueeze(-1) if D.dim() == 1 else D)
         pre_gate = None
         if z is not None:
             pre_gate = out
             out = out * F.silu(z)
         # h_final is returned to the caller, who may modify it in place: keep only its shape
         ctx.final_shape = h_final.shape
-        ctx.save_for_backward(x, dt, a, Bm, Cm, keep, last, reads, keep_state, h_enter, D, z, pre_gate,
-                              y_off)
+        ctx.save_for_backward(x, dt, a, Bm, Cm, keep, last, reads, keep_state, h_enter, D, z, pre_gate)
         ctx.chunk = chunk
         return out, h_enter, h_final
 

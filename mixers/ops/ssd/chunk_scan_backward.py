@@ -22,20 +22,13 @@ from .chunk_scan import (
 )
 
 
-def _gate(g_out, x, D, z, pre_gate):
-    """Gradients through ``out = (y + D x) * silu(z)``: returns ``(g_y, g_x, g_D, g_z)``."""
-    g_z = None
-    if z is not None:
-        sig = torch.sigmoid(z)
-        g_z = g_out * pre_gate * sig * (1 + z * (1 - sig))
-        g_out = g_out * (z * sig)
-    g_x = g_D = None
-    if D is not None:
-        Dv = D.unsqueeze(-1) if D.dim() == 1 else D
-        g_x = g_out * Dv
-        g_D = (g_out * x).sum((0, 1))
-        g_D = g_D.sum(-1) if D.dim() == 1 else g_D
-    return g_out.contiguous(), g_x, g_D, g_z
+def _gate(g_out, z, pre_gate):
+    """Gradients through ``out = pre_gate * silu(z)``: returns ``(g_pre_gate, g_z)``."""
+    if z is None:
+        return g_out.contiguous(), None
+    sig = torch.sigmoid(z)
+    g_z = g_out * pre_gate * sig * (1 + z * (1 - sig))
+    return (g_out * (z * sig)).contiguous(), g_z
 
 
 def _unpass_states(g_enter, g_final, h_enter, decay, keep_state):
@@ -53,7 +46,7 @@ def _unpass_states(g_enter, g_final, h_enter, decay, keep_state):
 
 
 def chunk_scan_backward(ctx, g_out, g_enter, g_final):
-    (x, dt, a, Bm, Cm, keep, last, reads, keep_state, h_enter, D, z, pre_gate, y_off) = ctx.saved_tensors
+    (x, dt, a, Bm, Cm, keep, last, reads, keep_state, h_enter, D, z, pre_gate) = ctx.saved_tensors
     b, t, h, p = x.shape
     g, n = Bm.shape[2:]
     L = ctx.chunk
@@ -61,7 +54,7 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
     q = b * c
     if g_out is None:
         g_out = torch.zeros_like(x)
-    g_y, g_x_skip, g_D, g_z = _gate(g_out, x, D, z, pre_gate)
+    g_y, g_z = _gate(g_out, z, pre_gate)          # g_y: gradient of y + D x
     xq, dtq, aq = x.reshape(q, L, h, p), dt.reshape(q, L, h), a.reshape(q, L, h)
     bq, cq, gyq = Bm.reshape(q, L, g, n), Cm.reshape(q, L, g, n), g_y.reshape(q, L, h, p)
     keepf = keep.to(x.dtype).unsqueeze(1)
@@ -70,8 +63,7 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
     g_a = torch.zeros(q, L, h, dtype=x.dtype, device=x.device)
     g_B, g_C = torch.zeros_like(bq), torch.zeros_like(cq)
     g_h = torch.empty_like(hq)
-    y_offq = y_off.reshape(q, L, h, p)
-    # 1. the entering-state read y_off = w_off * (C . h_enter), with d y_off / d a = y_off
+    # 1. the entering-state read y_off = w_off * (C . h_enter), with d y_off / d a = y_off (recomputed)
     for q0, q1 in _blocks(q, h * L * L):
         cg = _group_major(cq[q0:q1])
         w_off = read_weights(aq[q0:q1], readf[q0:q1])
@@ -79,7 +71,8 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
         gw_cols = _heads_to_cols(gyq[q0:q1] * w_off.unsqueeze(-1), g)            # [K, G, L, R*P]
         g_h[q0:q1] = _cols_to_state(cg.transpose(-1, -2) @ gw_cols, h)
         g_C[q0:q1] += (gw_cols @ state_cols.transpose(-1, -2)).transpose(1, 2)
-        g_a[q0:q1] += (gyq[q0:q1] * y_offq[q0:q1]).sum(-1)
+        read = cg @ state_cols                                                  # [K, G, L, R*P]: C . h_enter
+        g_a[q0:q1] += _cols_to_heads(read.mul_(gw_cols), h).sum(-1)
     # 2. the state passing, backwards over chunks
     g_h = g_h.reshape(b, c, h, p, n)
     if g_enter is not None:
@@ -87,10 +80,13 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
     decay = torch.exp(a.reshape(b, c, L, h)[:, :, -1])
     g_final = x.new_zeros(ctx.final_shape) if g_final is None else g_final
     g_u, g_decay, g_h0 = _unpass_states(g_h, g_final, h_enter, decay, keep_state)
+    del g_h
     g_a.reshape(b, c, L, h)[:, :, -1] += g_decay * decay
     g_uq = g_u.reshape(q, h, p, n)
     # 3. chunk states and the intra-chunk term
     g_x, g_dt = torch.empty_like(xq), torch.empty_like(dtq)
+    Dv = None if D is None else (D.unsqueeze(-1) if D.dim() == 1 else D)        # [H, 1] or [H, P]
+    g_Dv = None if D is None else torch.zeros(h, p, dtype=x.dtype, device=x.device)
     bufs = None
     for q0, q1 in _blocks(q, h * L * L):
         k = q1 - q0
@@ -118,11 +114,13 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
         g_a[q0:q1] += (dsd.sum(-1) - dsd.sum(-2)).transpose(1, 2)
         g_C[q0:q1] += (dcb @ bg).transpose(1, 2)
         g_B[q0:q1] += (dcb.transpose(-1, -2) @ cg).transpose(1, 2)
-        g_x[q0:q1] = g_xdt * dtq[q0:q1].unsqueeze(-1)
         g_dt[q0:q1] = (g_xdt * xq[q0:q1]).sum(-1)
+        g_xb = torch.mul(g_xdt, dtq[q0:q1].unsqueeze(-1), out=g_x[q0:q1])
+        if D is not None:                        # the skip: out = y + D x
+            g_xb.addcmul_(gyq[q0:q1], Dv)
+            g_Dv += (gyq[q0:q1] * xq[q0:q1]).sum((0, 1))
     g_x = g_x.reshape(b, t, h, p)
-    if g_x_skip is not None:
-        g_x = g_x + g_x_skip
+    g_D = None if D is None else (g_Dv.sum(-1) if D.dim() == 1 else g_Dv)
     g_extra = g_u if ctx.needs_input_grad[10] else None
     return (g_x, g_dt.reshape(b, t, h), g_a.reshape(b, t, h), g_B.reshape(b, t, g, n), g_C.reshape(b, t, g, n),
             None, None, None, None, g_h0, g_extra, g_D, g_z, None)

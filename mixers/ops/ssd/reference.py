@@ -38,6 +38,21 @@ from .chunk_scan import SSDChunkScan
 from .varlen_states import LeavingStates
 
 
+class _SegmentSum(torch.autograd.Function):
+    """``keep [b, c, L, L] (bool) @ v [b, c, L, h]``: keeps the bool mask for backward, not a float
+    copy of it (autograd through the matmul would keep ``[T, L]`` floats)."""
+
+    @staticmethod
+    def forward(ctx, keep, v):
+        ctx.save_for_backward(keep)
+        return keep.to(v.dtype) @ v
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return None, keep.to(grad.dtype).transpose(-1, -2) @ grad
+
+
 @dataclass
 class Chunked:
     """Intermediates kept for per-document states."""
@@ -87,7 +102,7 @@ def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_sta
     seg = seg.reshape(b, c, L)
     keep = same_segment_causal(seg)                                              # [b, c, l, s]
     # 1. segmented cumulative log-decay (a masked matmul: never sums over another segment)
-    a_cs = keep.to(dt.dtype) @ (dt * A).reshape(b, c, L, h)                       # [b, c, L, h]
+    a_cs = _SegmentSum.apply(keep, (dt * A).reshape(b, c, L, h))                 # [b, c, L, h]
     # which tokens feed the chunk state, and which read the entering state
     enter_seg = entering_segments(seg)                                           # [b, c]
     reads = seg == enter_seg.unsqueeze(-1)                                        # [b, c, L]
@@ -99,9 +114,9 @@ def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_sta
     h0 = x.new_zeros(b, h, p, n) if initial_state is None else initial_state.to(x.dtype)
     # 2.-5. intra-chunk output, chunk states, state passing, entering-state read
     out, h_enter, h_final = SSDChunkScan.apply(
-        x.contiguous(), dt.contiguous(), a_cs.reshape(b, c * L, h), Bm.contiguous(), Cm.contiguous(),
+        x, dt.contiguous(), a_cs.reshape(b, c * L, h), Bm, Cm,
         keep.reshape(b * c, L, L), keep[:, :, -1, :].reshape(b * c, L), reads.reshape(b * c, L),
-        keep_state, h0, extra, D, None if z is None else z.contiguous(), L)
+        keep_state, h0, extra, D, z, L)
     # a state entering a chunk is non-finite when its segment's state was before the chunk
     chunk_start = torch.arange(c, device=x.device) * L
     before = torch.arange(b, device=x.device).unsqueeze(1) * t + chunk_start - 1   # flat token before each chunk

@@ -1,0 +1,291 @@
+"""Does the cost grow with the work? Forward + backward time and peak memory per token, T = 4k .. 128k.
+
+Every layer (Mamba2, GatedDeltaNet, KDA, GatedDeltaProduct, Attention) at hidden 128, fp32,
+packed rows of 64-token documents, and ``HybridLM("MGKPA")`` (hidden 128, vocabulary 256,
+documents of 16-127 tokens, next-token loss), on the reference path (CPU). Targets:
+
+* forward + backward time per token at T = 65,536 within 1.2x of T = 8,192, for every layer and
+  the model (the two sizes alternate in one process, round after round; graded on the fastest
+  round of each, with the spread of the per-round ratios);
+* peak extra memory of one forward + backward <= 12 KB per token per layer at T = 65,536
+  (measured in a fresh process per point as the peak resident set (``VmHWM``) above the resident
+  set before the step; the inputs, i.e. the hidden state and its output gradient, and the
+  parameters are in the baseline; a small warm-up step first loads every library).
+
+Sizes that would not fit this machine's memory (predicted from the smaller sizes' per-token peak)
+are skipped and said so. Writes ``scaling.png`` (time and memory per token against T).
+
+    python -m benchmarks.bench_scaling [--sizes 4096 8192 ...] [--rounds 3] [--only Mamba2 Attention]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import Possible, Result, Timings, alternate, results_table, table
+
+HIDDEN = 128
+SIZES = [4096, 8192, 16384, 32768, 65536, 131072]
+GRADED = (8192, 65536)                     # per-token time at the second within 1.2x of the first
+TIME_TARGET, MEMORY_TARGET_KB = 1.2, 12.0
+MODEL = "HybridLM(MGKPA)"
+NAMES = ["Mamba2", "GatedDeltaNet", "KDA", "GatedDeltaProduct", "Attention", MODEL]
+WARMUP_TOKENS = 1024
+KB = 1024
+
+
+# ------------------------------------------------------------------------------- one point (in-process)
+def document_lengths(name: str, tokens: int) -> list[int]:
+    """64-token documents for a layer; 16-127 tokens (seeded) for the model, the last one cut to fit."""
+    if name != MODEL:
+        return [64] * (tokens // 64) + ([tokens % 64] if tokens % 64 else [])
+    g = torch.Generator().manual_seed(0)
+    lengths, left = [], tokens
+    while left > 0:
+        n = min(left, int(torch.randint(16, 128, (1,), generator=g)))
+        lengths.append(n)
+        left -= n
+    return lengths
+
+
+def build(name: str):
+    """The module (seeded) and ``step(tokens) -> callable``: one forward + backward at ``tokens``."""
+    from benchmarks.bench_layers import LAYERS
+    from mixers import HybridLM
+    from ssm_pack import PackedSeqParams, VarlenBatch
+
+    torch.manual_seed(0)
+    module = HybridLM(256, HIDDEN, "MGKPA") if name == MODEL else LAYERS[name](HIDDEN)
+
+    def inputs(tokens: int):
+        params = VarlenBatch.build(PackedSeqParams.from_lengths(document_lengths(name, tokens)), tokens)
+        g = torch.Generator().manual_seed(1)
+        if name == MODEL:
+            ids = torch.randint(0, 256, (1, tokens), generator=g)
+
+            def step():
+                module(ids, packed_seq_params=params, labels=ids)["loss"].backward()
+                module.zero_grad(set_to_none=True)
+            return step
+        x0 = torch.randn(1, tokens, HIDDEN, generator=g)
+        g_out = torch.randn(1, tokens, HIDDEN, generator=g)
+
+        def step():
+            x = x0.detach().requires_grad_()
+            module(x, packed_seq_params=params).backward(g_out)
+            module.zero_grad(set_to_none=True)
+        return step
+    return module, inputs
+
+
+def _status_kb(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def memory_point(name: str, tokens: int) -> dict:
+    """Peak resident memory of one forward + backward above the resident set before it (this process)."""
+    _, inputs = build(name)
+    inputs(WARMUP_TOKENS)()                        # loads every library and code path once
+    step = inputs(tokens)
+    import gc
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to the current RSS
+        f.write("5")
+    base = _status_kb("VmRSS")
+    step()
+    peak = _status_kb("VmHWM")
+    return {"extra_kb": peak - base, "base_kb": base}
+
+
+def time_points(name: str, sizes: list[int], rounds: int) -> dict:
+    """Seconds of one forward + backward at each size, the sizes alternating round after round.
+
+    In every round each size runs twice in a row and the second run is timed: the first puts the
+    allocator in that size's steady state (what a training loop at one size sees), which a step
+    of another size just before would otherwise disturb."""
+    _, inputs = build(name)
+    steps = {str(t): inputs(t) for t in sizes}
+    timings = alternate(steps, rounds=rounds, warmup=0, untimed=1)
+    return {"rounds": timings.rounds, "others": timings.others}
+
+
+# ------------------------------------------------------------------------------- driver (subprocesses)
+def _worker(args: list[str], timeout: float) -> tuple[dict | None, str]:
+    env = dict(os.environ)
+    cmd = [sys.executable, "-m", "benchmarks.bench_scaling", "--worker", *args]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f} s"
+    if out.returncode != 0:
+        tail = (out.stderr.strip().splitlines() or ["?"])[-1]
+        why = "killed (out of memory?)" if out.returncode in (-9, 137) else f"failed: {tail}"
+        return None, why
+    return json.loads(out.stdout.strip().splitlines()[-1]), ""
+
+
+def available_kb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable"):
+                return int(line.split()[1])
+    return 0
+
+
+def measure_memory(name: str, sizes: list[int], log) -> tuple[dict[int, float], dict[int, str]]:
+    """KB/token at each size that fits; ``skipped[size]`` says why a size was not run."""
+    per_token, skipped = {}, {}
+    for tokens in sizes:
+        if per_token:
+            largest = max(per_token)
+            need = per_token[largest] * tokens * 1.15 + 2 * tokens * HIDDEN * 4 / KB + 600 * KB
+            if need > 0.85 * available_kb():
+                skipped[tokens] = f"needs ~{need / KB ** 2:.1f} GB, {available_kb() / KB ** 2:.1f} GB available"
+                continue
+        point, why = _worker(["memory", name, str(tokens)], timeout=1800)
+        if point is None:
+            skipped[tokens] = why
+            continue
+        per_token[tokens] = point["extra_kb"] / tokens
+        log(f"    {name} T={tokens}: {per_token[tokens]:.2f} KB/token")
+    return per_token, skipped
+
+
+def run(sizes: list[int], rounds: int, names=None, log=print) -> dict:
+    """Every point of every curve: ``{name: {"memory": {T: KB/token}, "time": {T: [s...]}, "skipped"}}``."""
+    data = {}
+    for name in names or NAMES:
+        memory, skipped = measure_memory(name, sizes, log)
+        fits = [t for t in sizes if t in memory]
+        got, why = _worker(["time", name, str(rounds), *map(str, fits)], timeout=3600) if fits else (None, "")
+        if got is None and fits:
+            skipped.update({t: f"timing {why}" for t in fits})
+        got = got or {"rounds": {}, "others": {}}
+        times = {int(k): v for k, v in got["rounds"].items()}
+        others = {int(k): v for k, v in got["others"].items()}
+        log(f"    {name}: " + ", ".join(f"T={t} {min(v) / t * 1e6:.1f} us/token" for t, v in times.items()))
+        data[name] = {"memory": memory, "time": times, "others": others, "skipped": skipped}
+    return data
+
+
+def results(data: dict) -> list[Result]:
+    """The graded figures: per-token time 64k vs 8k, and KB/token at 64k (layers)."""
+    small, large = GRADED
+    out = []
+    for name, d in data.items():
+        times = d["time"]
+        if small in times and large in times:
+            raw = Timings({"small": times[small], "large": times[large]},
+                          {"small": d["others"][small], "large": d["others"][large]})
+            t = raw.scaled({"small": 1 / small, "large": 1 / large})
+            ratios = t.ratios("large", "small")
+            ratio = t.best("large") / t.best("small")
+            out.append(Result("scaling", f"{name}: fwd+bwd per token, T={large:,} vs T={small:,}",
+                              t.best("large") * 1e6, t.best("small") * 1e6, ratio, TIME_TARGET, False,
+                              unit="us/token", rounds=ratios, load=raw.load(),
+                              possible=Possible(small / large, None, f"T={large:,} does {large // small}x the work "
+                                                f"of T={small:,}: it cannot take less time")))
+        else:
+            out.append(Result("scaling", f"{name}: fwd+bwd per token, T={large:,} vs T={small:,}", float("nan"), None,
+                              float("nan"), note="not measured: " + "; ".join(f"T={k}: {v}" for k, v in
+                                                                            d["skipped"].items())))
+        if name != MODEL and large in d["memory"]:
+            kb = d["memory"][large]
+            out.append(Result("scaling", f"{name}: peak extra memory of fwd+bwd at T={large:,}", kb, None, kb,
+                              MEMORY_TARGET_KB, False, unit="KB/token", ratio_unit=" KB/token", bound=None))
+    return out
+
+
+def curve_table(data: dict) -> str:
+    sizes = sorted({t for d in data.values() for t in list(d["memory"]) + list(d["time"]) + list(d["skipped"])})
+    rows = []
+    for name, d in data.items():
+        row = [name]
+        for t in sizes:
+            if t in d["time"]:
+                cell = f"{min(d['time'][t]) / t * 1e6:.1f} us"
+                if t in d["memory"]:
+                    cell += f", {d['memory'][t]:.1f} KB"
+            elif t in d["skipped"]:
+                cell = "skipped"
+            else:
+                cell = "-"
+            row.append(cell)
+        rows.append(row)
+    notes = [f"- {name} T={t:,}: skipped, {why}" for name, d in data.items() for t, why in d["skipped"].items()]
+    return (table(["per token: fwd+bwd time, peak extra memory"] + [f"T={t:,}" for t in sizes], rows)
+            + ("\n\n" + "\n".join(notes) if notes else ""))
+
+
+def plot(data: dict, path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, d in data.items():
+        ts = sorted(d["time"])
+        ax_t.plot(ts, [min(d["time"][t]) / t * 1e6 for t in ts], marker="o", label=name)
+        ms = sorted(d["memory"])
+        if ms:
+            ax_m.plot(ms, [d["memory"][t] for t in ms], marker="o", label=name)
+    for ax in (ax_t, ax_m):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens in the packed row (T)")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.set_ylabel("fwd+bwd microseconds per token (fastest round)")
+    ax_t.set_title("time per token (flat = linear cost)")
+    ax_m.axhline(MEMORY_TARGET_KB, color="#d62728", linestyle="--", linewidth=1, label="layer target 12 KB")
+    ax_m.set_ylabel("peak extra KB per token (fwd+bwd)")
+    ax_m.set_title("peak memory per token (fresh process per point)")
+    ax_m.legend(fontsize=7)
+    ax_t.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> str:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--worker"]:                       # one point in this (fresh) process
+        kind, name, *rest = argv[1:]
+        if kind == "memory":
+            print(json.dumps(memory_point(name, int(rest[0]))))
+        else:
+            print(json.dumps(time_points(name, [int(t) for t in rest[1:]], int(rest[0]))))
+        return ""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=SIZES)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", nargs="*", choices=NAMES)
+    parser.add_argument("--out", default="bench_out")
+    args = parser.parse_args(argv)
+    data = run(args.sizes, args.rounds, args.only)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    png = plot(data, out / "scaling.png")
+    text = (f"scaling, hidden {HIDDEN}, fp32, CPU {torch.get_num_threads()} threads\n\n"
+            + curve_table(data) + "\n\n" + results_table(results(data)) + f"\n\nwrote {png}")
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
