@@ -19,13 +19,7 @@ from mixers import HybridLM
 from ssm_pack import PackedSeqParams, VarlenBatch
 from tests.mixers.layers.test_layers import HIDDEN, LAYERS
 
-# The delta-rule reference's fast path recomputes each block's preparation under autograd in its
-# backward (torch.autograd.grad inside an autograd.Function: a graph break) and the per-channel Gram
-# recursion views quadrants with as_strided; both are being rewritten (issue 15). Strict: a fix
-# turns these into failures until the marker goes.
-DELTA_PENDING = pytest.mark.xfail(strict=True, reason="delta-rule reference backward not yet traceable")
-TRACEABLE = [pytest.param(n, id=n, marks=DELTA_PENDING if n in ("gdn", "kda", "gdp") else ())
-             for n in LAYERS]
+TRACEABLE = [pytest.param(n, id=n) for n in LAYERS]
 
 OVERRIDES = {"M": {"head_dim": 16, "state_size": 8, "chunk_size": 16}, "G": {"head_dim": 8, "chunk_size": 16},
              "K": {"head_dim": 8, "chunk_size": 16}, "P": {"head_dim": 8, "chunk_size": 16}, "A": {"head_dim": 8}}
@@ -50,7 +44,6 @@ def test_layer_forward_has_no_graph_break(name):
     assert _breaks(lambda x: layer(x, packed_seq_params=varlen), torch.randn(1, TOKENS, HIDDEN)) == []
 
 
-@DELTA_PENDING
 def test_hybrid_forward_and_loss_have_no_graph_break():
     model = HybridLM(256, 32, "MGKPA", backend="reference", mixer_overrides=OVERRIDES)
     varlen = _varlen([5, 0, 40, 22])

@@ -48,22 +48,25 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2nor
     q, k, v, g, beta = (x.to(compute) for x in (q, k, v, g, beta))
     if l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
-    q = q * scale
     groups = v.shape[2] // q.shape[2]
     if groups > 1:                                    # grouped values: key head h serves h*G .. h*G+G-1
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
     if nh > 1:
         q, g = _expand_householder(q, g, nh)
     b, steps = k.shape[:2]
-    if varlen is not None:
+    doc_init = varlen is not None and initial_state is not None
+    segs = None
+    if varlen is None:
+        seg_id = torch.arange(b, device=k.device).unsqueeze(1).expand(b, steps)
+    elif doc_init or output_final_state:              # per-document states need the runs of the sub-steps
         segs = varlen.segments.expanded(nh)
         seg_id = segs.seg_id
-    else:
-        seg_id = torch.arange(b, device=k.device).unsqueeze(1).expand(b, steps)
-    doc_init = varlen is not None and initial_state is not None
+    else:                                             # the segment ids alone: no tensor sized by the documents
+        seg_id = varlen.segments.seg_id if nh == 1 else varlen.segments.seg_id.repeat_interleave(nh, dim=1)
     extra = DocInitialStates(initial_state.to(compute), segs, chunk) if doc_init else None
     o, ch = delta_rule_chunked(q, k, v, g, beta, seg_id, chunk, initial_state=None if doc_init else initial_state,
-                               extra=extra, keep_intermediates=output_final_state and varlen is not None)
+                               extra=extra, keep_intermediates=output_final_state and varlen is not None,
+                               scale=scale)
     if nh > 1:
         o = o[:, nh - 1::nh]
     final = None

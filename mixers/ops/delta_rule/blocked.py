@@ -1,14 +1,21 @@
 """The chunked delta rule over blocks of chunks, with block checkpointing (the fast path).
 
-    B = rows, C = chunks, H = heads, L = chunk length, K, V = head dims, Kg = 1 or K
+    B = rows, T = tokens, C = chunks, n = chunks per block, H = heads, L = chunk length,
+    K, V = head dims, Kg = 1 or K, N = n * B * H (one block's chunk-heads, chunk-major)
 
-Autograd through all chunks at once keeps many ``[B, C, H, L, L]`` / ``[B, C, H, K, V]`` tensors
-alive; on a CPU, allocating those costs more than the arithmetic. Here the chunks are processed
-block by block: :func:`.prep.chunk_prep` for the block, then the state recurrence chunk by chunk
-inside it, then the block's outputs. Only the state entering each block is kept. The backward
-walks the blocks in reverse: it recomputes the block's preparation under autograd, replays the
-recurrence from the block's checkpoint, runs the recurrence backwards by hand, and hands the
-gradients of the preparation's outputs to autograd.
+The inputs stay token-major (``[B, T, H, ...]``, as the caller has them). Block by block: the
+block's tokens are copied chunk-major (the query scaled on the way), :func:`.prep.prep_forward`
+prepares its chunks, the state recurrence runs chunk by chunk, and the block's outputs are written
+straight into the token-major output. A block holds ~``_BLOCK_CHUNK_HEADS`` chunk-heads, so its
+working set stays in a core's cache, and nothing the size of the sequence is allocated but the
+output (and, in the backward, the input gradients): a fresh large allocation costs a page fault per
+4 KB on first touch, which on a CPU costs more than the arithmetic that fills it.
+
+Only the state entering each block is kept. The backward walks the blocks in reverse: it
+recomputes the block's preparation and replays the recurrence from the block's checkpoint, runs
+the recurrence backwards, then the preparation's hand-written backward (:func:`.prep.prep_backward`),
+and writes the block's input gradients in place. No autograd inside: ``torch.compile`` traces the
+forward and the backward.
 
 Like every mixing step of the references, the masks here multiply exact zeros into the
 cross-document terms; every value is finite (the caller sanitizes non-finite inputs and output
@@ -19,105 +26,155 @@ from __future__ import annotations
 
 import torch
 
-from .prep import chunk_prep
+from .prep import Prep, chunk_masks, into, prep_backward, prep_forward
 
-_BLOCK_ELEMENTS = 1 << 20
-
-
-def _block_size(rows: int, heads: int, length: int) -> int:
-    return max(1, _BLOCK_ELEMENTS // (rows * heads * length * length))
+_BLOCK_CHUNK_HEADS = 64
 
 
-def _bmm(a, b):
-    """Batched matmul over all leading dims of ``a [.., M, N]`` and ``b [.., N, P]``."""
-    return torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])).reshape(*a.shape[:-1], b.shape[-1])
+def _blocks(rows: int, heads: int, chunks: int) -> list[tuple[int, int]]:
+    step = max(1, _BLOCK_CHUNK_HEADS // (rows * heads))
+    return [(c0, min(c0 + step, chunks)) for c0 in range(0, chunks, step)]
 
 
-def recurrence(U, w_read, k_out, kappa, state):
-    """Run a block of chunks ``[B, k, ...]`` from ``state``: ``delta = U - w_read S``,
-    ``S' = kappa S + k_out^T delta``. Returns (states entering each chunk, deltas, leaving state).
+def _chunks(x: torch.Tensor, t0: int, n: int, length: int) -> torch.Tensor:
+    """``x [B, T, ...]`` -> ``[n, B, L, ...]``: the ``n`` chunks from token ``t0``, zero-padded."""
+    b, t = x.shape[:2]
+    t1 = min(t0 + n * length, t)
+    part = x[:, t0:t1]
+    if t1 - t0 < n * length:
+        part = torch.cat([part, part.new_zeros(b, n * length - (t1 - t0), *x.shape[2:])], 1)
+    return part.reshape(b, n, length, *x.shape[2:]).transpose(0, 1)
 
-    Three fused ops per chunk, written into preallocated buffers (no allocation in the loop).
-    """
-    b, k, h, L, vd = U.shape
-    kd = state.shape[-2]
-    entering = torch.empty(k + 1, b, h, kd, vd, dtype=state.dtype, device=state.device)   # chunk-major:
-    delta = torch.empty(k, b, h, L, vd, dtype=U.dtype, device=U.device)                 # contiguous slices
-    entering[0] = state
-    flat = (b * h,)
-    for j in range(k):
-        current, following = entering[j], entering[j + 1]
-        d = torch.baddbmm(U[:, j].reshape(*flat, L, vd), w_read[:, j].reshape(*flat, L, kd),
-                          current.view(*flat, kd, vd), alpha=-1, out=delta[j].view(*flat, L, vd))
-        torch.mul(current, kappa[:, j], out=following)
-        following.view(*flat, kd, vd).baddbmm_(k_out[:, j].reshape(*flat, L, kd).transpose(1, 2), d)
-    return entering[:k].transpose(0, 1), delta.transpose(0, 1), entering[k]
+
+def _store(dst: torch.Tensor, src: torch.Tensor, t0: int) -> None:
+    """Write ``src [B, n, L, ...]`` (any strides) into tokens ``t0 ..`` of ``dst [B, T, ...]``."""
+    b, n, length = src.shape[:3]
+    t1 = min(t0 + n * length, dst.shape[1])
+    if t1 - t0 == n * length:
+        dst[:, t0:t1].view(src.shape).copy_(src)
+    else:
+        dst[:, t0:t1].copy_(src.reshape(b, n * length, *src.shape[3:])[:, :t1 - t0])
+
+
+class _Block:
+    """One block's inputs, chunk-major, and its masks."""
+
+    def __init__(self, q, k, v, g, beta, seg, enter, c0, c1, length, scale):
+        n, b, h, kd = c1 - c0, q.shape[0], q.shape[2], q.shape[3]
+        t0 = c0 * length
+        self.n, self.t0 = n, t0
+        left = q.new_empty(n, b, h, 2, length, kd)
+        into(left[:, :, :, 0], torch.mul, _chunks(q, t0, n, length).permute(0, 1, 3, 2, 4), scale)
+        kb = _chunks(k, t0, n, length).permute(0, 1, 3, 2, 4).contiguous()
+        bb = _chunks(beta, t0, n, length).permute(0, 1, 3, 2).unsqueeze(-1).contiguous()
+        into(left[:, :, :, 1], torch.mul, kb, bb)
+        vb = _chunks(v, t0, n, length).permute(0, 1, 3, 2, 4).contiguous()
+        gb = _chunks(g, t0, n, length).reshape(n * b, length, -1)                  # [X, L, H*Kg]
+        self.args = (left.view(-1, 2 * length, kd), kb.view(-1, length, kd), vb.view(-1, length, vb.shape[-1]),
+                     bb.view(-1, length, 1), gb)
+        segb = seg[:, c0:c1].transpose(0, 1).reshape(n * b, length)
+        self.masks = chunk_masks(segb, enter[:, c0:c1].transpose(0, 1).reshape(n * b), q.dtype)
+
+    def prep(self) -> Prep:
+        return prep_forward(*self.args, self.masks)
+
+
+def recurrence(p: Prep, state: torch.Tensor, n: int):
+    """Run a block's ``n`` chunks from ``state [B*H, K, V]``: ``delta = U - w_read S``,
+    ``S' = kappa S + k_out^T delta``. Returns (states entering each chunk and the leaving one
+    ``[n + 1, B*H, K, V]``, deltas ``[n, B*H, L, V]``)."""
+    N, length, kd = p.k.shape
+    bh, vd = N // n, p.v.shape[-1]
+    w_read, U = p.w_read.view(n, bh, length, kd), p.U.view(n, bh, length, vd)
+    k_out, kappa = p.k_out.view(n, bh, length, kd), p.kappa.view(n, bh, -1, 1)
+    states = state.new_empty(n + 1, bh, kd, vd)
+    delta = state.new_empty(n, bh, length, vd)
+    states[0] = state
+    for j in range(n):
+        into(delta[j], torch.baddbmm, U[j], w_read[j], states[j], alpha=-1)
+        into(states[j + 1], torch.mul, states[j], kappa[j])
+        states[j + 1].baddbmm_(k_out[j].transpose(1, 2), delta[j])
+    return states, delta
+
+
+def _heads_major(t: torch.Tensor, n: int, b: int) -> torch.Tensor:
+    """``[N, L, X]`` -> ``[B, n, L, H, X]`` (a view, for :func:`_store`)."""
+    return t.view(n, b, -1, *t.shape[1:]).permute(1, 0, 3, 2, 4)
 
 
 class DeltaRuleBlocked(torch.autograd.Function):
-    """``(qc, kc [B,C,H,L,K], vc [B,C,H,L,V], gc [B,C,H,L,Kg], bc [B,C,H,L], seg [B,C,L],
-    enter_seg [B,C], h0 [B,H,K,V]) -> (o [B,C,H,L,V], S_final [B,H,K,V])``."""
+    """``(q, k [B,T,H,K], v [B,T,H,V], g [B,T,H,Kg], beta [B,T,H], seg [B,C,L], enter [B,C],
+    h0 [B,H,K,V], scale, chunk) -> (o [B,T,H,V], S_final [B,H,K,V])``; ``q`` is scaled by ``scale``
+    here; ``seg`` and ``enter`` are padded to whole chunks (:func:`..chunks.entering_segments`)."""
 
     @staticmethod
-    def forward(ctx, qc, kc, vc, gc, bc, seg, enter_seg, h0):
-        b, c, h, L = kc.shape[:4]
-        out = vc.new_empty(vc.shape)
-        step = _block_size(b, h, L)
-        state, checkpoints = h0, []
-        for c0 in range(0, c, step):
-            c1 = min(c0 + step, c)
-            p = chunk_prep(qc[:, c0:c1], kc[:, c0:c1], vc[:, c0:c1], gc[:, c0:c1], bc[:, c0:c1], seg[:, c0:c1],
-                           enter_seg[:, c0:c1])
+    def forward(ctx, q, k, v, g, beta, seg, enter, h0, scale, chunk):
+        b, t, h, _ = q.shape
+        vd = v.shape[-1]
+        out = v.new_empty(b, t, h, vd)
+        state = h0.reshape(b * h, *h0.shape[2:]).to(q.dtype)
+        checkpoints = []
+        for c0, c1 in _blocks(b, h, seg.shape[1]):
+            blk = _Block(q, k, v, g, beta, seg, enter, c0, c1, chunk, scale)
+            p = blk.prep()
             checkpoints.append(state)
-            entering, delta, state = recurrence(p.U, p.w_read, p.k_out, p.kappa, state)
-            out[:, c0:c1] = _bmm(p.q_read, entering) + _bmm(p.qk, delta)
-        ctx.save_for_backward(qc, kc, vc, gc, bc, seg, enter_seg, torch.stack(checkpoints))
-        ctx.step = step
-        return out, state.clone()      # not a view of the recurrence's buffer: callers may modify it in place
+            states, delta = recurrence(p, state, blk.n)
+            state = states[blk.n]
+            o = torch.bmm(p.q_read, states[:blk.n].view(-1, *state.shape[1:])).baddbmm_(p.qk, delta.view(
+                -1, chunk, vd))
+            _store(out, _heads_major(o, blk.n, b), blk.t0)
+        ctx.save_for_backward(q, k, v, g, beta, seg, enter, torch.stack(checkpoints))
+        ctx.scale, ctx.chunk = scale, chunk
+        return out, state.view(b, h, *state.shape[1:]).clone()   # not a view of the recurrence's buffer
 
     @staticmethod
     def backward(ctx, d_out, d_final):
-        qc, kc, vc, gc, bc, seg, enter_seg, checkpoints = ctx.saved_tensors
-        c = kc.shape[1]
-        grads = [torch.zeros_like(t) for t in (qc, kc, vc, gc, bc)]
-        d_state = torch.zeros_like(checkpoints[0]) if d_final is None else d_final.clone()
-        d_out = torch.zeros_like(vc) if d_out is None else d_out.contiguous()
-        starts = list(range(0, c, ctx.step))
-        for index in range(len(starts) - 1, -1, -1):
-            c0, c1 = starts[index], min(starts[index] + ctx.step, c)
-            leaves = [t[:, c0:c1].detach().requires_grad_() for t in (qc, kc, vc, gc, bc)]
-            with torch.enable_grad():
-                p = chunk_prep(*leaves, seg[:, c0:c1], enter_seg[:, c0:c1])
-            outputs = (p.q_read, p.w_read, p.U, p.qk, p.k_out, p.kappa)
-            with torch.no_grad():
-                d_state, d_outputs = _block_backward([t.detach() for t in outputs], checkpoints[index],
-                                                     d_out[:, c0:c1], d_state)
-            block_grads = torch.autograd.grad(outputs, leaves, d_outputs, allow_unused=True)
+        q, k, v, g, beta, seg, enter, checkpoints = ctx.saved_tensors
+        b, t, h, kd = q.shape
+        vd = v.shape[-1]
+        grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
+        d_state = q.new_zeros(b * h, kd, vd) if d_final is None else d_final.reshape(b * h, kd, vd).clone()
+        d_out = torch.zeros_like(v) if d_out is None else d_out
+        blocks = _blocks(b, h, seg.shape[1])
+        for index in range(len(blocks) - 1, -1, -1):
+            c0, c1 = blocks[index]
+            blk = _Block(q, k, v, g, beta, seg, enter, c0, c1, ctx.chunk, ctx.scale)
+            d_o = _chunks(d_out, blk.t0, blk.n, ctx.chunk).permute(0, 1, 3, 2, 4).reshape(-1, ctx.chunk, vd)
+            d_state, block_grads = _block_backward(blk.prep(), checkpoints[index], d_o, d_state, blk.n)
+            block_grads[0].mul_(ctx.scale)
             for full, part in zip(grads, block_grads):
-                if part is not None:
-                    full[:, c0:c1] = part
-        return (*grads, None, None, d_state)
+                _store(full, part, blk.t0)
+        return (*grads, None, None, d_state.view(b, h, kd, vd), None, None)
 
 
-def _block_backward(outputs, checkpoint, d_out, d_state):
-    """The recurrence of one block, backwards: returns (gradient of the block's entering state,
-    gradients of ``(q_read, w_read, U, qk, k_out, kappa)``)."""
-    q_read, w_read, U, qk, k_out, kappa = outputs
-    entering, delta, _ = recurrence(U, w_read, k_out, kappa, checkpoint)
-    from_out = _bmm(qk.transpose(-1, -2), d_out)                                   # d delta from o = qk delta
-    from_read = _bmm(q_read.transpose(-1, -2), d_out)                              # d S from o = q_read S
-    k = U.shape[1]
-    d_delta = torch.empty_like(delta)
-    d_k_out = torch.empty_like(k_out)
-    d_kappa = torch.empty_like(kappa)
-    for j in range(k - 1, -1, -1):
-        dd = from_out[:, j] + _bmm(k_out[:, j], d_state)
-        d_delta[:, j] = dd
-        d_k_out[:, j] = _bmm(delta[:, j], d_state.transpose(-1, -2))
-        dk = (d_state * entering[:, j]).sum(-1, keepdim=True)                     # [B, H, K, 1]
-        d_kappa[:, j] = dk if kappa.shape[-2] > 1 else dk.sum(-2, keepdim=True)
-        d_state = kappa[:, j] * d_state + from_read[:, j] - _bmm(w_read[:, j].transpose(-1, -2), dd)
-    d_w_read = -_bmm(d_delta, entering.transpose(-1, -2))
-    d_q_read = _bmm(d_out, entering.transpose(-1, -2))
-    d_qk = _bmm(d_out, delta.transpose(-1, -2))
-    return d_state, (d_q_read, d_w_read, d_delta, d_qk, d_k_out, d_kappa)
+def _block_backward(p: Prep, checkpoint, d_o, d_state, n):
+    """One block backwards: returns (gradient of the state entering the block, the block's input
+    gradients as :func:`_store` views of ``[B, n, L, ...]``)."""
+    states, delta = recurrence(p, checkpoint, n)
+    N, length, kd = p.k.shape
+    bh, vd = N // n, p.v.shape[-1]
+    from_out = torch.bmm(p.qk.transpose(1, 2), d_o).view(n, bh, length, vd)    # d delta from o = qk delta
+    from_read = torch.bmm(p.q_read.transpose(1, 2), d_o).view(n, bh, kd, vd)    # d S from o = q_read S
+    w_read, k_out = p.w_read.view(n, bh, length, kd), p.k_out.view(n, bh, length, kd)
+    kappa = p.kappa.view(n, bh, -1, 1)
+    d_x = d_o.new_empty(N, length, kd + vd)                                      # [d_w_read | d delta]
+    dd = d_x[..., kd:].view(n, bh, length, vd)
+    d_after = d_o.new_empty(n, bh, kd, vd)                                       # d of each leaving state
+    for j in range(n - 1, -1, -1):
+        d_after[j] = d_state
+        into(dd[j], torch.baddbmm, from_out[j], k_out[j], d_state)
+        d_state = torch.baddbmm(from_read[j], w_read[j].transpose(1, 2), dd[j], alpha=-1).addcmul_(kappa[j], d_state)
+    S = states[:n].view(N, kd, vd)
+    into(d_x[..., :kd], torch.bmm, d_x[..., kd:], S.transpose(1, 2)).neg_()   # d w_read = -d delta S^T
+    d_q_read = torch.bmm(d_o, S.transpose(1, 2))
+    d_qk = torch.bmm(d_o, delta.view(N, length, vd).transpose(1, 2))
+    d_k_out = torch.bmm(delta.view(N, length, vd), d_after.view(N, kd, vd).transpose(1, 2))
+    d_kappa = (d_after.view(N, kd, vd) * S).sum(-1, keepdim=True)
+    if p.kappa.shape[1] == 1:
+        d_kappa = d_kappa.sum(1, keepdim=True)
+    dq, dk, dv, dbeta, dg = prep_backward(p, d_x, d_q_read, d_qk, d_k_out, d_kappa)
+    b = N // (n * p.heads)
+    views = [_heads_major(x, n, b) for x in (dq, dk, dv)]
+    views.append(dg.view(n, b, length, *dg.shape[2:]).transpose(0, 1).reshape(b, n, length, p.heads, -1))
+    views.append(_heads_major(dbeta, n, b).squeeze(-1))
+    return d_state, views

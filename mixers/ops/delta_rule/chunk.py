@@ -33,13 +33,14 @@ the composed path below, which keeps every intermediate.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from .._isolation import Isolation
 from ..chunks import entering_segments, pad_tokens
 from .blocked import DeltaRuleBlocked
-from .prep import chunk_prep
+from .prep import chunk_masks, prep_backward, prep_forward
 
 
 @dataclass
@@ -64,8 +65,8 @@ def _heads_major(t: torch.Tensor, b: int, c: int, L: int) -> torch.Tensor:
 
 
 def delta_rule_chunked(q, k, v, g, beta, seg_id, chunk: int, initial_state=None, extra=None,
-                       keep_intermediates: bool = False):
-    """Chunked delta rule; ``q`` already scaled. Returns ``(o [B, T, H, V], Chunked)``.
+                       keep_intermediates: bool = False, scale: float = 1.0):
+    """Chunked delta rule (``q`` scaled by ``scale`` here). Returns ``(o [B, T, H, V], Chunked)``.
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, Kg]`` log-decays;
@@ -80,7 +81,7 @@ def delta_rule_chunked(q, k, v, g, beta, seg_id, chunk: int, initial_state=None,
     initial_state = iso.clean_states(initial_state, seg_id[:, 0])
     if extra is not None:
         extra.isolate(iso)
-    o, ch = _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_intermediates)
+    o, ch = _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_intermediates, scale)
     ch.iso, ch.s0 = iso, None if extra is None else extra.s0
     ch.s_final = iso.poison_states(ch.s_final, seg_id[:, -1])
     return iso.poison_tokens(o), ch
@@ -100,23 +101,23 @@ def _guard(q, k, v, g, beta, seg_id, initial_state, extra) -> Isolation:
     return iso
 
 
-def _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_intermediates):
+def _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_intermediates, scale):
     b, t, h, kd = k.shape
     L = chunk
     pad = (-t) % L
-    # neutral padding: g = 0 (no decay), beta = 0 (no update), q = 0, same segment as the last token
-    q, k, v, g, beta = (pad_tokens(x, pad) for x in (q, k, v, g, beta))
-    seg = pad_tokens(seg_id, pad, repeat_last=True)
     c = (t + pad) // L
-    seg = seg.reshape(b, c, L)
-    qc, kc, vc, gc = (_heads_major(x, b, c, L) for x in (q, k, v, g))         # [B, C, H, L, X]
-    bc = beta.reshape(b, c, L, h).transpose(2, 3).contiguous()                  # [B, C, H, L]
+    # padding tokens join the last segment and are neutral (q = k = v = g = beta = 0)
+    seg = pad_tokens(seg_id, pad, repeat_last=True).reshape(b, c, L)
     enter_seg = entering_segments(seg)                                          # [B, C]
     h0 = k.new_zeros(b, h, kd, v.shape[-1]) if initial_state is None else initial_state.to(k.dtype)
     if extra is None and not keep_intermediates:
-        out, s_final = DeltaRuleBlocked.apply(qc, kc, vc, gc, bc, seg, enter_seg, h0)
-        return _tokens(out, b, c, L, t), Chunked(s_final=s_final, chunk=L)
-    p = chunk_prep(qc, kc, vc, gc, bc, seg, enter_seg)
+        out, s_final = DeltaRuleBlocked.apply(q, k, v, g, beta, seg, enter_seg, h0, scale, L)
+        return out, Chunked(s_final=s_final, chunk=L)
+    q = q * scale
+    q, k, v, g, beta = (pad_tokens(x, pad) for x in (q, k, v, g, beta))
+    qc, kc, vc, gc = (_heads_major(x, b, c, L) for x in (q, k, v, g))         # [B, C, H, L, X]
+    bc = beta.reshape(b, c, L, h).transpose(2, 3).contiguous()                  # [B, C, H, L]
+    p = SimpleNamespace(**dict(zip(_PREP_OUTPUTS, PrepFunction.apply(qc, kc, vc, gc, bc, seg, enter_seg))))
     U = p.U if extra is None else p.U - extra.corrections(p.G, p.W)
     s_enter, delta, state = _composed(U, p, h0, extra, seg)
     o = p.q_read @ s_enter + p.qk @ delta
@@ -124,6 +125,58 @@ def _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_interme
         o = o + extra.reads(p.G, qc * p.decay_in)
     return _tokens(o, b, c, L, t), Chunked(s_final=state, chunk=L, G=p.G, gate=p.gate, keys=kc, delta=delta,
                                            enter_seg=enter_seg, s_enter=s_enter)
+
+
+_PREP_OUTPUTS = ("G", "gate", "qk", "W", "w_read", "U", "q_read", "k_out", "kappa", "decay_in")
+
+
+class PrepFunction(torch.autograd.Function):
+    """:func:`.prep.prep_forward` of all chunks ``[B, C, H, L, ...]`` (rows of ``W`` kept, for
+    per-document initial states), with its hand-written backward (recomputed from the inputs)."""
+
+    @staticmethod
+    def _prep(qc, kc, vc, gc, bc, seg, enter):
+        b, c, h, L, kd = kc.shape
+        left = torch.cat([qc, bc.unsqueeze(-1) * kc], dim=-2).view(-1, 2 * L, kd)
+        g_tm = gc.permute(0, 1, 3, 2, 4).reshape(b * c, L, -1)                   # [X, L, H*Kg]
+        masks = chunk_masks(seg.reshape(b * c, L), enter.reshape(b * c), kc.dtype)
+        return prep_forward(left, kc.reshape(-1, L, kd), vc.reshape(-1, L, vc.shape[-1]), bc.reshape(-1, L, 1),
+                            g_tm, masks, full_w=True)
+
+    @staticmethod
+    def forward(ctx, qc, kc, vc, gc, bc, seg, enter):
+        ctx.save_for_backward(qc, kc, vc, gc, bc, seg, enter)
+        p = PrepFunction._prep(qc, kc, vc, gc, bc, seg, enter)
+        lead = kc.shape[:3]
+        outs = (p.G, p.gate, p.qk, p.W, p.w_read, p.U, p.q_read, p.k_out, p.kappa, p.decay_in)
+        return tuple(x.reshape(*lead, *x.shape[1:]) for x in outs)
+
+    @staticmethod
+    def backward(ctx, dG, dgate, dqk, dW, dw_read, dU, dq_read, dk_out, dkappa, ddecay):
+        qc, kc, vc, gc, bc, seg, enter = ctx.saved_tensors
+        p = PrepFunction._prep(qc, kc, vc, gc, bc, seg, enter)
+        flat = [None if d is None else d.reshape(-1, *d.shape[3:]) for d in
+                (dG, dgate, dqk, dW, dw_read, dU, dq_read, dk_out, dkappa, ddecay)]
+        dG, dgate, dqk, dW, dw_read, dU, dq_read, dk_out, dkappa, ddecay = flat
+
+        def given(d, like):
+            return torch.zeros_like(like) if d is None else d
+        dW = given(dW, p.W)
+        if dw_read is not None:
+            dW = dW + _reads(p, dw_read)
+        d_x = torch.cat([dW, given(dU, p.U)], dim=-1)
+        dq, dk, dv, dbeta, dg = prep_backward(p, d_x, given(dq_read, p.q_read), given(dqk, p.qk),
+                                              given(dk_out, p.k_out), given(dkappa, p.kappa),
+                                              d_G=dG, d_gate=dgate, d_decay_in=ddecay)
+        b, c, h, L = kc.shape[:4]
+        dg = dg.view(b, c, L, h, -1).permute(0, 1, 3, 2, 4)
+        return (*(x.reshape(b, c, h, L, -1) for x in (dq, dk, dv)), dg, dbeta.reshape(b, c, h, L), None, None)
+
+
+def _reads(p, d_w_read):
+    """``d_w_read`` through ``w_read = reads * W``."""
+    x = p.m.X
+    return (d_w_read.view(x, -1, *d_w_read.shape[1:]) * p.m.reads).view(d_w_read.shape)
 
 
 def _composed(U, p, h0, extra, seg):

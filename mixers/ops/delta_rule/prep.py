@@ -1,8 +1,29 @@
 """Everything a chunk needs that does not depend on the state entering it (steps 1-2 of
-:mod:`.chunk`), for any batch of chunks at once.
+:mod:`.chunk`), for a batch of chunks at once, and its backward, written out.
 
-    X = leading batch dims (rows, chunks), H = heads, L = chunk length, K, V = head dims,
-    Kg = 1 (scalar gate) or K
+    X = chunks (rows x chunks, batched), H = heads, N = X * H, L = chunk length,
+    K, V = head dims, Kg = 1 (scalar gate) or K
+
+Tensors are ``[N, L, ...]`` with ``N`` ordered ``(X, H)``; the masks depend on the chunk only and
+broadcast over the heads (``[X, 1, ...]``).
+
+Forward (``S`` the state entering a chunk)::
+
+    G   = keep @ g                 segmented cumulative log-decay          [N, L, Kg]
+    suf = keep_strict^T @ g        log-decay from after t to the chunk end  [N, L, Kg]
+    S2  = [qk; beta kk]            decayed Grams (:mod:`.gram`)             [N, 2, L, L]
+    T   = (I + strict(beta kk))^-1                          (:mod:`.wy`)   [N, L, L]
+    [W | U] = T @ [beta exp(G) k (* reads) | beta v]                        [N, L, K + V]
+    q_read = reads q exp(G),  k_out = last k exp(suf),  kappa = keep_state exp(G_last)
+
+so that ``delta = U - w_read S``, ``o = q_read S + qk delta``, ``S' = kappa S + k_out^T delta``.
+Only the entering document's rows of ``W`` are ever read: the fast path masks ``R``'s rows
+before the product (``T`` is block-diagonal per document, so that equals masking ``W``'s rows);
+the composed path (``full_w``) keeps every row (per-document initial states correct them).
+
+The backward is the chain rule through the same steps: the WY system's is one product with the
+transposed inverse (``dR = T^T dX``, ``dA = -dR X^T``), the Grams' is :mod:`.gram`'s, and the
+segmented sums' is one product with the transposed masks.
 """
 
 from __future__ import annotations
@@ -11,74 +32,198 @@ from dataclasses import dataclass
 
 import torch
 
-from ..chunks import floor_log_decay, same_segment_causal
-from .gram import DecayedGrams
+from ..chunks import LOG_DECAY_FLOOR, same_segment_causal
+from .gram import channel_grams, channel_grams_backward, scalar_decay, scalar_grams_backward
+from .wy import unit_lower_inverse
 
 
 @dataclass
-class ChunkPrep:
-    """Per-chunk quantities; ``S`` below is the state entering the chunk.
+class Masks:
+    """Per chunk (``X`` of them), broadcast over the heads, as floats of the compute dtype."""
 
-    ``delta = U - w_read @ S`` (corrected values), ``o = q_read @ S + qk @ delta``,
-    ``S' = kappa * S + k_out^T @ delta`` (``kappa`` scales the rows of ``S``).
-    """
-
-    G: torch.Tensor        # [X, H, L, Kg] segmented cumulative log-decay
-    gate: torch.Tensor     # [X, H, L, Kg] per-token log-decays, floored (a reset -inf is finite)
-    qk: torch.Tensor       # [X, H, L, L]
-    W: torch.Tensor        # [X, H, L, K] (all tokens; per-document initial states use it)
-    w_read: torch.Tensor   # [X, H, L, K] rows of the entering document only
-    U: torch.Tensor        # [X, H, L, V]
-    q_read: torch.Tensor   # [X, H, L, K] rows of the entering document only
-    k_out: torch.Tensor    # [X, H, L, K] rows of the chunk's last document only
-    kappa: torch.Tensor    # [X, H, Kg, 1] decay of the entering state (0 when its document ends inside)
-    decay_in: torch.Tensor  # [X, H, L, Kg] exp(G)
+    X: int
+    keep: torch.Tensor        # [X, 1, L, L] same segment, s <= t
+    sums: torch.Tensor        # [X, 2L, L]  [keep; strict keep^T]: G and suf as one product
+    reads: torch.Tensor       # [X, 1, L, 1] token of the entering state's segment
+    last: torch.Tensor        # [X, 1, L, 1] token of the chunk's last segment
+    keep_state: torch.Tensor  # [X, 1, 1, 1] the entering state's segment reaches the chunk's end
+    seg: torch.Tensor         # [X, L] segment ids (the per-channel Grams mask by segment)
 
 
-def chunk_masks(seg: torch.Tensor, first_seg: torch.Tensor | None = None):
-    """Masks of chunks ``seg [X, L]`` (``first_seg [X]``: segment of each entering state, default
-    the segment of the token before the chunk, i.e. ``seg`` of the previous chunk's last token).
-
-    Returns ``keep [X, L, L]`` (same segment, causal), ``reads [X, L]``, ``last [X, L]``,
-    ``keep_state [X]``.
-    """
+def chunk_masks(seg: torch.Tensor, enter: torch.Tensor, dtype) -> Masks:
+    """Masks of chunks ``seg [X, L]`` whose entering state belongs to segment ``enter [X]``."""
+    x, length = seg.shape
     keep = same_segment_causal(seg)
-    reads = seg == first_seg.unsqueeze(-1)
-    return keep, reads, keep[..., -1, :], seg[..., -1] == first_seg
+    strict = keep & ~torch.eye(length, dtype=torch.bool, device=seg.device)
+    sums = torch.cat([keep, strict.transpose(1, 2)], dim=1).to(dtype)
+    reads = seg == enter.unsqueeze(-1)
+
+    def col(m):
+        return m.to(dtype).reshape(x, 1, length, 1)
+    return Masks(X=x, keep=sums[:, None, :length], sums=sums, reads=col(reads), last=col(keep[:, -1]),
+                 keep_state=(seg[:, -1] == enter).to(dtype).reshape(x, 1, 1, 1), seg=seg)
 
 
-def chunk_prep(qc, kc, vc, gc, bc, seg, enter_seg) -> ChunkPrep:
-    """Steps 1-2 for chunks ``qc, kc [X, H, L, K]``, ``vc [X, H, L, V]``, ``gc [X, H, L, Kg]``,
-    ``bc [X, H, L]``, ``seg [X, L]``, ``enter_seg [X]``.
+def into(out: torch.Tensor, op, *args, **kwargs) -> torch.Tensor:
+    """``op(*args, **kwargs, out=out)``: written in place in eager mode; computed and copied while
+    ``torch.compile`` traces (Dynamo refuses an ``out=`` that is not contiguous)."""
+    if torch.compiler.is_compiling():
+        return out.copy_(op(*args, **kwargs))
+    return op(*args, **kwargs, out=out)
 
-    Decays cover exactly their interval: ``exp(G)`` of a sum from the chunk (or document) start,
-    products of ``exp(g)`` over ``(s, t]`` in the Gram matrices and over ``(t, L)`` for the
-    leaving state; never an exponential of a difference of cumulative sums (see :mod:`.gram`).
-    """
-    lead = kc.shape[:-3]
-    h, length, kd = kc.shape[-3:]
-    keep, reads, last, keep_state = chunk_masks(seg, enter_seg)
-    dtype = kc.dtype
-    gc = floor_log_decay(gc)
-    # segmented cumulative log-decay (a masked matmul: never sums over another document)
-    G = keep.to(dtype).unsqueeze(-3) @ gc                                        # [X, H, L, Kg]
-    segh = seg.unsqueeze(-2).expand(*lead, h, length).reshape(-1, length)
-    kg = gc.shape[-1]
-    qk, kk, tail = DecayedGrams.apply(qc.reshape(-1, length, kd), kc.reshape(-1, length, kd),
-                                      G.reshape(-1, length, kg), segh, gc.reshape(-1, length, kg))
-    qk, kk = qk.reshape(*lead, h, length, length), kk.reshape(*lead, h, length, length)
-    tail = tail.reshape(*lead, h, length, kg)                        # exp(sum_(t, L) g), for the last document
-    eye = torch.eye(length, dtype=dtype, device=kc.device)
-    decay_in = torch.exp(G)
-    # the WY representation: one unit-lower-triangular solve for keys and values
-    system = eye + bc.unsqueeze(-1) * kk
-    rhs = torch.cat([bc.unsqueeze(-1) * decay_in * kc, bc.unsqueeze(-1) * vc], dim=-1)
-    wu = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    W, U = wu[..., :kd], wu[..., kd:]
-    readf = reads.to(dtype).unsqueeze(-2).unsqueeze(-1)                           # [X, 1, L, 1]
-    lastf = last.to(dtype).unsqueeze(-2).unsqueeze(-1)
-    G_last = G[..., -1:, :]
-    k_out = kc * tail * lastf
-    kappa = keep_state.to(dtype).reshape(*lead, 1, 1, 1) * torch.exp(G_last).transpose(-1, -2)
-    return ChunkPrep(G=G, gate=gc, qk=qk, W=W, w_read=readf * W, U=U, q_read=readf * qc * decay_in, k_out=k_out,
-                     kappa=kappa, decay_in=decay_in)
+
+def _heads_major(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[X, L, H*Kg]`` -> ``[X*H, L, Kg]``."""
+    x, length, hk = t.shape
+    return t.view(x, length, heads, hk // heads).transpose(1, 2).reshape(x * heads, length, hk // heads)
+
+
+def _tokens_major(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[X*H, L, Kg]`` -> ``[X, L, H*Kg]``."""
+    n, length, kg = t.shape
+    return t.view(n // heads, heads, length, kg).transpose(1, 2).reshape(n // heads, length, heads * kg)
+
+
+def _per_head(t: torch.Tensor, x: int) -> torch.Tensor:
+    """``[N, ...]`` -> ``[X, H, ...]`` (a view)."""
+    return t.view(x, -1, *t.shape[1:])
+
+
+@dataclass
+class Prep:
+    """The per-chunk quantities (``[N, ...]``) and what the backward needs."""
+
+    m: Masks
+    heads: int
+    full_w: bool
+    left: torch.Tensor      # [N, 2L, K] = [q; beta k]
+    k: torch.Tensor         # [N, L, K]
+    v: torch.Tensor         # [N, L, V]
+    beta: torch.Tensor      # [N, L, 1]
+    g: torch.Tensor         # [X, L, H*Kg] log-decays as given (not floored)
+    gate: torch.Tensor      # [N, L, Kg] floored
+    G: torch.Tensor         # [N, L, Kg]
+    decay_in: torch.Tensor  # [N, L, Kg] exp(G)
+    tail: torch.Tensor      # [N, L, Kg] exp(suf)
+    s2: torch.Tensor        # [N, 2, L, L] (qk, beta kk) decayed
+    decay: torch.Tensor | None  # [N, L, L] scalar gate: the decay matrix
+    T: torch.Tensor         # [N, L, L] (I + strict(beta kk))^-1
+    X: torch.Tensor         # [N, L, K + V] = [W | U] (W masked by reads unless full_w)
+    q_read: torch.Tensor    # [N, L, K]
+    k_out: torch.Tensor     # [N, L, K]
+    kappa: torch.Tensor     # [N, Kg, 1]
+
+    @property
+    def q(self):
+        return self.left[:, :self.k.shape[1]]
+
+    @property
+    def qk(self):
+        return self.s2[:, 0]
+
+    @property
+    def W(self):
+        return self.X[..., :self.k.shape[-1]]
+
+    @property
+    def w_read(self):
+        return self.W if not self.full_w else self.W * _flat(self.m.reads, self.heads)
+
+    @property
+    def U(self):
+        return self.X[..., self.k.shape[-1]:]
+
+
+def _flat(mask: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[X, 1, ...]`` -> ``[X*H, ...]``."""
+    return mask.expand(mask.shape[0], heads, *mask.shape[2:]).reshape(-1, *mask.shape[2:])
+
+
+def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False) -> Prep:
+    """``left [N, 2L, K]`` holding ``q`` (scaled) in rows ``:L`` and ``beta k`` in rows ``L:``;
+    ``k [N, L, K]``, ``v [N, L, V]``, ``beta [N, L, 1]``, ``g [X, L, H*Kg]`` (token-major in the chunk)."""
+    n, length, kd = k.shape
+    x = m.X
+    heads = n // x
+    gate_tm = g.clamp(min=LOG_DECAY_FLOOR)
+    sums = torch.bmm(m.sums, gate_tm)                                           # [X, 2L, H*Kg]
+    G, suf = _heads_major(sums[:, :length], heads), _heads_major(sums[:, length:], heads)
+    gate = _heads_major(gate_tm, heads)
+    decay_in, tail = torch.exp(G), torch.exp(suf)
+    q, bk = left[:, :length], left[:, length:]
+    if gate.shape[-1] == 1:
+        decay = scalar_decay(gate, m.keep)
+        s2 = torch.bmm(left, k.transpose(1, 2)).view(n, 2, length, length).mul_(decay.unsqueeze(1))
+    else:
+        decay = None
+        seg = m.seg.unsqueeze(1).expand(x, heads, length).reshape(n, length)
+        s2 = channel_grams(q, bk, k, gate, seg)
+    T = unit_lower_inverse(s2[:, 1])
+    R = k.new_empty(n, length, kd + v.shape[-1])
+    rw = _per_head(R[..., :kd], x)
+    into(rw, torch.mul, _per_head(bk, x), _per_head(decay_in, x))
+    if not full_w:
+        rw.mul_(m.reads)
+    into(R[..., kd:], torch.mul, v, beta)
+    wu = torch.bmm(T, R)
+    q_read = _per_head(q * decay_in, x).mul_(m.reads).view(n, length, kd)
+    k_out = _per_head(k * tail, x).mul_(m.last).view(n, length, kd)
+    kappa = _per_head(decay_in[:, -1:].transpose(1, 2), x).mul(m.keep_state).view(n, -1, 1)
+    return Prep(m=m, heads=heads, full_w=full_w, left=left, k=k, v=v, beta=beta, g=g, gate=gate, G=G,
+                decay_in=decay_in, tail=tail, s2=s2, decay=decay, T=T, X=wu, q_read=q_read, k_out=k_out,
+                kappa=kappa)
+
+
+def _reduce(t: torch.Tensor, kg: int) -> torch.Tensor:
+    """A per-channel gradient ``[N, L, K]`` summed to the gate's width ``Kg``."""
+    return t if kg != 1 else t.sum(-1, keepdim=True)
+
+
+def prep_backward(p: Prep, d_x, d_q_read, d_qk, d_k_out, d_kappa, d_G=None, d_gate=None, d_decay_in=None):
+    """Gradients ``(dq, dk, dv, dbeta [N, L, 1], dg [X, L, H*Kg])`` from those of the prep's
+    outputs: ``d_x = [d_W | d_U] [N, L, K + V]`` (``d_W``: of ``w_read`` on the fast path, of ``W``
+    with ``full_w``), ``d_q_read``, ``d_qk``, ``d_k_out``, ``d_kappa`` and, optionally (``None``:
+    zero), ``d_G``, ``d_gate``, ``d_decay_in``."""
+    n, length, kd = p.k.shape
+    x, m = p.m.X, p.m
+    kg = p.gate.shape[-1]
+    dR = torch.bmm(p.T.transpose(1, 2), d_x)
+    d_s2 = p.k.new_empty(n, 2, length, length)
+    d_s2[:, 0].copy_(d_qk)
+    into(d_s2[:, 1], torch.bmm, dR, p.X.transpose(1, 2)).neg_()               # dA = -dR X^T
+    dR_w, dR_u = dR[..., :kd], dR[..., kd:]
+    if not p.full_w:
+        _per_head(dR_w, x).mul_(m.reads)
+    d_bk = dR_w * p.decay_in
+    d_dec = _reduce(dR_w * p.left[:, length:], kg)                             # d exp(G) from R
+    dv = dR_u * p.beta
+    dbeta = (dR_u * p.v).sum(-1, keepdim=True)
+    q_in = _per_head(d_q_read * p.decay_in, x).mul_(m.reads).view(n, length, kd)
+    d_dec = d_dec + _reduce(_per_head(d_q_read * p.q, x).mul_(m.reads).view(n, length, kd), kg)
+    if d_decay_in is not None:
+        d_dec = d_dec + d_decay_in
+    dk = _per_head(d_k_out * p.tail, x).mul_(m.last).view(n, length, kd)
+    d_suf = _reduce(_per_head(d_k_out * p.k, x).mul_(m.last).view(n, length, kd), kg).mul_(p.tail)
+    dG = d_dec.mul_(p.decay_in)
+    dG[:, -1] += (d_kappa * p.kappa).squeeze(-1)
+    if d_G is not None:
+        dG = dG + d_G
+    if kg == 1:
+        d_left, dk_g, dG_g = scalar_grams_backward(d_s2, p.s2, p.decay, p.left, p.k)
+        dq = d_left[:, :length].add_(q_in)
+        d_bk += d_left[:, length:]
+    else:
+        seg = m.seg.unsqueeze(1).expand(x, p.heads, length).reshape(n, length)
+        dq, d_bk_g, dk_g, dG_g = channel_grams_backward(d_s2, p.q, p.left[:, length:], p.k, p.gate, seg)
+        dq += q_in
+        d_bk += d_bk_g
+    dk += dk_g
+    dG += dG_g
+    dk += d_bk * p.beta
+    dbeta += (d_bk * p.k).sum(-1, keepdim=True)
+    both = torch.cat([_tokens_major(dG, p.heads), _tokens_major(d_suf, p.heads)], dim=1)   # [X, 2L, H*Kg]
+    dg = torch.bmm(m.sums.transpose(1, 2), both)
+    if d_gate is not None:
+        dg += _tokens_major(d_gate, p.heads)
+    dg.mul_(p.g >= LOG_DECAY_FLOOR)                                            # the floor's gradient
+    return dq, dk, dv, dbeta, dg
