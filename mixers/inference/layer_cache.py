@@ -3,7 +3,7 @@
     S = slots, ... = the state's own dims (upstream's layouts)
 
 A mixer's cache is a few named tensors with the slot as their first dim (conv states ``[S, D,
-W-1]``, recurrent states ``[S, H, P, N]`` / ``[S, HV, K, V]``, keys and values ``[S, L, Hk, Dh]``),
+W-1]``, recurrent states ``[S, H, P, Ns]`` / ``[S, HV, K, V]``, keys and values ``[S, L, Hk, Dh]``),
 the :class:`~mixers.inference.slots.SlotTable` it shares with the other mixers of its model,
 and the mixer that allocated it (a cache only serves its own mixer, in the dtype and on the
 device it was allocated for). States are written detached: no autograd history is kept.

@@ -1,7 +1,7 @@
 """``Mamba2Mixer``: mamba-ssm's ``Mamba2`` / Megatron's ``MambaMixer``, packed.
 
     B = rows, T = tokens, D = hidden, E = d_inner, H = heads, P = head dim, G = groups,
-    N = state size
+    Ns = state size
 
 in_proj -> [z | x B C | dt]; short conv (SiLU) over ``x B C`` with the packed ``seq_idx``; SSD
 scan with ``A = -exp(A_log)``, ``D`` skip, ``dt_bias`` and softplus, reset at every document

@@ -1,7 +1,7 @@
 """Inference for ``Mamba2Mixer``: per-slot conv and SSM states, packed prefill, chunks and decoding.
 
-    S = slots, N = slots of one call, E = d_inner, H = heads, P = head dim, G = groups,
-    Ns = state size, W = conv width
+    S = slots, N = documents / rows of one call (one slot each), E = d_inner, H = heads,
+    P = head dim, G = groups, Ns = state size, W = conv width
 
 The cache holds ``conv [S, E + 2 G Ns, W-1]`` (the last W-1 inputs of the short conv, in the
 activations' dtype) and ``ssm [S, H, P, Ns]`` (mamba-ssm's layout, in the compute dtype: fp32 for
@@ -43,20 +43,21 @@ class Mamba2Cached(CachedMixin):
     def _cached(self, hidden_states, varlen, cache: LayerCache, batch: SlotBatch) -> torch.Tensor:
         c = self.config
         b, t, _ = hidden_states.shape
-        heads, p, groups, n = c.num_heads, c.head_dim, c.num_groups, c.state_size
-        z, xbc, dt = torch.split(self.in_proj(hidden_states), [c.d_inner, c.d_inner + 2 * groups * n, heads], -1)
+        heads, p, groups, ns = c.num_heads, c.head_dim, c.num_groups, c.state_size
+        z, xbc, dt = torch.split(self.in_proj(hidden_states), [c.d_inner, c.d_inner + 2 * groups * ns, heads], -1)
         xbc = conv_cached(self.conv, xbc, cache, "conv", batch)
-        x, B, C = torch.split(xbc, [c.d_inner, groups * n, groups * n], -1)
+        x, B, C = torch.split(xbc, [c.d_inner, groups * ns, groups * ns], -1)
         A = -torch.exp(upcast(self.A_log))
         if batch.decode:
             y = selective_state_update(
                 cache["ssm"], x.reshape(b, heads, p), dt.reshape(b, heads, 1).expand(b, heads, p),
-                A[:, None, None].expand(heads, p, n), B.reshape(b, groups, n), C.reshape(b, groups, n),
+                A[:, None, None].expand(heads, p, ns), B.reshape(b, groups, ns), C.reshape(b, groups, ns),
                 D=self.D[:, None].expand(heads, p), dt_bias=self.dt_bias[:, None].expand(heads, p),
                 dt_softplus=True, state_batch_indices=batch.slots, dt_limit=c.dt_limit, backend=self.backend)
             return self.out_proj(self.norm(y.reshape(b, 1, c.d_inner), z))
         initial = None if batch.all_fresh else cache.gather("ssm", batch)
-        args = (x.reshape(b, t, heads, p), dt, A, B.reshape(b, t, groups, n), C.reshape(b, t, groups, n), c.chunk_size)
+        args = (x.reshape(b, t, heads, p), dt, A, B.reshape(b, t, groups, ns), C.reshape(b, t, groups, ns),
+                c.chunk_size)
         kwargs = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=c.dt_limit, backend=self.backend)
         if batch.packed:
             y, states = mamba_chunk_scan_combined(*args, initial_states=batch.spread(initial),

@@ -1,6 +1,6 @@
 """``mamba_chunk_scan_combined``: Mamba2's chunked SSD scan with upstream's signature.
 
-    B = rows, T = tokens, H = heads, P = head dim, G = groups, N = state size, D = documents
+    B = rows, T = tokens, H = heads, P = head dim, G = groups, Ns = state size, N = documents
 
 Mirrors ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined`` and its return
 conventions: ``out``, ``(out, final_states)``, ``(out, varlen_states)`` or
@@ -9,7 +9,7 @@ per-row ``initial_states`` feed the first segment of each row; ``final_states`` 
 after each row's last token.
 
 Beyond upstream: with ``cu_seqlens`` (``B == 1``), ``initial_states`` may hold one state per
-document ``[D, H, P, N]``; ``varlen_states`` (per-document final states) are differentiable; and
+document ``[N, H, P, Ns]``; ``varlen_states`` (per-document final states) are differentiable; and
 ``seq_idx`` is derived from ``cu_seqlens`` when not given (upstream would silently not reset).
 """
 
@@ -25,23 +25,13 @@ from ssm_pack.segments import segments_from_seq_idx
 from .. import dispatch
 from .._autocast import outside_autocast
 from ..chunks import compute_dtype
-from ._validate import check_ssd_inputs, default_limit
+from ._validate import check_ssd_inputs
+from .dt import process_dt
 from .kernel import KERNEL_DTYPES, ssd_kernel
 from .reference import ssd_chunked_reference
 from .varlen_states import final_states, initial_chunk_states, initial_outputs
 
 __all__ = ["mamba_chunk_scan_combined"]
-
-
-def _process_dt(dt, dt_bias, dt_softplus, dt_limit, compute):
-    dt = dt.to(compute)
-    if dt_bias is not None:
-        dt = dt + dt_bias.to(compute)
-    if dt_softplus:
-        dt = F.softplus(dt)
-    if not default_limit(dt_limit):
-        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    return dt
 
 
 def _missing_feature(x, per_doc, initial_states, return_varlen_states, tensors) -> str | None:
@@ -60,14 +50,14 @@ def _missing_feature(x, per_doc, initial_states, return_varlen_states, tensors) 
 def _empty_result(x, B, initial_states, per_doc, varlen, return_final_states, return_varlen_states):
     """No tokens: every state is its initial state (or zeros)."""
     batch, _, heads, p = x.shape
-    n = B.shape[-1]
+    ns = B.shape[-1]
     results = [x.new_zeros(batch, 0, heads, p)]
     if return_final_states:
-        rows = initial_states if initial_states is not None and not per_doc else x.new_zeros(batch, heads, p, n)
+        rows = initial_states if initial_states is not None and not per_doc else x.new_zeros(batch, heads, p, ns)
         results.append(rows)
     if return_varlen_states:
         docs = varlen.num_docs
-        results.append(initial_states if per_doc else x.new_zeros(docs, heads, p, n))
+        results.append(initial_states if per_doc else x.new_zeros(docs, heads, p, ns))
     return results[0] if len(results) == 1 else tuple(results)
 
 
@@ -78,15 +68,15 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     """Mamba2 SSD scan over packed rows, resetting the state at every document.
 
     Args:
-        x: ``[B, T, H, P]``; dt: ``[B, T, H]``; A: ``[H]``; B, C: ``[B, T, G, N]``.
+        x: ``[B, T, H, P]``; dt: ``[B, T, H]``; A: ``[H]``; B, C: ``[B, T, G, Ns]``.
         chunk_size: tokens per chunk (any T; documents may straddle chunks).
         D: ``[H]`` or ``[H, P]`` skip; z: ``[B, T, H, P]`` gate (``out * silu(z)``).
         dt_bias: ``[H]``; dt_softplus: apply softplus to ``dt + dt_bias``; dt_limit: clamp.
-        initial_states: ``[B, H, P, N]`` per row, or ``[D, H, P, N]`` per document with cu_seqlens.
-        seq_idx: ``[B, T]`` int document index per token; cu_seqlens: ``[D+1]`` (``B == 1``) or the
+        initial_states: ``[B, H, P, Ns]`` per row, or ``[N, H, P, Ns]`` per document with cu_seqlens.
+        seq_idx: ``[B, T]`` int document index per token; cu_seqlens: ``[N+1]`` (``B == 1``) or the
             forward's prebuilt :class:`ssm_pack.VarlenBatch`.
-        return_final_states: also return ``[B, H, P, N]``, the state after each row.
-        return_varlen_states: also return ``[D, H, P, N]``, the state after each document.
+        return_final_states: also return ``[B, H, P, Ns]``, the state after each row.
+        return_varlen_states: also return ``[N, H, P, Ns]``, the state after each document.
         backend: ``"auto"``, ``"kernel"`` (mamba-ssm, CUDA) or ``"reference"``.
     """
     per_doc, varlen = check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
@@ -111,7 +101,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
                           varlen.cu_seqlens if return_varlen_states else None, dt_softplus, dt_limit,
                           return_final_states, return_varlen_states)
     compute = compute_dtype(x.dtype)
-    dtp = _process_dt(dt, dt_bias, dt_softplus, dt_limit, compute)
+    dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit, compute)
     xc, Bc, Cc, Ac = x.to(compute), B.to(compute), C.to(compute), A.to(compute)
     if varlen is not None:
         segs = varlen.segments

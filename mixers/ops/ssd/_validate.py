@@ -26,9 +26,9 @@ def check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, 
     _shape("dt", dt, (b, t, h), ("B", "T", "H"))
     _shape("A", A, (h,), ("H",))
     check_tensor("B", B, ndim=4)
-    g, n = B.shape[2:]
-    _shape("B", B, (b, t, g, n), ("B", "T", "G", "N"))
-    _shape("C", C, (b, t, g, n), ("B", "T", "G", "N"))
+    g, ns = B.shape[2:]
+    _shape("B", B, (b, t, g, ns), ("B", "T", "G", "N_state"))
+    _shape("C", C, (b, t, g, ns), ("B", "T", "G", "N_state"))
     if g == 0 or h % g:
         raise ValueError(f"the groups of B/C (G={g}) must divide the heads of x (H={h})")
     check_int("chunk_size", chunk_size, minimum=1)
@@ -54,7 +54,7 @@ def check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, 
         per_doc = initial_states is not None and initial_states.shape[0] == varlen.num_docs
     if initial_states is not None:
         rows = initial_states.shape[0] if per_doc else b
-        _shape("initial_states", initial_states, (rows, h, p, n), ("N" if per_doc else "B", "H", "P", "N_state"))
+        _shape("initial_states", initial_states, (rows, h, p, ns), ("N" if per_doc else "B", "H", "P", "N_state"))
     return per_doc, varlen
 
 

@@ -1,7 +1,7 @@
 """The SSD chunk scan as one autograd function with a hand-written backward.
 
     Q = B * C chunks (rows x chunks, flattened), L = chunk length, H = heads, P = head dim,
-    G = groups, R = H // G, N = state size, K = chunks in one block
+    G = groups, R = H // G, Ns = state size, K = chunks in one block
 
 Math (per chunk, tokens l, s; masks from the segment ids, see :mod:`.reference`):
 
@@ -57,15 +57,15 @@ def _cols_to_heads(t: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def _state_to_cols(s: torch.Tensor, g: int) -> torch.Tensor:
-    """``[K, H, P, N]`` -> ``[K, G, N, R*P]``."""
-    k, h, p, n = s.shape
-    return s.reshape(k, g, (h // g), p, n).permute(0, 1, 4, 2, 3).reshape(k, g, n, (h // g) * p)
+    """``[K, H, P, Ns]`` -> ``[K, G, Ns, R*P]``."""
+    k, h, p, ns = s.shape
+    return s.reshape(k, g, (h // g), p, ns).permute(0, 1, 4, 2, 3).reshape(k, g, ns, (h // g) * p)
 
 
 def _cols_to_state(t: torch.Tensor, h: int) -> torch.Tensor:
-    """``[K, G, N, R*P]`` -> ``[K, H, P, N]``."""
-    k, g, n, rp = t.shape
-    return t.reshape(k, g, n, h // g, rp * g // h).permute(0, 1, 3, 4, 2).reshape(k, h, rp * g // h, n)
+    """``[K, G, Ns, R*P]`` -> ``[K, H, P, Ns]``."""
+    k, g, ns, rp = t.shape
+    return t.reshape(k, g, ns, h // g, rp * g // h).permute(0, 1, 3, 4, 2).reshape(k, h, rp * g // h, ns)
 
 
 def _decay(a_hm: torch.Tensor, keepf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -91,26 +91,26 @@ def read_weights(a, reads):
 
 
 class SSDChunkScan(torch.autograd.Function):
-    """``(out [B,T,H,P], h_enter [B,C,H,P,N], h_final [B,H,P,N])``; inputs padded to ``C * L``.
+    """``(out [B,T,H,P], h_enter [B,C,H,P,Ns], h_final [B,H,P,Ns])``; inputs padded to ``C * L``.
 
     Args (forward): x ``[B,T,H,P]``, dt ``[B,T,H]``, a ``[B,T,H]`` (segmented cumulative
-    log-decay), Bm / Cm ``[B,T,G,N]``, keep ``[Q,L,L]`` bool, last / reads ``[Q,L]`` bool,
-    keep_state ``[B,C]`` bool, h0 ``[B,H,P,N]``, extra_u ``[B,C,H,P,N]`` or None, D ``[H]`` /
+    log-decay), Bm / Cm ``[B,T,G,Ns]``, keep ``[Q,L,L]`` bool, last / reads ``[Q,L]`` bool,
+    keep_state ``[B,C]`` bool, h0 ``[B,H,P,Ns]``, extra_u ``[B,C,H,P,Ns]`` or None, D ``[H]`` /
     ``[H,P]`` or None, z ``[B,T,H,P]`` or None, chunk (int).
     """
 
     @staticmethod
     def forward(ctx, x, dt, a, Bm, Cm, keep, last, reads, keep_state, h0, extra_u, D, z, chunk):
         b, t, h, p = x.shape
-        g, n = Bm.shape[2:]
+        g, ns = Bm.shape[2:]
         c, L = t // chunk, chunk
         q = b * c
         xq, dtq, aq = x.reshape(q, L, h, p), dt.reshape(q, L, h), a.reshape(q, L, h)
-        bq, cq = Bm.reshape(q, L, g, n), Cm.reshape(q, L, g, n)
+        bq, cq = Bm.reshape(q, L, g, ns), Cm.reshape(q, L, g, ns)
         keepf = keep.to(x.dtype).unsqueeze(1)                                    # [Q, 1, L, L]
         lastf, readf = last.to(x.dtype).unsqueeze(-1), reads.to(x.dtype).unsqueeze(-1)
         out = torch.empty(q, L, h, p, dtype=x.dtype, device=x.device)
-        u = torch.empty(q, h, p, n, dtype=x.dtype, device=x.device)
+        u = torch.empty(q, h, p, ns, dtype=x.dtype, device=x.device)
         buf = xdt_hm = None
         for q0, q1 in _blocks(q, h * L * L):
             k = q1 - q0
@@ -125,12 +125,12 @@ class SSDChunkScan(torch.autograd.Function):
             w_state = state_weights(aq[q0:q1], lastf[q0:q1])
             xw = xq[q0:q1] * (dtq[q0:q1] * w_state).unsqueeze(-1)                  # [K, L, H, P]
             u[q0:q1] = _cols_to_state(bg.transpose(-1, -2) @ _heads_to_cols(xw, g), h)
-        u = u.reshape(b, c, h, p, n)
+        u = u.reshape(b, c, h, p, ns)
         if extra_u is not None:
             u += extra_u
         decay = torch.exp(a.reshape(b, c, L, h)[:, :, -1])                       # [B, C, H]
         h_enter, h_final = _pass_states(u, decay, keep_state, h0)
-        hq = h_enter.reshape(q, h, p, n)
+        hq = h_enter.reshape(q, h, p, ns)
         for q0, q1 in _blocks(q, h * L * L):
             cg = _group_major(cq[q0:q1])
             w_off = read_weights(aq[q0:q1], readf[q0:q1])

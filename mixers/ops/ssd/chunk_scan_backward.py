@@ -48,7 +48,7 @@ def _unpass_states(g_enter, g_final, h_enter, decay, keep_state):
 def chunk_scan_backward(ctx, g_out, g_enter, g_final):
     (x, dt, a, Bm, Cm, keep, last, reads, keep_state, h_enter, D, z, pre_gate) = ctx.saved_tensors
     b, t, h, p = x.shape
-    g, n = Bm.shape[2:]
+    g, ns = Bm.shape[2:]
     L = ctx.chunk
     c = t // L
     q = b * c
@@ -56,10 +56,10 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
         g_out = torch.zeros_like(x)
     g_y, g_z = _gate(g_out, z, pre_gate)          # g_y: gradient of y + D x
     xq, dtq, aq = x.reshape(q, L, h, p), dt.reshape(q, L, h), a.reshape(q, L, h)
-    bq, cq, gyq = Bm.reshape(q, L, g, n), Cm.reshape(q, L, g, n), g_y.reshape(q, L, h, p)
+    bq, cq, gyq = Bm.reshape(q, L, g, ns), Cm.reshape(q, L, g, ns), g_y.reshape(q, L, h, p)
     keepf = keep.to(x.dtype).unsqueeze(1)
     lastf, readf = last.to(x.dtype).unsqueeze(-1), reads.to(x.dtype).unsqueeze(-1)
-    hq = h_enter.reshape(q, h, p, n)
+    hq = h_enter.reshape(q, h, p, ns)
     g_a = torch.zeros(q, L, h, dtype=x.dtype, device=x.device)
     g_B, g_C = torch.zeros_like(bq), torch.zeros_like(cq)
     g_h = torch.empty_like(hq)
@@ -67,14 +67,14 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
     for q0, q1 in _blocks(q, h * L * L):
         cg = _group_major(cq[q0:q1])
         w_off = read_weights(aq[q0:q1], readf[q0:q1])
-        state_cols = _state_to_cols(hq[q0:q1], g)                              # [K, G, N, R*P]
+        state_cols = _state_to_cols(hq[q0:q1], g)                              # [K, G, Ns, R*P]
         gw_cols = _heads_to_cols(gyq[q0:q1] * w_off.unsqueeze(-1), g)            # [K, G, L, R*P]
         g_h[q0:q1] = _cols_to_state(cg.transpose(-1, -2) @ gw_cols, h)
         g_C[q0:q1] += (gw_cols @ state_cols.transpose(-1, -2)).transpose(1, 2)
         read = cg @ state_cols                                                  # [K, G, L, R*P]: C . h_enter
         g_a[q0:q1] += _cols_to_heads(read.mul_(gw_cols), h).sum(-1)
     # 2. the state passing, backwards over chunks
-    g_h = g_h.reshape(b, c, h, p, n)
+    g_h = g_h.reshape(b, c, h, p, ns)
     if g_enter is not None:
         g_h += g_enter
     decay = torch.exp(a.reshape(b, c, L, h)[:, :, -1])
@@ -82,7 +82,7 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
     g_u, g_decay, g_h0 = _unpass_states(g_h, g_final, h_enter, decay, keep_state)
     del g_h
     g_a.reshape(b, c, L, h)[:, :, -1] += g_decay * decay
-    g_uq = g_u.reshape(q, h, p, n)
+    g_uq = g_u.reshape(q, h, p, ns)
     # 3. chunk states and the intra-chunk term
     g_x, g_dt = torch.empty_like(xq), torch.empty_like(dtq)
     Dv = None if D is None else (D.unsqueeze(-1) if D.dim() == 1 else D)        # [H, 1] or [H, P]
@@ -96,7 +96,7 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
         bg, cg = _group_major(bq[q0:q1]), _group_major(cq[q0:q1])
         w_state = state_weights(aq[q0:q1], lastf[q0:q1])
         dtw = dtq[q0:q1] * w_state                                               # [K, L, H]
-        gu_cols = _state_to_cols(g_uq[q0:q1], g)                                 # [K, G, N, R*P]
+        gu_cols = _state_to_cols(g_uq[q0:q1], g)                                 # [K, G, Ns, R*P]
         g_xw = _cols_to_heads(bg @ gu_cols, h)                                   # [K, L, H, P]
         g_B[q0:q1] += (_heads_to_cols(xq[q0:q1] * dtw.unsqueeze(-1), g) @ gu_cols.transpose(-1, -2)).transpose(1, 2)
         g_xdt = g_xw * w_state.unsqueeze(-1)
@@ -122,5 +122,5 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
     g_x = g_x.reshape(b, t, h, p)
     g_D = None if D is None else (g_Dv.sum(-1) if D.dim() == 1 else g_Dv)
     g_extra = g_u if ctx.needs_input_grad[10] else None
-    return (g_x, g_dt.reshape(b, t, h), g_a.reshape(b, t, h), g_B.reshape(b, t, g, n), g_C.reshape(b, t, g, n),
+    return (g_x, g_dt.reshape(b, t, h), g_a.reshape(b, t, h), g_B.reshape(b, t, g, ns), g_C.reshape(b, t, g, ns),
             None, None, None, None, g_h0, g_extra, g_D, g_z, None)

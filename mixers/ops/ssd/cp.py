@@ -1,7 +1,7 @@
 """``mamba_chunk_scan_combined`` under context parallelism: state passing with a scalar decay.
 
     T_r = this rank's tokens, T1 = tokens of its first segment, H = heads, P = head dim,
-    G = groups, N_s = state size, N = documents
+    G = groups, Ns = state size, N = documents
 
 The SSD recurrence per head, ``h_t = exp(A dt_t) h_{t-1} + dt_t x_t B_t^T``, maps a state
 entering a segment's run of tokens to ``exp(A sum dt) S_in + S_local``: the transition is one
@@ -10,10 +10,10 @@ scalar per head. Each rank
 1. runs the op locally from zero (the documents' own initial states where they start here),
    ``D`` and ``z`` held back, with the row's final state: ``S_local`` of the segment leaving it;
 2. sends ``(exp(A sum dt), S_local)`` through :func:`ssm_pack.cp_exchange.chain_scan`, which
-   composes the ranks a segment crosses and returns ``S_in`` ``[H, P, N_s]`` for its first
+   composes the ranks a segment crosses and returns ``S_in`` ``[H, P, Ns]`` for its first
    segment;
 3. adds what ``S_in`` contributes to that segment's outputs,
-   ``y_t += exp(A cumsum(dt)_t) C_t S_in`` (``T1 x H x P x N_s`` work), and to its final
+   ``y_t += exp(A cumsum(dt)_t) C_t S_in`` (``T1 x H x P x Ns`` work), and to its final
    state, then applies ``D`` and ``z`` as the op does.
 
 Everything is composed in the op's compute dtype (fp32, fp64 for fp64 inputs); gradients of
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ssm_pack.cp_exchange import chain_scan
 
 from ..chunks import compute_dtype
+from .dt import process_dt
 
 
 def _replace_row(t: torch.Tensor, i: int, row: torch.Tensor) -> torch.Tensor:
@@ -37,7 +38,7 @@ def _replace_row(t: torch.Tensor, i: int, row: torch.Tensor) -> torch.Tensor:
 def ssd_cp(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, per_doc, dt_softplus, dt_limit,
            return_final_states, return_varlen_states, varlen, backend, seq_idx):
     """The CP version of :func:`mixers.ops.mamba_chunk_scan_combined` (same arguments, resolved)."""
-    from . import _process_dt, mamba_chunk_scan_combined
+    from . import mamba_chunk_scan_combined
     run = varlen.cp
     lay, r = run.layout, run.rank
     n, f = lay.num_docs, lay.first_seg[run.rank]
@@ -60,7 +61,7 @@ def ssd_cp(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, per_doc, d
                                     return_final_states=True, return_varlen_states=return_varlen_states,
                                     backend=backend)
     y, row_final = res[0].to(compute), res[1][0].to(compute)
-    log_decay = _process_dt(dt, dt_bias, dt_softplus, dt_limit, compute)[0] * A.to(compute)     # [T_r, H]
+    log_decay = process_dt(dt, dt_bias, dt_softplus, dt_limit, compute)[0] * A.to(compute)     # [T_r, H]
     closed = lay.last_starts_here
     element = None
     if run.continues_out:
@@ -72,7 +73,7 @@ def ssd_cp(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, per_doc, d
     if s_in is not None:
         t1 = run.first_len
         cum = log_decay[:t1].cumsum(0)                                                     # [T1, H]
-        c1 = C[0, :t1].to(compute).repeat_interleave(heads // groups, dim=1)               # [T1, H, N_s]
+        c1 = C[0, :t1].to(compute).repeat_interleave(heads // groups, dim=1)               # [T1, H, Ns]
         extra = torch.exp(cum)[..., None] * torch.einsum("thn,hpn->thp", c1, s_in)
         y = torch.cat([y[:, :t1] + extra[None], y[:, t1:]], dim=1)
         decay = torch.exp(cum[-1])[:, None, None]                                          # [H, 1, 1]

@@ -2,7 +2,7 @@
 
 Upstream contract (``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined``):
 fp32 / fp16 / bf16 inputs on CUDA; ``seq_idx`` ``[B, T]`` (int32, contiguous) for resets;
-``initial_states`` per row ``[B, H, P, N]`` only; ``cu_seqlens`` (int32) only together with
+``initial_states`` per row ``[B, H, P, Ns]`` only; ``cu_seqlens`` (int32) only together with
 ``return_varlen_states``, whose backward it does not support.
 
 What its kernels really do with ``seq_idx`` (mamba-ssm 2.3.2.post1, run in the interpreter lane):

@@ -1,6 +1,6 @@
 """Chunked SSD scan (Mamba2) with document resets inside the chunks, pure PyTorch.
 
-    B = rows, T = tokens, H = heads, P = head dim, G = groups (dividing H), N = state size,
+    B = rows, T = tokens, H = heads, P = head dim, G = groups (dividing H), Ns = state size,
     C = chunks, L = chunk length, R = H // G heads per group
 
 The recurrence per head is ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``, ``y_t = h_t C_t``,
@@ -60,8 +60,8 @@ class Chunked:
     a_cs: torch.Tensor       # [B, C, L, H] segmented cumulative log-decay
     seg: torch.Tensor        # [B, C, L] segment id
     enter_seg: torch.Tensor  # [B, C] segment of each chunk's entering state
-    h_enter: torch.Tensor    # [B, C, H, P, N] state entering each chunk (NaN where non-finite, see reference)
-    h_final: torch.Tensor    # [B, H, P, N] state after the last chunk (the row's last segment)
+    h_enter: torch.Tensor    # [B, C, H, P, Ns] state entering each chunk (NaN where non-finite, see reference)
+    h_final: torch.Tensor    # [B, H, P, Ns] state after the last chunk (the row's last segment)
     chunk: int
 
 
@@ -71,9 +71,9 @@ def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_sta
 
     Args:
         x: ``[B, T, H, P]``; dt: ``[B, T, H]`` (already biased, softplus-ed, clamped);
-        A: ``[H]``; Bm, Cm: ``[B, T, G, N]``; seg_id: ``[B, T]`` segment ids.
-        initial_state: ``[B, H, P, N]`` state entering chunk 0 (the row's first segment).
-        extra_states: optional callable ``(a_cs, seg) -> [B, C, H, P, N]`` (or a
+        A: ``[H]``; Bm, Cm: ``[B, T, G, Ns]``; seg_id: ``[B, T]`` segment ids.
+        initial_state: ``[B, H, P, Ns]`` state entering chunk 0 (the row's first segment).
+        extra_states: optional callable ``(a_cs, seg) -> [B, C, H, P, Ns]`` (or a
             :class:`.varlen_states.LeavingStates` giving it) whose result is added to each
             chunk's state before passing (per-document initial states of documents starting
             inside a chunk, see :mod:`.varlen_states`).
@@ -91,7 +91,7 @@ def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_sta
     initial_state = iso.clean_states(initial_state, seg_id[:, 0])
     A, D = iso.shared(A), iso.shared(D)
     b, t, h, p = x.shape
-    n = Bm.shape[3]
+    ns = Bm.shape[3]
     L = chunk_size
     pad = (-t) % L
     # neutral padding: dt = 0 (no decay, no input), same segment as the last token
@@ -111,7 +111,7 @@ def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_sta
     if isinstance(extra, LeavingStates):         # per-document initial states: guarded like the inputs
         iso.scan_states(extra.h0, extra.owner)
         extra = extra.states(iso)
-    h0 = x.new_zeros(b, h, p, n) if initial_state is None else initial_state.to(x.dtype)
+    h0 = x.new_zeros(b, h, p, ns) if initial_state is None else initial_state.to(x.dtype)
     # 2.-5. intra-chunk output, chunk states, state passing, entering-state read
     out, h_enter, h_final = SSDChunkScan.apply(
         x, dt.contiguous(), a_cs.reshape(b, c * L, h), Bm, Cm,

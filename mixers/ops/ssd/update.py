@@ -1,7 +1,7 @@
 """``selective_state_update``: one Mamba2 decode step on a pool of per-slot SSM states.
 
-    N = rows of this call, S = rows of the state pool, H = heads, P = head dim, G = groups,
-    Ns = state size
+    N = documents of this call (one row, one token each), S = slots (rows of the state pool),
+    H = heads, P = head dim, G = groups, Ns = state size
 
 Mirrors mamba-ssm's ``selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
 state_batch_indices)`` (with heads; the head-less 3-D forms are taken too): ``state [S, H, P,
@@ -28,7 +28,7 @@ from ssm_pack.checks import check_tensor, describe
 from .. import dispatch
 from .._autocast import outside_autocast
 from ..chunks import compute_dtype
-from ._validate import default_limit
+from .dt import process_dt
 from .update_kernel import selective_state_update_kernel, unsupported
 
 __all__ = ["selective_state_update"]
@@ -51,20 +51,20 @@ def _with_heads(state, x, dt, A, B, C, D, z, dt_bias):
 
 
 def _check(state, x, dt, A, B, C, D, z, dt_bias, indices, dt_limit):
-    _, heads, p, n = state.shape
+    _, heads, p, ns = state.shape
     check_tensor("x", x, ndim=3)
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
     rows = x.shape[0]
     _shape("x", x, (rows, heads, p))
     _shape("dt", dt, (rows, heads, p))
-    _shape("A", A, (heads, p, n))
+    _shape("A", A, (heads, p, ns))
     check_tensor("B", B, ndim=3)
     groups = B.shape[1]
     if groups == 0 or heads % groups:
         raise ValueError(f"the groups of B (G={groups}) must divide the heads of state (H={heads})")
-    _shape("B", B, (rows, groups, n))
-    _shape("C", C, (rows, groups, n))
+    _shape("B", B, (rows, groups, ns))
+    _shape("C", C, (rows, groups, ns))
     for name, t in (("D", D), ("dt_bias", dt_bias)):
         if t is not None:
             _shape(name, t, (heads, p))
@@ -87,13 +87,7 @@ def _reference(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, indices, dt_li
     compute = compute_dtype(x.dtype)
     heads, groups = state.shape[1], B.shape[1]
     h = (state if indices is None else state.index_select(0, indices)).to(compute)
-    dt = dt.to(compute)
-    if dt_bias is not None:
-        dt = dt + dt_bias.to(compute)
-    if dt_softplus:
-        dt = F.softplus(dt)
-    if not default_limit(dt_limit):
-        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit, compute)
     Bh = B.to(compute).repeat_interleave(heads // groups, dim=1).unsqueeze(2)     # [N, H, 1, Ns]
     Ch = C.to(compute).repeat_interleave(heads // groups, dim=1).unsqueeze(2)
     xc = x.to(compute)

@@ -1,7 +1,7 @@
 """Per-document initial and final states for the chunked SSD scan (``cu_seqlens``, ``B == 1``).
 
-    T = padded tokens, H = heads, P = head dim, G = groups, R = H // G, N = state size,
-    L = chunk length, D = documents
+    T = padded tokens, H = heads, P = head dim, G = groups, R = H // G, Ns = state size,
+    L = chunk length, N = documents
 
 A document's initial state ``h0`` reaches (a) its own tokens inside its first chunk, decayed by
 the segmented cumulative decay ``exp(a_cs)``, and (b) the state leaving that chunk when the
@@ -32,7 +32,7 @@ from .._isolation import Isolation
 
 @dataclass
 class LeavingStates:
-    """(b), for the scan to guard: ``h0 [D, H, P, N]`` of documents ``owner [D]`` (segments)."""
+    """(b), for the scan to guard: ``h0 [N, H, P, Ns]`` of documents ``owner [N]`` (segments)."""
 
     h0: torch.Tensor
     segs: Segments
@@ -45,7 +45,7 @@ class LeavingStates:
         return self.segs.doc_segment
 
     def states(self, iso: Isolation) -> torch.Tensor:
-        """``[1, C, H, P, N]`` to add to the chunk states before state passing."""
+        """``[1, C, H, P, Ns]`` to add to the chunk states before state passing."""
         decay = torch.exp(self.a_cs[0, :, -1, :])[:, :, None, None]             # [C, H, 1, 1]
         h0 = iso.clean_states(self.h0, self.owner)
         return initial_states_leaving_chunks(h0, self.segs, self.seg_chunked, decay, self.chunk)
@@ -64,14 +64,14 @@ def initial_outputs(h0, segs: Segments, a_cs_flat, c_flat, chunk: int, heads: in
     h0, c_flat = iso.clean_states(h0, segs.doc_segment), iso.clean(c_flat)
     docs, start, end, _ = segs.document_runs()
     count = torch.minimum(end - start, chunk - start % chunk)
-    g, n = c_flat.shape[1:]
+    g, ns = c_flat.shape[1:]
     r, p = heads // g, h0.shape[2]
     out = c_flat.new_zeros(c_flat.shape[0], heads, p)
     for bucket in buckets(start, count):
-        cg = c_flat[bucket.index].permute(0, 2, 1, 3).unsqueeze(2)                # [k, g, 1, n, N]
-        hg = h0[docs[bucket.ids]].reshape(-1, g, r, p, n).transpose(-1, -2)      # [k, g, r, N, p]
+        cg = c_flat[bucket.index].permute(0, 2, 1, 3).unsqueeze(2)                # [k, g, 1, m, Ns]
+        hg = h0[docs[bucket.ids]].reshape(-1, g, r, p, ns).transpose(-1, -2)      # [k, g, r, Ns, p]
         y = (cg @ hg).permute(0, 3, 1, 2, 4).reshape(*bucket.index.shape, heads, p)
-        w = torch.exp(a_cs_flat[bucket.index]).unsqueeze(-1)                      # [k, n, H, 1]
+        w = torch.exp(a_cs_flat[bucket.index]).unsqueeze(-1)                      # [k, m, H, 1]
         y = torch.where(bucket.valid[:, :, None, None], y * w, 0.0)
         out = out.index_add(0, bucket.index.reshape(-1), y.reshape(-1, heads, p))
     return iso.poison_tokens(out)
@@ -79,7 +79,7 @@ def initial_outputs(h0, segs: Segments, a_cs_flat, c_flat, chunk: int, heads: in
 
 def final_states(h0, segs: Segments, a_cs_flat, xdt_flat, b_flat, h_enter, enter_seg, chunk: int,
                  num_docs: int) -> torch.Tensor:
-    """(c) + (d) + (e): ``[D, H, P, N]`` state after every document's last token."""
+    """(c) + (d) + (e): ``[N, H, P, Ns]`` state after every document's last token."""
     raw_h0 = h0
     iso = Isolation(segs.seg_id[0])
     iso.scan(xdt_flat)
@@ -91,19 +91,19 @@ def final_states(h0, segs: Segments, a_cs_flat, xdt_flat, b_flat, h_enter, enter
     h_enter = iso.clean_states(h_enter[0], enter_seg[0]).unsqueeze(0)
     docs, start, end, seg = segs.document_runs()
     heads, p = xdt_flat.shape[1:]
-    g, n = b_flat.shape[1:]
+    g, ns = b_flat.shape[1:]
     r = heads // g
     last = end - 1
     last_chunk = last // chunk
     run_start = torch.maximum(start, last_chunk * chunk)
     a_end = a_cs_flat[last]                                                      # [k, H]
-    own = xdt_flat.new_zeros(docs.numel(), heads, p, n)
+    own = xdt_flat.new_zeros(docs.numel(), heads, p, ns)
     for bucket in buckets(run_start, end - run_start):
         w = torch.exp(a_end[bucket.ids].unsqueeze(1) - a_cs_flat[bucket.index])  # [k, m, H]
         xw = torch.where(bucket.valid[:, :, None, None], xdt_flat[bucket.index] * w.unsqueeze(-1), 0.0)
         xw = xw.reshape(*bucket.index.shape, g, r, p).permute(0, 2, 3, 4, 1)      # [k, g, r, p, m]
-        bg = b_flat[bucket.index].permute(0, 2, 1, 3).unsqueeze(2)                # [k, g, 1, m, N]
-        own = own.index_copy(0, bucket.ids, (xw @ bg).reshape(-1, heads, p, n))
+        bg = b_flat[bucket.index].permute(0, 2, 1, 3).unsqueeze(2)                # [k, g, 1, m, Ns]
+        own = own.index_copy(0, bucket.ids, (xw @ bg).reshape(-1, heads, p, ns))
     final = finish_document_states(own, torch.exp(a_end)[:, :, None, None], h_enter, enter_seg, seg, start,
                                    last_chunk, chunk, h0, docs, num_docs)
     final = iso.poison_states(final, segs.doc_segment)
