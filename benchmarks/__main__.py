@@ -1,7 +1,7 @@
 """Run every benchmark, write a markdown report and PNG plots.
 
-    python -m benchmarks                 # quick sizes, a few minutes on 2 cores
-    python -m benchmarks --full          # the sizes the targets are defined at (much longer)
+    python -m benchmarks                 # quick sizes: about 2 minutes on 2 cores (a smoke run)
+    python -m benchmarks --full          # the sizes the targets are defined at: about 20 minutes
     python -m benchmarks --out bench_out
 
 Every figure is a ratio measured side by side in one run; nothing here is asserted. Benchmarks
@@ -20,8 +20,8 @@ import torch
 from benchmarks import bench_conv_ssd, bench_delta_rule, bench_inference, bench_layers, bench_metadata
 from benchmarks.common import Result, results_table
 
-QUICK = dict(meta=(2**19, 5000), conv_ssd=(2048, 256), delta=(2048, [64], 1024), layers=(4, 256), repeat=2)
-FULL = dict(meta=(2**21, 20000), conv_ssd=(8192, 1024), delta=(8192, [64, 128], 2048), layers=(8, 512), repeat=3)
+QUICK = dict(meta=(2**19, 5000), conv_ssd=(2048, 256), delta=(2048, [64], 1024), layers=(4, 256), repeat=3)
+FULL = dict(meta=(2**21, 20000), conv_ssd=(8192, 1024), delta=(8192, [64, 128], 4096), layers=(8, 512), repeat=5)
 
 
 def machine() -> str:
@@ -38,22 +38,20 @@ def machine() -> str:
 
 
 def collect(sizes: dict, log) -> list[Result]:
+    """Every group of figures; a group with an UNSTABLE figure is rerun (``common.settle``)."""
     results: list[Result] = []
     repeat = sizes["repeat"]
     log("metadata ...")
-    results += bench_metadata.run(*sizes["meta"], repeat)
+    results += bench_metadata.run(*sizes["meta"], repeat, log=log)
     log("conv + SSD ...")
-    results += bench_conv_ssd.run(*sizes["conv_ssd"], repeat)
+    results += bench_conv_ssd.run(*sizes["conv_ssd"], repeat, log=log)
     tokens, dims, back_tokens = sizes["delta"]
     log("delta rule + attention ...")
-    for dim in dims:
-        results += bench_delta_rule.delta_rows(tokens, dim, 8, repeat)
-    results += bench_delta_rule.backward_row(back_tokens, dims[0], 8, repeat)
-    results += bench_delta_rule.attention_rows(tokens, repeat)
+    results += bench_delta_rule.run(tokens, dims, back_tokens, repeat, log=log)
     log("layers ...")
-    layer_results, _ = bench_layers.run(*sizes["layers"], repeat)
+    layer_results, _ = bench_layers.run(*sizes["layers"], repeat, log=log)
     log("inference ...")
-    inference_results, _ = bench_inference.run(quick=sizes is QUICK, rounds=max(3, repeat + 2))
+    inference_results = bench_inference.run(quick=sizes is QUICK, rounds=max(3, repeat + 2), log=log)
     return results + layer_results + inference_results
 
 
@@ -69,7 +67,7 @@ def plot(results: list[Result], out: Path) -> list[Path]:
         return path
 
     written = []
-    timed = [r for r in results if r.unit == "s"]
+    timed = [r for r in results if r.unit == "s" and r.other is not None and r.ours == r.ours]
     fig, ax = plt.subplots(figsize=(13, 0.42 * len(timed) + 1.5))
     y = range(len(timed))
     ax.barh([i + 0.2 for i in y], [r.ours * 1e3 for r in timed], height=0.4, label="ssm-pack", color="#2ca02c")
@@ -114,6 +112,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    print(f"{'full sizes: about 20' if args.full else 'quick sizes: about 2'} minutes on 2 cores (more when a group is "
+          "UNSTABLE and rerun); the targets are defined at the full sizes", flush=True)
     results = collect(FULL if args.full else QUICK, lambda m: print(f"  {m}", flush=True))
     sections = []
     for group in dict.fromkeys(r.group for r in results):

@@ -4,7 +4,7 @@ eager vs compiled (inductor), side by side.
 The packing metadata is built before the step (``VarlenBatch.build(...).materialize()``), so the
 compiled graph has no break; the step is forward, loss and backward of a packed row. The
 compiled function is warmed up (compiled) before timing, and both run in alternating rounds,
-fastest of the repeats kept.
+fastest of the rounds kept, with the spread of the per-round ratios.
 
     python -m benchmarks.bench_compile [--tokens 2048] [--hidden 128] [--pattern MGKPA] [--repeat 3]
 """
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from benchmarks.common import Result, measure_side_by_side, results_table
+from benchmarks.common import Result, alternate, ratio_result, results_table, settle
 from mixers import HybridLM
 from ssm_pack import PackedSeqParams, VarlenBatch
 
@@ -51,11 +51,12 @@ def run(tokens: int, hidden: int, pattern: str, repeat: int) -> tuple[list[Resul
     start = time.perf_counter()
     compiled(ids)
     compile_s = time.perf_counter() - start
-    best = measure_side_by_side({"eager": lambda: step(ids), "compiled": lambda: compiled(ids)}, repeat=repeat)
-    results = [Result("compile", f"HybridLM({pattern}) train step: compiled vs eager ({tokens} tokens, "
-                      f"{len(lengths)} documents)", best["compiled"], best["eager"], best["eager"] / best["compiled"],
-                      note="(informational: speed-up of the compiled step)")]
-    return results, {"compile_seconds": compile_s, **best}
+    def measured() -> list[Result]:
+        t = alternate({"eager": lambda: step(ids), "compiled": lambda: compiled(ids)}, rounds=repeat)
+        return [ratio_result("compile", f"HybridLM({pattern}) train step: compiled vs eager ({tokens} tokens, "
+                             f"{len(lengths)} documents)", t, "compiled", "eager",
+                             note="(informational: speed-up of the compiled step)")]
+    return settle(measured), {"compile_seconds": compile_s}
 
 
 def main(argv=None) -> None:

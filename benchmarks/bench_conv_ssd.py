@@ -7,6 +7,8 @@ T = 8192, H = 16, P = 64, N = 64, G = 1, chunk 128, fp32 (the Mamba2 conv has
 * packed vs a Python loop over the same 1024 documents: >= 10x faster;
 * forward + backward vs forward: <= 3.5x;
 * achieved FLOP/s of the SSD forward vs a plain ``torch.matmul`` in the same run: >= 20%;
+* (informational) one document vs mamba-ssm's ``ssd_minimal_discrete`` (the paper's listing;
+  measured when mamba-ssm is installed, :mod:`benchmarks.peers`);
 * varlen conv vs a plain depthwise ``F.conv1d`` over the same tensor: <= 1.5x (the varlen conv
   gets the channel-last layout the mixers produce, ``F.conv1d`` its own channel-first layout).
 
@@ -20,10 +22,14 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from benchmarks import peers
 from benchmarks.bench_metadata import random_lengths
-from benchmarks.common import Result, matmul_flops_per_s, measure, measure_side_by_side, results_table
+from benchmarks.common import Possible, Result, alternate, ratio_result, results_table, settle
 from mixers.ops import causal_conv1d_fn, mamba_chunk_scan_combined
 from ssm_pack import lengths_to_cu_seqlens
+
+GROUP = "conv + SSD"
+MATMUL = 1024            # the square matmul whose FLOP/s is the roofline yardstick
 
 
 def ssd_inputs(tokens, heads, headdim, state, groups, grad=False):
@@ -41,58 +47,81 @@ def ssd_flops(tokens, heads, headdim, state, groups, chunk):
     return 2 * tokens * chunk * (groups * state + heads * headdim) + 2 * 2 * tokens * heads * headdim * state
 
 
-def run(tokens, docs, repeat, heads=16, headdim=64, state=64, groups=1, chunk=128):
+def _ssd_rows(tokens, docs, repeat, heads, headdim, state, groups, chunk) -> list[Result]:
     lengths = random_lengths(tokens, docs)
     cu = lengths_to_cu_seqlens(lengths)
     one = torch.tensor([0, tokens], dtype=torch.int32)
     x, dt, A, B, C = ssd_inputs(tokens, heads, headdim, state, groups)
+    bounds = cu.tolist()
+    pieces = [(torch.tensor([0, e - s], dtype=torch.int32), x[:, s:e], dt[:, s:e], B[:, s:e], C[:, s:e])
+              for s, e in zip(bounds[:-1], bounds[1:])]
+    grads = ssd_inputs(tokens, heads, headdim, state, groups, grad=True)
+    a, b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
 
     def scan(cu_seqlens, *args):
         return mamba_chunk_scan_combined(*args, chunk, cu_seqlens=cu_seqlens)
 
-    with torch.no_grad():
-        t = measure_side_by_side({"one": lambda: scan(one, x, dt, A, B, C),
-                                  "packed": lambda: scan(cu, x, dt, A, B, C)}, repeat=repeat)
-        t_one, t_packed = t["one"], t["packed"]
-        bounds = cu.tolist()
-        t_loop = measure(lambda: [scan(torch.tensor([0, e - s], dtype=torch.int32), x[:, s:e], dt[:, s:e], A,
-                                       B[:, s:e], C[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])],
-                         repeat=1, warmup=0)
-    grads = ssd_inputs(tokens, heads, headdim, state, groups, grad=True)
+    def no_grad(fn):
+        def run():
+            with torch.no_grad():
+                fn()
+        return run
 
     def fwd_bwd():
         out = scan(cu, *grads)
         out.backward(torch.ones_like(out))
+        for t in grads:
+            t.grad = None
 
-    t_fwd_bwd = measure(fwd_bwd, repeat=repeat)
-    peak = matmul_flops_per_s(2048)
-    flops = ssd_flops(tokens, heads, headdim, state, groups, chunk)
-    frac = flops / t_packed / peak
+    fns = {"one": no_grad(lambda: scan(one, x, dt, A, B, C)), "packed": no_grad(lambda: scan(cu, x, dt, A, B, C)),
+           "loop": no_grad(lambda: [scan(c, xs, ds, A, bs, cs) for c, xs, ds, bs, cs in pieces]),
+           "fwd_bwd": fwd_bwd, "matmul": lambda: a @ b}
+    minimal = peers.mamba_ssd_minimal()
+    if minimal is not None:                      # one document, B and C per head, x and A already times dt
+        xd, ad = x * dt.unsqueeze(-1), A * dt
+        bh, ch = (t.repeat_interleave(heads // groups, dim=2) for t in (B, C))
+        fns["minimal"] = no_grad(lambda: minimal(xd, ad, bh, ch, chunk))
+    t = alternate(fns, rounds=repeat)
+    flops, mm_flops = ssd_flops(tokens, heads, headdim, state, groups, chunk), 2 * MATMUL ** 3
+    frac = ratio_result(GROUP, f"SSD fwd GFLOP/s vs torch.matmul {MATMUL}^3", t.scaled({"matmul": flops / mm_flops}),
+                        "packed", "matmul", 0.20,
+                        possible=Possible(None, 1.0, "the algorithm's matmuls cannot beat a large matmul's rate"))
+    frac.ours, frac.other, frac.unit, frac.ratio_unit = (flops / t.best("packed") / 1e9,
+                                                         mm_flops / t.best("matmul") / 1e9, "GFLOP/s", "")
+    rows = [ratio_result(GROUP, f"SSD fwd, {docs} documents vs one", t, "packed", "one", 1.25, False),
+            ratio_result(GROUP, "SSD fwd speed-up over a per-document loop", t, "packed", "loop", 10),
+            ratio_result(GROUP, "SSD fwd+bwd vs fwd", t, "fwd_bwd", "packed", 3.5, False,
+                         possible=Possible(1.0, None, "forward + backward contains the forward")),
+            frac]
+    if minimal is not None:
+        rows.append(ratio_result(GROUP, "SSD fwd (one document) speed-up over mamba ssd_minimal_discrete", t, "one",
+                                 "minimal", note="(informational: the paper's listing)"))
+    else:
+        rows.append(Result(GROUP, "peer not measured: mamba ssd_minimal_discrete", float("nan"), None, float("nan"),
+                           note=peers.MISSING.get("mamba ssd_minimal", "")))
+    return rows
 
-    channels = heads * headdim + 2 * groups * state
+
+def _conv_rows(tokens, docs, repeat, channels) -> list[Result]:
+    cu = lengths_to_cu_seqlens(random_lengths(tokens, docs))
     xc = torch.randn(1, channels, tokens)                       # channel-first: F.conv1d's own layout
     xl = xc.transpose(1, 2).contiguous().transpose(1, 2)        # the same values, channel-last (as mixers feed it)
     w, b = torch.randn(channels, 4), torch.randn(channels)
-    with torch.no_grad():
-        def plain():
-            return F.silu(F.conv1d(xc, w.unsqueeze(1), b, padding=3, groups=channels)[..., :tokens])
 
-        t = measure_side_by_side({
-            "plain": plain, "last": lambda: causal_conv1d_fn(xl, w, b, activation="silu", cu_seqlens=cu),
-            "first": lambda: causal_conv1d_fn(xc, w, b, activation="silu", cu_seqlens=cu)}, repeat=repeat)
-        t_conv_plain, t_conv, t_conv_cf = t["plain"], t["last"], t["first"]
-    g = "conv + SSD"
-    return [
-        Result(g, f"SSD fwd, {docs} documents vs one", t_packed, t_one, t_packed / t_one, 1.25, False),
-        Result(g, "SSD fwd speed-up over a per-document loop", t_packed, t_loop, t_loop / t_packed, 10),
-        Result(g, "SSD fwd+bwd vs fwd", t_fwd_bwd, t_packed, t_fwd_bwd / t_packed, 3.5, False),
-        Result(g, "SSD fwd GFLOP/s vs torch.matmul", flops / t_packed / 1e9, peak / 1e9, frac, 0.20,
-               unit="GFLOP/s"),
-        Result(g, "varlen conv (channel-last) vs plain F.conv1d", t_conv, t_conv_plain, t_conv / t_conv_plain, 1.5,
-               False),
-        Result(g, "varlen conv (channel-first input) vs plain F.conv1d", t_conv_cf, t_conv_plain,
-               t_conv_cf / t_conv_plain, note="(informational: one transposing copy)"),
-    ]
+    def plain():
+        return F.silu(F.conv1d(xc, w.unsqueeze(1), b, padding=3, groups=channels)[..., :tokens])
+
+    with torch.no_grad():
+        t = alternate({"plain": plain, "last": lambda: causal_conv1d_fn(xl, w, b, activation="silu", cu_seqlens=cu),
+                       "first": lambda: causal_conv1d_fn(xc, w, b, activation="silu", cu_seqlens=cu)}, rounds=repeat)
+    return [ratio_result(GROUP, "varlen conv (channel-last) vs plain F.conv1d", t, "last", "plain", 1.5, False),
+            ratio_result(GROUP, "varlen conv (channel-first input) vs plain F.conv1d", t, "first", "plain", None, False,
+                         note="(informational: one transposing copy)")]
+
+
+def run(tokens, docs, repeat, heads=16, headdim=64, state=64, groups=1, chunk=128, log=None) -> list[Result]:
+    rows = settle(lambda: _ssd_rows(tokens, docs, repeat, heads, headdim, state, groups, chunk), log=log)
+    return rows + settle(lambda: _conv_rows(tokens, docs, repeat, heads * headdim + 2 * groups * state), log=log)
 
 
 def main(argv=None) -> str:
@@ -101,7 +130,7 @@ def main(argv=None) -> str:
     parser.add_argument("--docs", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args(argv)
-    results = run(args.tokens, args.docs, args.repeat)
+    results = run(args.tokens, args.docs, args.repeat, log=print)
     text = (f"conv + SSD references, T={args.tokens}, {args.docs} documents, H=16 P=64 N=64 G=1 chunk=128, "
             f"fp32, CPU {torch.get_num_threads()} threads\n\n" + results_table(results))
     print(text)

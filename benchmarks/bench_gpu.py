@@ -16,17 +16,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import Result, measure_side_by_side, results_table
+from benchmarks.common import Result, alternate, ratio_result, results_table
 from mixers.ops import dispatch
 
 
 def _compare(op: str, upstream: str, kernel, reference, direct, repeat: int) -> list[Result]:
     """Kernel through ssm-pack vs our reference, and vs the upstream kernel called directly."""
-    t = measure_side_by_side({"kernel": kernel, "reference": reference, "direct": direct}, repeat=repeat)
-    return [Result("gpu ops", f"{op}: kernel vs reference", t["kernel"], t["reference"],
-                   t["reference"] / t["kernel"], note="(speed-up)"),
-            Result("gpu ops", f"{op}: our wrapper vs {upstream} directly", t["kernel"], t["direct"],
-                   t["kernel"] / t["direct"], 1.05, False)]
+    t = alternate({"kernel": kernel, "reference": reference, "direct": direct}, rounds=repeat)
+    return [ratio_result("gpu ops", f"{op}: kernel vs reference", t, "kernel", "reference", note="(speed-up)"),
+            ratio_result("gpu ops", f"{op}: our wrapper vs {upstream} directly", t, "kernel", "direct", 1.05, False)]
 
 
 def op_results(tokens: int, repeat: int) -> list[Result]:
@@ -92,12 +90,10 @@ def layer_results(repeat: int) -> list[Result]:
             x = x.detach().requires_grad_()
             layer(x, packed_seq_params=p).float().square().mean().backward()
 
-        t = measure_side_by_side({"packed": lambda: step(packed, params), "padded": lambda: step(padded, None)},
-                                 repeat=repeat)
-        t_packed, t_padded = t["packed"], t["padded"]
+        t = alternate({"packed": lambda: step(packed, params), "padded": lambda: step(padded, None)}, rounds=repeat)
         padding = 1 - sum(lengths) / (len(lengths) * width)
-        results.append(Result("gpu layers", f"{name} kernel layer: packed vs padded ({padding:.0%} padding)",
-                              t_packed, t_padded, t_padded / t_packed, 1.8))
+        results.append(ratio_result("gpu layers", f"{name} kernel layer: packed vs padded ({padding:.0%} padding)",
+                                    t, "packed", "padded", 1.8))
     return results
 
 

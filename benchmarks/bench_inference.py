@@ -14,50 +14,22 @@ does packing the prefill give?
    tokens for comparison, where the projections' FLOPs (the same either way) dominate a CPU.
 
 The compared functions alternate, round after round; each figure is the fastest of its rounds,
-and the spread is the range of the per-round ratios.
+with the spread of the per-round ratios, graded only when stable (:mod:`benchmarks.common`).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import math
-import time
 
 import torch
 
-from benchmarks.common import Result, table
+from benchmarks.common import Result, alternate, ratio_result, results_table, settle
 from mixers import HybridLM
 from mixers.model import MIXERS
 from ssm_pack import PackedSeqParams
 
 TARGETS = {"decode": 1.3, "recompute": 20.0, "prefill": 2.0}
-
-
-def alternate(fns: dict, rounds: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Every round runs each function once, in turn; returns every round's seconds per function."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            gc.collect()
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-def ratio_row(group, measure, times, ours, other, target, higher, unit_note="") -> tuple[Result, str]:
-    """``Result`` of best-vs-best, and the spread of the per-round ratios."""
-    ratios = [a / b for a, b in zip(times[other], times[ours])] if higher else \
-        [a / b for a, b in zip(times[ours], times[other])]
-    best_ours, best_other = min(times[ours]), min(times[other])
-    ratio = best_other / best_ours if higher else best_ours / best_other
-    spread = f"{min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} rounds"
-    return Result(group, measure, best_ours, best_other, ratio, target=target, higher_is_better=higher,
-                  note=unit_note), spread
 
 
 def decode_rows(hidden: int, long: int, short: int, rows: int, steps: int, rounds: int):
@@ -81,11 +53,11 @@ def decode_rows(hidden: int, long: int, short: int, rows: int, steps: int, round
                 for _ in range(steps):
                     layer(token, cache=caches[name], cache_slots=slots)
         times = alternate({"long": lambda: decode("long"), "short": lambda: decode("short")}, rounds)
-        times = {k: [t / steps for t in v] for k, v in times.items()}
+        times = times.scaled({"long": 1 / steps, "short": 1 / steps})
         target = None if letter == "A" else TARGETS["decode"]
         note = "(informational: attention's KV cache grows)" if letter == "A" else ""
         measure = f"{type(layer).__name__}: decode step ({rows} rows), prefix {long} vs {short}"
-        out.append(ratio_row("inference", measure, times, "long", "short", target, False, note))
+        out.append(ratio_result("inference", measure, times, "long", "short", target, False, note=note))
     return out
 
 
@@ -110,8 +82,8 @@ def recompute_row(hidden: int, prefix: int, rounds: int):
         with torch.no_grad():
             model(ids)
     times = alternate({"cached": cached, "recompute": recompute}, rounds)
-    return ratio_row("inference", f"cached decode vs full recompute, prefix {prefix} (MGKPA, hidden {hidden})",
-                     times, "cached", "recompute", TARGETS["recompute"], True)
+    return ratio_result("inference", f"cached decode vs full recompute, prefix {prefix} (MGKPA, hidden {hidden})",
+                        times, "cached", "recompute", TARGETS["recompute"], True)
 
 
 def prefill_row(hidden: int, prompts: int, shortest: int, longest: int, rounds: int, target=TARGETS["prefill"]):
@@ -137,19 +109,19 @@ def prefill_row(hidden: int, prompts: int, shortest: int, longest: int, rounds: 
                 model(ids[:, a:b], cache=cache, cache_slots=[i])
     times = alternate({"packed": packed, "loop": one_at_a_time}, rounds)
     note = "" if target is not None else "(informational: the projections' FLOPs dominate both)"
-    return ratio_row("inference", f"packed prefill of {prompts} prompts ({min(lengths)}-{max(lengths)} tokens, "
-                     f"{sum(lengths)} in all; hidden {hidden}) vs one call each", times, "packed", "loop", target, True,
-                     note)
+    return ratio_result("inference", f"packed prefill of {prompts} prompts ({min(lengths)}-{max(lengths)} tokens, "
+                        f"{sum(lengths)} in all; hidden {hidden}) vs one call each", times, "packed", "loop", target,
+                        True, note=note)
 
 
-def run(quick: bool = False, rounds: int = 7) -> tuple[list[Result], list[str]]:
+def run(quick: bool = False, rounds: int = 7, log=None) -> list[Result]:
     hidden = 256
     long = 1024 if quick else 4096
-    rows = decode_rows(hidden, long, 64, rows=4, steps=48, rounds=rounds + 2)
-    rows.append(recompute_row(hidden, 1024, rounds))
-    rows.append(prefill_row(128, 16, 8, 256, rounds))
-    rows.append(prefill_row(256, 16, 16, 512, rounds, target=None))
-    return [r for r, _ in rows], [s for _, s in rows]
+    rows = settle(lambda: decode_rows(hidden, long, 64, rows=4, steps=48, rounds=rounds + 2), log=log)
+    rows += settle(lambda: [recompute_row(hidden, 1024, rounds)], log=log)
+    rows += settle(lambda: [prefill_row(128, 16, 8, 256, rounds), prefill_row(256, 16, 16, 512, rounds, target=None)],
+                   log=log)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -157,9 +129,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="decode at prefix 1024 instead of 4096")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
-    results, spreads = run(args.quick, args.rounds)
-    body = [r.row() + [s] for r, s in zip(results, spreads)]
-    print(table(["measure", "ours vs other", "ratio", "target", "spread (per-round ratios)"], body))
+    print(results_table(run(args.quick, args.rounds, log=print)))
     return 0
 
 

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import Result, measure_side_by_side, results_table
+from benchmarks.common import Result, alternate, ratio_result, results_table, settle
 from mixers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
 from ssm_pack import PackedSeqParams, pack_padded
 
@@ -29,7 +29,7 @@ def document_lengths(docs: int, seed: int = 0, median: float = 300.0, cap: int =
     return [int(min(cap, max(1, round(float(n))))) for n in draws]
 
 
-def run(docs: int, hidden: int, repeat: int, names=None) -> tuple[list[Result], dict]:
+def run(docs: int, hidden: int, repeat: int, names=None, log=None) -> tuple[list[Result], dict]:
     lengths = document_lengths(docs)
     width = max(lengths)
     padding = 1 - sum(lengths) / (len(lengths) * width)
@@ -59,13 +59,14 @@ def run(docs: int, hidden: int, repeat: int, names=None) -> tuple[list[Result], 
                 layer(x).square().mean().backward()
                 start += n
 
-        t = measure_side_by_side({"packed": packed_step, "padded": padded_step, "loop": loop_step}, repeat=repeat)
-        t_packed, t_padded, t_loop = t["packed"], t["padded"], t["loop"]
-        real = sum(lengths)
-        rows.append(Result("layers", f"{name}: packed vs padded", real / t_packed, real / t_padded,
-                           t_padded / t_packed, 1.7, unit="tok/s"))
-        rows.append(Result("layers", f"{name}: packed vs a per-document loop", real / t_packed, real / t_loop,
-                           t_loop / t_packed, unit="tok/s", note="(informational)"))
+        def measured() -> list[Result]:
+            t = alternate({"packed": packed_step, "padded": padded_step, "loop": loop_step}, rounds=repeat)
+            real = sum(lengths)
+            return [ratio_result("layers", f"{name}: packed vs padded", t, "packed", "padded", 1.7, rate=real,
+                                 unit="tok/s"),
+                    ratio_result("layers", f"{name}: packed vs a per-document loop", t, "packed", "loop", rate=real,
+                                 unit="tok/s", note="(informational)")]
+        rows += settle(measured, log=log)
     meta = {"lengths": lengths, "padding": padding, "real_tokens": sum(lengths), "padded_tokens": len(lengths) * width}
     return rows, meta
 
@@ -77,7 +78,7 @@ def main(argv=None) -> str:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--layers", nargs="*", choices=list(LAYERS))
     args = parser.parse_args(argv)
-    rows, meta = run(args.docs, args.hidden, args.repeat, args.layers)
+    rows, meta = run(args.docs, args.hidden, args.repeat, args.layers, log=print)
     text = (f"layers fwd+bwd, hidden {args.hidden}, fp32, CPU {torch.get_num_threads()} threads: "
             f"{len(meta['lengths'])} documents, {meta['real_tokens']} real tokens, "
             f"padded form {meta['padded_tokens']} tokens "

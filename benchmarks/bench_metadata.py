@@ -14,7 +14,7 @@ import argparse
 import torch
 
 import ssm_pack as sp
-from benchmarks.common import Result, measure, results_table
+from benchmarks.common import Result, alternate, ratio_result, results_table, settle
 
 
 def random_lengths(tokens: int, docs: int, seed: int = 0) -> torch.Tensor:
@@ -65,7 +65,7 @@ def loop_cu_from_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
     return torch.tensor(cu, dtype=torch.int32)
 
 
-def run(tokens: int, docs: int, repeat: int) -> list[list[object]]:
+def run(tokens: int, docs: int, repeat: int, log=None) -> list[Result]:
     lengths = random_lengths(tokens, docs)
     cu = sp.lengths_to_cu_seqlens(lengths)
     cu_list = cu.tolist()
@@ -74,7 +74,6 @@ def run(tokens: int, docs: int, repeat: int) -> list[list[object]]:
     rows = 64 if tokens % 64 == 0 else 1
     doc_ids = (seq_idx.reshape(-1) + 1).reshape(rows, -1)
     ones = torch.ones(tokens, dtype=torch.int32)
-    yardstick = measure(lambda: torch.cumsum(ones, 0, dtype=torch.int32), repeat=repeat)
     cases = [
         ("build_packed_seq_idx", lambda: sp.build_packed_seq_idx(cu, tokens), lambda: loop_seq_idx(cu_list, tokens),
          sp.build_packed_seq_idx(cu, tokens)[0], loop_seq_idx(cu_list, tokens)),
@@ -91,12 +90,14 @@ def run(tokens: int, docs: int, repeat: int) -> list[list[object]]:
     results = []
     for name, fast, loop, got, want in cases:
         assert torch.equal(got.to(want.dtype), want), f"{name} disagrees with its loop"
-        t_fast = measure(fast, repeat=repeat)
-        t_loop = measure(loop, repeat=3, warmup=0)
-        results.append(Result("metadata", f"{name} vs torch.cumsum (one memory pass)", t_fast, yardstick,
-                              t_fast / yardstick, 3.0, higher_is_better=False))
-        results.append(Result("metadata", f"{name} speed-up over a per-document loop", t_fast, t_loop,
-                              t_loop / t_fast, 20.0))
+
+        def measured(fast=fast, loop=loop, name=name) -> list[Result]:
+            t = alternate({"fast": fast, "loop": loop, "cumsum": lambda: torch.cumsum(ones, 0, dtype=torch.int32)},
+                          rounds=repeat)
+            return [ratio_result("metadata", f"{name} vs torch.cumsum (one memory pass)", t, "fast", "cumsum", 3.0,
+                                 False),
+                    ratio_result("metadata", f"{name} speed-up over a per-document loop", t, "fast", "loop", 20.0)]
+        results += settle(measured, log=log)
     return results
 
 
@@ -104,9 +105,9 @@ def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2**21)
     parser.add_argument("--docs", type=int, default=20000)
-    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args(argv)
-    results = run(args.tokens, args.docs, args.repeat)
+    results = run(args.tokens, args.docs, args.repeat, log=print)
     text = (f"metadata at {args.tokens} tokens, {args.docs} documents (CPU, {torch.get_num_threads()} threads)\n\n"
             + results_table(results))
     print(text)

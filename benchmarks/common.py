@@ -39,33 +39,13 @@ import torch
 BOUND = 0.15          # default: the median per-round ratio within 15% of the best ratio
 RETRIES = 2           # default: an UNSTABLE group is rerun at most twice
 BUSY = 0.3            # a measurement during which other processes kept > 0.3 cores busy is UNSTABLE
+TICK = 0.01           # seconds per clock tick of /proc/stat (USER_HZ = 100 on Linux)
+LOAD_RESOLUTION = 0.1  # the load is not stated when it cannot be told to 0.1 cores
 
 
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def measure(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1, min_time: float = 0.0) -> float:
-    """Best wall time of ``fn()`` over ``repeat`` runs, in seconds (CUDA synchronised when available).
-
-    The minimum, not the median: on a shared machine the noise only ever adds time. For a
-    comparison use :func:`alternate`, which also gives the spread.
-    """
-    for _ in range(warmup):
-        fn()
-    _sync()
-    times = []
-    start_all = time.perf_counter()
-    while len(times) < repeat or time.perf_counter() - start_all < min_time:
-        gc.collect()
-        start = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - start)
-        if len(times) >= 50:
-            break
-    return min(times)
 
 
 class LoadMeter:
@@ -91,8 +71,10 @@ class LoadMeter:
 
     @staticmethod
     def others(before: tuple[float, float], after: tuple[float, float]) -> float:
-        """Other processes' CPU seconds between two snapshots (clock ticks: +-0.01 s)."""
-        return max(0.0, (after[0] - before[0]) - (after[1] - before[1]))
+        """Other processes' CPU seconds between two snapshots: signed (the system-wide figure counts
+        clock ticks, so each value is off by up to a tick or two either way; clamping each one at
+        zero would bias a sum of many short runs upwards: :meth:`Timings.load` sums them first)."""
+        return (after[0] - before[0]) - (after[1] - before[1])
 
 
 @dataclass
@@ -113,12 +95,16 @@ class Timings:
         """Per-round ``num / den`` (the two ran back to back in each round)."""
         return [a / b for a, b in zip(self.rounds[num], self.rounds[den])]
 
-    def load(self, *names: str) -> float:
-        """Mean number of cores other processes kept busy during the timed runs of ``names``."""
+    def load(self, *names: str) -> float | None:
+        """Mean number of cores other processes kept busy during the timed runs of ``names``;
+        ``None`` when the runs were too short to tell (the tick counts' error, about two ticks per
+        run, would be more than :data:`LOAD_RESOLUTION` cores)."""
         names = names or tuple(self.rounds)
         wall = sum(sum(self.rounds[n]) for n in names)
-        other = sum(sum(self.others.get(n, [])) for n in names)
-        return other / wall if wall > 0 else 0.0
+        runs = [v for n in names for v in self.others.get(n, [])]
+        if not runs or wall <= 0 or 2 * len(runs) * TICK / wall > LOAD_RESOLUTION:
+            return None
+        return max(0.0, sum(runs)) / wall
 
     def scaled(self, factors: dict[str, float]) -> Timings:
         """Every round of ``name`` multiplied by ``factors[name]`` (e.g. 1 / tokens: per token); the
@@ -152,35 +138,6 @@ def alternate(fns: dict[str, Callable[[], object]], rounds: int = 3, warmup: int
             times[name].append(time.perf_counter() - start)
             others[name].append(LoadMeter.others(before, meter.snapshot()))
     return Timings(times, others)
-
-
-class BestTimes(dict):
-    """``{name: best seconds}`` (what :func:`measure_side_by_side` always returned), with the
-    rounds behind it in ``.timings`` for the spread."""
-
-    timings: Timings
-
-
-def measure_side_by_side(fns: dict[str, Callable[[], object]], *, repeat: int = 3,
-                         warmup: int = 1) -> BestTimes:
-    """Best wall time of each function, in seconds, running them in alternating rounds.
-
-    A ratio of two timings taken minutes apart on a shared machine measures the noise as much
-    as the code; alternating puts both under the same conditions, and the minimum of each keeps
-    only the undisturbed runs. ``.timings`` holds every round (see :func:`ratio_result`).
-    """
-    timings = alternate(fns, rounds=repeat, warmup=warmup)
-    best = BestTimes({name: timings.best(name) for name in fns})
-    best.timings = timings
-    return best
-
-
-def matmul_flops_per_s(n: int = 1024, dtype=torch.float32, device="cpu") -> float:
-    """Achieved FLOP/s of a plain square ``torch.matmul``, the roofline yardstick."""
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    seconds = measure(lambda: a @ b, repeat=5)
-    return 2 * n**3 / seconds
 
 
 def table(headers: list[str], rows: list[list[object]]) -> str:

@@ -1,0 +1,89 @@
+"""The benchmark grading rules (benchmarks.common): a figure whose repeats disagree, that is
+impossible, or that was measured on a busy machine is UNSTABLE and rerun, never PASS or MISS.
+No timing here: the rounds are given."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.common import BUSY, Possible, Result, Timings, ratio_result, settle
+
+
+def timings(ours, other, others=None):
+    return Timings({"ours": ours, "other": other}, others or {})
+
+
+@pytest.mark.parametrize("ours, other, verdict", [
+    pytest.param([1.0, 1.02, 1.01], [3.0, 3.05, 3.1], True, id="steady-pass"),
+    pytest.param([1.0, 1.02, 1.01], [1.5, 1.52, 1.49], False, id="steady-miss"),
+])
+def test_steady_rounds_are_graded(ours, other, verdict):
+    r = ratio_result("g", "m", timings(ours, other), "ours", "other", 2.0)
+    assert r.unstable is None and r.passed is verdict
+    assert r.ratio == pytest.approx(min(other) / min(ours))
+    assert r.rounds == pytest.approx([b / a for a, b in zip(ours, other)])
+
+
+def test_repeats_that_disagree_are_unstable():
+    # best ratio 3.0 (one lucky round), median 1.5: they differ by 50%
+    r = ratio_result("g", "m", timings([1.0, 2.0, 2.0], [3.0, 3.0, 3.0]), "ours", "other", 2.0)
+    assert r.unstable is not None and "median" in r.unstable and r.passed is None
+    assert "UNSTABLE" in r.row()[4]
+
+
+def test_best_and_median_straddling_the_target_are_unstable():
+    r = ratio_result("g", "m", timings([1.0, 1.1, 1.1], [2.1, 2.1, 2.1]), "ours", "other", 2.0)
+    assert r.ratio > 2.0 > r.median
+    assert r.unstable is not None and "straddle" in r.unstable and r.passed is None
+
+
+def test_impossible_figures_are_unstable():
+    # forward + backward 20x faster than the forward alone: the case a busy machine once graded PASS
+    r = ratio_result("g", "fwd+bwd vs fwd", timings([0.05, 0.05, 0.05], [1.0, 1.0, 1.0]), "ours", "other", 3.5,
+                     False, possible=Possible(1.0, None, "forward + backward contains the forward"))
+    assert r.unstable is not None and r.unstable.startswith("impossible") and r.passed is None
+
+
+def test_a_busy_machine_makes_a_figure_unstable():
+    busy = {"ours": [BUSY * 2.0] * 3, "other": [BUSY * 6.0] * 3}         # cores x seconds of the runs
+    r = ratio_result("g", "m", timings([2.0] * 3, [6.0] * 3, busy), "ours", "other", 2.0)
+    assert r.load == pytest.approx(BUSY) and r.unstable is None       # at the threshold: still graded
+    quiet = ratio_result("g", "m", timings([2.0] * 3, [6.0] * 3, {"ours": [0.0] * 3, "other": [0.0] * 3}),
+                         "ours", "other", 2.0)
+    assert quiet.unstable is None and quiet.passed is True
+    twice = {"ours": [BUSY * 4.0] * 3, "other": [BUSY * 12.0] * 3}
+    r = ratio_result("g", "m", timings([2.0] * 3, [6.0] * 3, twice), "ours", "other", 2.0)
+    assert r.unstable is not None and "busy" in r.unstable
+
+
+def test_load_of_runs_too_short_to_tell_is_not_stated():
+    """Ticks of 10 ms cannot measure the load of 1 ms runs: no load, no verdict from it."""
+    r = ratio_result("g", "m", timings([0.001] * 3, [0.003] * 3, {"ours": [0.01] * 3, "other": [0.01] * 3}),
+                     "ours", "other", 2.0)
+    assert r.load is None and r.unstable is None
+
+
+def test_settle_reruns_only_until_stable_and_keeps_the_first_stable_attempt():
+    calls = []
+    attempts = [timings([1.0, 2.0, 2.0], [3.0] * 3), timings([1.0] * 3, [3.0] * 3), timings([1.0] * 3, [1.0] * 3)]
+
+    def run():
+        t = attempts[len(calls)]
+        calls.append(1)
+        return [ratio_result("g", "m", t, "ours", "other", 2.0)]
+    (r,) = settle(run)
+    assert len(calls) == 2 and r.attempts == 2 and r.passed is True
+
+
+def test_settle_reports_a_figure_that_never_settles_as_unstable():
+    logged = []
+
+    def run():
+        return [ratio_result("g", "m", timings([1.0, 2.0, 2.0], [3.0] * 3), "ours", "other", 2.0)]
+    (r,) = settle(run, retries=2, log=logged.append)
+    assert r.unstable is not None and r.attempts == 3 and len(logged) == 2
+
+
+def test_a_result_without_rounds_is_graded_on_its_one_value():
+    r = Result("g", "m", 1.0, 2.0, 2.0, 1.5)
+    assert r.unstable is None and r.passed is True and r.spread() == "(one measurement)"
