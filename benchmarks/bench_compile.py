@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from benchmarks.common import Result, alternate, ratio_result, results_table, settle
+from benchmarks.common import Result, alternate, fill_with_documents, ratio_result, results_table, settle
 from mixers import HybridLM
 from ssm_pack import PackedSeqParams, VarlenBatch
 
@@ -25,14 +25,8 @@ OVERRIDES = {"M": {"head_dim": 32, "state_size": 32, "chunk_size": 64}, "G": {"h
 
 
 def document_lengths(tokens: int, seed: int = 0) -> list[int]:
-    """Documents of 16-400 tokens filling ``tokens``."""
-    g = torch.Generator().manual_seed(seed)
-    lengths, left = [], tokens
-    while left > 0:
-        n = min(left, int(torch.randint(16, 400, (1,), generator=g)))
-        lengths.append(n)
-        left -= n
-    return lengths
+    """Documents of 16-399 tokens filling ``tokens``."""
+    return fill_with_documents(tokens, 16, 400, seed)
 
 
 def run(tokens: int, hidden: int, pattern: str, repeat: int) -> tuple[list[Result], dict]:

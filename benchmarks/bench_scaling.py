@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import Possible, Result, Timings, alternate, results_table, table
+from benchmarks.common import Possible, Result, Timings, alternate, fill_with_documents, results_table, table
 
 HIDDEN = 128
 SIZES = [4096, 8192, 16384, 32768, 65536, 131072]
@@ -46,13 +46,7 @@ def document_lengths(name: str, tokens: int) -> list[int]:
     """64-token documents for a layer; 16-127 tokens (seeded) for the model, the last one cut to fit."""
     if name != MODEL:
         return [64] * (tokens // 64) + ([tokens % 64] if tokens % 64 else [])
-    g = torch.Generator().manual_seed(0)
-    lengths, left = [], tokens
-    while left > 0:
-        n = min(left, int(torch.randint(16, 128, (1,), generator=g)))
-        lengths.append(n)
-        left -= n
-    return lengths
+    return fill_with_documents(tokens, 16, 128)
 
 
 def build(name: str):

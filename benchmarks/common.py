@@ -140,6 +140,18 @@ def alternate(fns: dict[str, Callable[[], object]], rounds: int = 3, warmup: int
     return Timings(times, others)
 
 
+def fill_with_documents(tokens: int, low: int, high: int, seed: int = 0) -> list[int]:
+    """Document lengths drawn uniformly from ``[low, high)`` (seeded) until they fill ``tokens``;
+    the last one is cut to fit."""
+    g = torch.Generator().manual_seed(seed)
+    lengths, left = [], tokens
+    while left > 0:
+        n = min(left, int(torch.randint(low, high, (1,), generator=g)))
+        lengths.append(n)
+        left -= n
+    return lengths
+
+
 def table(headers: list[str], rows: list[list[object]]) -> str:
     """A GitHub-flavoured markdown table."""
     cells = [[str(c) for c in row] for row in rows]

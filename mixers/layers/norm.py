@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.chunks import compute_dtype
+from ..ops.chunks import compute_dtype, row_blocks
 
 _ACTIVATIONS = {"swish": F.silu, "silu": F.silu, "sigmoid": torch.sigmoid}
 
@@ -27,20 +27,6 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-
-
-_BLOCK_ELEMENTS = 1 << 18       # rows per step of the loops below: ~1 MB of fp32 temporaries
-
-
-def _row_blocks(rows: int, width: int):
-    """Row ranges of about :data:`_BLOCK_ELEMENTS` elements (one range while compiling: the
-    compiler fuses the elementwise steps, so there is nothing to bound)."""
-    if torch.compiler.is_compiling():
-        yield 0, rows
-        return
-    step = max(1, _BLOCK_ELEMENTS // max(width, 1))
-    for r0 in range(0, rows, step):
-        yield r0, min(r0 + step, rows)
 
 
 def _act_and_grad(gate: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +55,7 @@ class _RMSNormFn(torch.autograd.Function):
         w = upcast(weight)
         out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         rstd = torch.empty(x2.shape[0], 1, dtype=w.dtype, device=x.device)
-        for r0, r1 in _row_blocks(*x2.shape):
+        for r0, r1 in row_blocks(*x2.shape):
             xf = upcast(x2[r0:r1])
             r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
             rstd[r0:r1] = r
@@ -84,7 +70,7 @@ class _RMSNormFn(torch.autograd.Function):
         w = upcast(weight)
         g_x = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         g_w = torch.zeros_like(w)
-        for r0, r1 in _row_blocks(*x2.shape):
+        for r0, r1 in row_blocks(*x2.shape):
             hat = upcast(x2[r0:r1]) * rstd[r0:r1]
             g = upcast(g2[r0:r1])
             g_w += (g * hat).sum(0)
@@ -104,7 +90,7 @@ class _GatedRMSNormFn(torch.autograd.Function):
         x2, gate2, w = x.reshape(-1, dim), gate.reshape(-1, dim), upcast(weight)
         out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         rstd = torch.empty(x2.shape[0], dim // group_size, 1, dtype=w.dtype, device=x.device)
-        for r0, r1 in _row_blocks(*x2.shape):
+        for r0, r1 in row_blocks(*x2.shape):
             xf, gf = upcast(x2[r0:r1]), upcast(gate2[r0:r1])
             act = _ACTIVATIONS[activation](gf)
             y = (xf if norm_before_gate else xf * act).reshape(r1 - r0, -1, group_size)
@@ -125,7 +111,7 @@ class _GatedRMSNormFn(torch.autograd.Function):
         g_x = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         g_gate = torch.empty(gate2.shape, dtype=gate.dtype, device=x.device)
         g_w = torch.zeros_like(w)
-        for r0, r1 in _row_blocks(*x2.shape):
+        for r0, r1 in row_blocks(*x2.shape):
             rows = r1 - r0
             xf, gf, g = upcast(x2[r0:r1]), upcast(gate2[r0:r1]), upcast(g2[r0:r1])
             act, d_act = _act_and_grad(gf, activation)

@@ -53,3 +53,18 @@ def suffix_sums(g: torch.Tensor, dim: int) -> torch.Tensor:
     sums, which loses ``ulp(|cumsum|)`` when one gate of the chunk is large."""
     after = torch.cat([g.narrow(dim, 1, g.shape[dim] - 1), torch.zeros_like(g.narrow(dim, 0, 1))], dim)
     return after.flip(dim).cumsum(dim).flip(dim)
+
+
+ROW_BLOCK_ELEMENTS = 1 << 18    # ~1 MB of fp32 temporaries per step of a blockwise elementwise pass
+
+
+def row_blocks(rows: int, width: int, elements: int = ROW_BLOCK_ELEMENTS):
+    """Row ranges ``(r0, r1)`` of about ``elements`` elements of a ``[rows, width]`` tensor, for
+    elementwise passes that must not allocate full-size temporaries; one range while compiling
+    (the compiler fuses the elementwise steps, so there is nothing to bound)."""
+    if torch.compiler.is_compiling():
+        yield 0, rows
+        return
+    step = max(1, elements // max(width, 1))
+    for r0 in range(0, rows, step):
+        yield r0, min(r0 + step, rows)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ssm_pack.segments import Segments
 
-from ..chunks import compute_dtype
+from ..chunks import compute_dtype, row_blocks
 from .depthwise import conv_anticausal, conv_causal, weight_grad
 
 
@@ -95,16 +95,6 @@ def _pre_activation(x_tok, weight, bias, slots, rows, valid):
     return pre_ext, tokens
 
 
-def _row_blocks(rows: int, width: int, elements: int = 1 << 18):
-    """Row ranges of about ``elements`` elements (one range while compiling: the compiler fuses)."""
-    if torch.compiler.is_compiling():
-        yield 0, rows
-        return
-    step = max(1, elements // max(width, 1))
-    for r0 in range(0, rows, step):
-        yield r0, min(r0 + step, rows)
-
-
 class VarlenConv(torch.autograd.Function):
     """``out [N, D] = act(conv(x_tok))`` with each segment's first J outputs from its own window.
 
@@ -143,7 +133,7 @@ class VarlenConv(torch.autograd.Function):
         state_len = weight.shape[1] - 1
         if ctx.silu:                               # d silu(p) = sig (1 + p (1 - sig)), p recomputed
             g_pre = _pre_activation(x_tok, weight, bias, slots, rows, valid)[0][:n]
-            for r0, r1 in _row_blocks(n, dim):     # in place, block by block: no full-size temporary
+            for r0, r1 in row_blocks(n, dim):     # in place, block by block: no full-size temporary
                 pre = g_pre[r0:r1]
                 sig = torch.sigmoid(pre)
                 pre.mul_(torch.rsub(sig, 1)).add_(1).mul_(sig).mul_(grad[r0:r1])

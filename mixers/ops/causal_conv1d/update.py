@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ssm_pack.checks import check_tensor, describe
+from ssm_pack.checks import check_tensor
 
 from .. import dispatch
 from .._autocast import outside_autocast
+from .._slots import state_rows
 from ..chunks import compute_dtype
 from . import update_kernels
 from ._validate import ACTIVATIONS
@@ -51,15 +52,7 @@ def _check(x, conv_state, weight, bias, activation, cache_seqlens, indices):
     if cache_seqlens is not None:
         raise ValueError("cache_seqlens (causal-conv1d's circular conv_state) is not supported; keep the "
                          "state as the last L inputs (cache_seqlens=None)")
-    if indices is None:
-        if conv_state.shape[0] != rows:
-            raise ValueError(f"conv_state has {conv_state.shape[0]} rows but x has {rows}; pass "
-                             "conv_state_indices to name each row's state")
-        return None
-    check_tensor("conv_state_indices", indices, ndim=1, integer=True)
-    if indices.shape[0] != rows:
-        raise ValueError(f"conv_state_indices must be [N] = [{rows}], got {describe(indices)}")
-    return indices.to(device=x.device, dtype=torch.int64)
+    return state_rows(indices, conv_state, rows, x.device, state_name="conv_state", indices_name="conv_state_indices")
 
 
 def _reference(x, conv_state, weight, bias, activation, indices):

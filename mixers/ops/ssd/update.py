@@ -23,10 +23,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ssm_pack.checks import check_tensor, describe
+from ssm_pack.checks import check_tensor
 
 from .. import dispatch
 from .._autocast import outside_autocast
+from .._slots import state_rows
 from ..chunks import compute_dtype
 from .dt import process_dt
 from .update_kernel import selective_state_update_kernel, unsupported
@@ -72,15 +73,7 @@ def _check(state, x, dt, A, B, C, D, z, dt_bias, indices, dt_limit):
         _shape("z", z, (rows, heads, p))
     if (not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2 or dt_limit[0] > dt_limit[1]):
         raise ValueError(f"dt_limit must be a (low, high) pair with low <= high, got {dt_limit!r}")
-    if indices is None:
-        if state.shape[0] != rows:
-            raise ValueError(f"state has {state.shape[0]} rows but x has {rows}; pass state_batch_indices "
-                             "to name each row's state")
-        return None
-    check_tensor("state_batch_indices", indices, ndim=1, integer=True)
-    if indices.shape[0] != rows:
-        raise ValueError(f"state_batch_indices must be [N] = [{rows}], got {describe(indices)}")
-    return indices.to(device=x.device, dtype=torch.int64)
+    return state_rows(indices, state, rows, x.device, state_name="state", indices_name="state_batch_indices")
 
 
 def _reference(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, indices, dt_limit):
