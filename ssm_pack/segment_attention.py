@@ -9,10 +9,11 @@ and the reference of ``mixers.ops.varlen_attention`` (segments from ``cu_seqlens
 A query attends only keys of its own segment, and no segment is longer than ``span`` tokens, so
 block ``i`` of queries ``[iQ, iQ + Q)`` needs keys ``[iQ - back, iQ + Q + ahead)`` only, where
 ``back`` / ``ahead`` are the span (narrowed by a sliding window; ``ahead = 0`` when causal)
-rounded up to a power-of-two multiple of Q. Every block's window is a view into one padded copy
-of K and V; groups of blocks run as batched matmuls. Time and memory grow with ``T * W``, not
-``T^2``; all sizes derive from shapes and ``span``, so nothing reads a tensor value (the rounding
-keeps the number of distinct sizes, hence ``torch.compile`` specialisations, logarithmic).
+rounded up to a multiple of Q. Every block's window is a view into one padded copy of K and V;
+groups of blocks run as batched matmuls. Time and memory grow with ``T * W``, not ``T^2``; all
+sizes derive from shapes and ``span``, so nothing reads a tensor value. While ``torch.compile``
+traces, the reach is rounded to a power-of-two multiple of Q instead, which keeps the number of
+distinct sizes, hence compile specialisations, logarithmic in the longest document.
 
 1. scores ``q k^T * scale`` per group, ``-inf`` outside the keep-mask (same segment, causal,
    window); 2. ``lse = logsumexp``, ``p = exp(s - lse)``; 3. ``out = p v``. The backward recomputes
@@ -42,10 +43,14 @@ _GROUP_ELEMENTS = 1 << 22          # scores of one group of blocks: ~16 MB in fp
 
 
 def _reach(span: int, limit: int, block: int) -> int:
-    """Keys needed on one side: ``min(span - 1, limit)`` rounded up to ``block * 2**k`` (0 stays 0)."""
+    """Keys needed on one side: ``min(span - 1, limit)`` rounded up to a multiple of ``block``
+    (0 stays 0); while compiling, to ``block * 2**k``, so that the sizes a graph specialises on
+    stay few (logarithmic in the longest document) at the price of up to twice the keys."""
     need = span - 1 if limit < 0 else min(span - 1, limit)
     if need <= 0:
         return 0
+    if not torch.compiler.is_compiling():
+        return -(-need // block) * block
     size = block
     while size < need:
         size *= 2
