@@ -1,7 +1,7 @@
 """Run every benchmark, write a markdown report and PNG plots.
 
     python -m benchmarks                 # quick sizes: about 2 minutes on 2 cores (a smoke run)
-    python -m benchmarks --full          # the sizes the targets are defined at: about 20 minutes
+    python -m benchmarks --full          # the sizes the targets are defined at: about 10 minutes
     python -m benchmarks --out bench_out
 
 Every figure is a ratio measured side by side in one run; nothing here is asserted. Benchmarks
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    print(f"{'full sizes: about 20' if args.full else 'quick sizes: about 2'} minutes on 2 cores (more when a group is "
+    print(f"{'full sizes: about 10' if args.full else 'quick sizes: about 2'} minutes on 2 cores (more when a group is "
           "UNSTABLE and rerun); the targets are defined at the full sizes", flush=True)
     results = collect(FULL if args.full else QUICK, lambda m: print(f"  {m}", flush=True))
     sections = []
