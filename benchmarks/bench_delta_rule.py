@@ -30,12 +30,21 @@ import torch.nn.functional as F
 
 from benchmarks import peers
 from benchmarks.bench_metadata import random_lengths
-from benchmarks.common import Possible, Result, alternate, ratio_result, results_table, settle
+from benchmarks.common import (
+    ROOFLINE,
+    Possible,
+    Result,
+    alternate,
+    ratio_result,
+    results_table,
+    roofline_matmul,
+    roofline_result,
+    settle,
+)
 from mixers.ops import chunk_gated_delta_product, chunk_gated_delta_rule, chunk_kda, varlen_attention
 from ssm_pack import lengths_to_cu_seqlens, max_seqlen_from_cu_seqlens
 
 GROUP = "delta rule"
-MATMUL = 1024            # the square matmul whose FLOP/s is the roofline yardstick
 
 
 def inputs(tokens, heads, dim, grad=False, kda=False, householder=1):
@@ -71,9 +80,8 @@ def forward_rows(tokens, dim, heads, repeat) -> list[Result]:
     xk = inputs(tokens, heads, dim, kda=True)
     xp = inputs(tokens, heads, dim, householder=2)
     cu = lengths_to_cu_seqlens(random_lengths(tokens, 256))
-    a, b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
     fns = {"gdn": lambda: chunk_gated_delta_rule(*x), "docs": lambda: chunk_gated_delta_rule(*x, cu_seqlens=cu),
-           "kda": lambda: chunk_kda(*xk), "gdp": lambda: chunk_gated_delta_product(*xp, 2), "matmul": lambda: a @ b}
+           "kda": lambda: chunk_kda(*xk), "gdp": lambda: chunk_gated_delta_product(*xp, 2), "matmul": roofline_matmul()}
     hf, naive, naive_kda = peers.hf_torch_gdn(), peers.fla_naive_gdn(), peers.fla_naive_kda()
     if hf is not None:
         fns["hf"] = lambda: hf(*x)
@@ -90,14 +98,8 @@ def forward_rows(tokens, dim, heads, repeat) -> list[Result]:
             rows.append(ratio_result(GROUP, f"GDN fwd speed-up over {who} ({tag})", t, "gdn", key, 2))
     if "naive_kda" in fns:
         rows.append(ratio_result(GROUP, f"KDA fwd speed-up over fla naive_chunk_kda ({tag})", t, "kda", "naive_kda", 2))
-    # achieved FLOP/s over the matmul's: (F / t_gdn) / (M / t_mm) = t_mm * (F / M) / t_gdn
-    flops, mm_flops = gdn_flops(tokens, heads, dim), 2 * MATMUL ** 3
-    frac = ratio_result(GROUP, f"GDN fwd GFLOP/s vs torch.matmul {MATMUL}^3 ({tag})",
-                        t.scaled({"matmul": flops / mm_flops}), "gdn", "matmul", 0.40,
-                        possible=Possible(None, 1.0, "the algorithm's matmuls cannot beat a large matmul's rate"))
-    frac.ours, frac.other, frac.unit = flops / t.best("gdn") / 1e9, mm_flops / t.best("matmul") / 1e9, "GFLOP/s"
-    frac.ratio_unit = ""
-    rows.append(frac)
+    rows.append(roofline_result(GROUP, f"GDN fwd GFLOP/s vs torch.matmul {ROOFLINE}^3 ({tag})", t, "gdn",
+                                gdn_flops(tokens, heads, dim), 0.40))
     rows.append(ratio_result(GROUP, f"GDN fwd, 256 documents vs one ({tag})", t, "docs", "gdn", 1.1, False))
     rows.append(ratio_result(GROUP, f"KDA vs GDN fwd ({tag})", t, "kda", "gdn", 1.5, False))
     rows.append(ratio_result(GROUP, f"GDP(2) vs GDN fwd ({tag})", t, "gdp", "gdn", 2.2, False,

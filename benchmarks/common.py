@@ -314,6 +314,28 @@ def ratio_result(group: str, measure: str, timings: Timings, ours: str, other: s
                   rounds=rounds, bound=bound, possible=possible, load=timings.load(ours, other))
 
 
+ROOFLINE = 1024        # the square matmul whose FLOP/s is the roofline yardstick
+
+
+def roofline_matmul(n: int = ROOFLINE) -> Callable[[], object]:
+    """The yardstick to alternate with the measured function: one ``n x n`` fp32 matmul."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return lambda: a @ b
+
+
+def roofline_result(group: str, measure: str, timings: Timings, ours: str, flops: float, target: float | None,
+                    *, yardstick: str = "matmul", n: int = ROOFLINE) -> Result:
+    """Achieved FLOP/s of ``ours`` (``flops`` per run) as a fraction of the yardstick matmul's, from
+    the same alternating rounds: ``(F / t_ours) / (M / t_mm) = t_mm * (F / M) / t_ours``."""
+    mm_flops = 2 * n ** 3
+    r = ratio_result(group, measure, timings.scaled({yardstick: flops / mm_flops}), ours, yardstick, target,
+                     possible=Possible(None, 1.0, "the algorithm's matmuls cannot beat a large matmul's rate"))
+    r.ours, r.other = flops / timings.best(ours) / 1e9, mm_flops / timings.best(yardstick) / 1e9
+    r.unit, r.ratio_unit = "GFLOP/s", ""
+    r.unstable = r._instability()                      # its reason worded in the fraction's unit
+    return r
+
+
 def settle(run: Callable[[], list[Result]], *, retries: int = RETRIES, log: Callable[[str], None] | None = None
            ) -> list[Result]:
     """Run a group of figures; while any is UNSTABLE, rerun the group (at most ``retries`` times).

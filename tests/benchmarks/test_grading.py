@@ -87,3 +87,14 @@ def test_settle_reports_a_figure_that_never_settles_as_unstable():
 def test_a_result_without_rounds_is_graded_on_its_one_value():
     r = Result("g", "m", 1.0, 2.0, 2.0, 1.5)
     assert r.unstable is None and r.passed is True and r.spread() == "(one measurement)"
+
+
+def test_roofline_fraction_comes_from_the_same_rounds_and_cannot_exceed_the_matmul():
+    from benchmarks.common import ROOFLINE, roofline_result
+    mm = 2 * ROOFLINE ** 3
+    t = Timings({"ours": [2.0, 2.0, 2.1], "matmul": [1.0, 1.0, 1.05]})
+    r = roofline_result("g", "m", t, "ours", flops=mm * 0.8, target=0.3)       # 0.8 of a matmul in twice its time
+    assert r.ratio == pytest.approx(0.4) and r.passed is True and r.unit == "GFLOP/s"
+    same = Timings({"ours": [1.0] * 3, "matmul": [1.0] * 3})
+    fast = roofline_result("g", "m", same, "ours", flops=mm * 2, target=0.3)      # twice a matmul's rate
+    assert fast.unstable is not None and fast.unstable.startswith("impossible") and fast.passed is None
