@@ -25,10 +25,6 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
     return t.to(compute_dtype(t.dtype))
 
 
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-
-
 def _act_and_grad(gate: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(act(gate), act'(gate))``."""
     sig = torch.sigmoid(gate)
