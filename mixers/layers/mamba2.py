@@ -52,6 +52,14 @@ class Mamba2Mixer(Mamba2Cached, MixerBase):
                                  group_size=c.d_inner // c.num_groups)
         self.out_proj = nn.Linear(c.d_inner, c.hidden_size, bias=False)
 
+    def _in_projections(self, hidden_states: torch.Tensor):
+        """``(z, x B C, dt)`` of ``hidden_states [B, T, hidden]``: ``in_proj`` as three products with its
+        weight's row blocks, so each part is its own contiguous tensor (the conv reads ``x B C`` without
+        a copy) and no ``[T, in_proj]`` gradient is assembled in backward."""
+        c = self.config
+        sizes = [c.d_inner, c.d_inner + 2 * c.num_groups * c.state_size, c.num_heads]
+        return tuple(F.linear(hidden_states, w) for w in torch.split(self.in_proj.weight, sizes, 0))
+
     def forward(self, hidden_states: torch.Tensor, packed_seq_params=None, *, cache=None,
                 cache_slots=None) -> torch.Tensor:
         if cache is not None or cache_slots is not None:   # inference: mamba2_cache.py
@@ -59,11 +67,7 @@ class Mamba2Mixer(Mamba2Cached, MixerBase):
         c = self.config
         varlen = self.varlen(hidden_states, packed_seq_params)
         b, t, _ = hidden_states.shape
-        # in_proj as three products (its weight's row blocks): each part is its own contiguous tensor, so
-        # the conv reads x B C without a copy and no [T, in_proj] gradient is assembled in backward
-        parts = torch.split(self.in_proj.weight, [c.d_inner, c.d_inner + 2 * c.num_groups * c.state_size,
-                                                  c.num_heads], 0)
-        z, xbc, dt = (F.linear(hidden_states, w) for w in parts)
+        z, xbc, dt = self._in_projections(hidden_states)
         xbc = self.conv(xbc, varlen)
         x, B, C = torch.split(xbc, [c.d_inner, c.num_groups * c.state_size, c.num_groups * c.state_size], -1)
         y = mamba_chunk_scan_combined(

@@ -44,7 +44,7 @@ class Mamba2Cached(CachedMixin):
         c = self.config
         b, t, _ = hidden_states.shape
         heads, p, groups, ns = c.num_heads, c.head_dim, c.num_groups, c.state_size
-        z, xbc, dt = torch.split(self.in_proj(hidden_states), [c.d_inner, c.d_inner + 2 * groups * ns, heads], -1)
+        z, xbc, dt = self._in_projections(hidden_states)
         xbc = conv_cached(self.conv, xbc, cache, "conv", batch)
         x, B, C = torch.split(xbc, [c.d_inner, groups * ns, groups * ns], -1)
         A = -torch.exp(upcast(self.A_log))
