@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from .prep import Prep, chunk_masks, into, prep_backward, prep_forward
+from .._inplace import into
+from .prep import Masks, Prep, chunk_masks, prep_backward, prep_forward
 
 _BLOCK_CHUNK_HEADS = 64
 
@@ -59,7 +60,7 @@ def _store(dst: torch.Tensor, src: torch.Tensor, t0: int) -> None:
 class _Block:
     """One block's inputs, chunk-major, and its masks."""
 
-    def __init__(self, q, k, v, g, beta, seg, enter, c0, c1, length, scale):
+    def __init__(self, q, k, v, g, beta, masks: Masks, c0, c1, length, scale):
         n, b, h, kd = c1 - c0, q.shape[0], q.shape[2], q.shape[3]
         t0 = c0 * length
         self.n, self.t0 = n, t0
@@ -72,11 +73,17 @@ class _Block:
         gb = _chunks(g, t0, n, length).reshape(n * b, length, -1)                  # [X, L, H*Kg]
         self.args = (left.view(-1, 2 * length, kd), kb.view(-1, length, kd), vb.view(-1, length, vb.shape[-1]),
                      bb.view(-1, length, 1), gb)
-        segb = seg[:, c0:c1].transpose(0, 1).reshape(n * b, length)
-        self.masks = chunk_masks(segb, enter[:, c0:c1].transpose(0, 1).reshape(n * b), q.dtype)
+        self.masks = masks.rows(c0 * b, c1 * b)
 
     def prep(self) -> Prep:
         return prep_forward(*self.args, self.masks)
+
+
+def _all_masks(seg: torch.Tensor, enter: torch.Tensor, dtype) -> Masks:
+    """The masks of every chunk, chunk-major (``X = C * B``: a block's chunks are a range of rows),
+    built once per call: a block's own would cost a dozen small ops each time."""
+    b, c, length = seg.shape
+    return chunk_masks(seg.transpose(0, 1).reshape(c * b, length), enter.transpose(0, 1).reshape(c * b), dtype)
 
 
 def recurrence(p: Prep, state: torch.Tensor, n: int):
@@ -114,8 +121,9 @@ class DeltaRuleBlocked(torch.autograd.Function):
         out = v.new_empty(b, t, h, vd)
         state = h0.reshape(b * h, *h0.shape[2:]).to(q.dtype)
         checkpoints = []
+        masks = _all_masks(seg, enter, q.dtype)
         for c0, c1 in _blocks(b, h, seg.shape[1]):
-            blk = _Block(q, k, v, g, beta, seg, enter, c0, c1, chunk, scale)
+            blk = _Block(q, k, v, g, beta, masks, c0, c1, chunk, scale)
             p = blk.prep()
             checkpoints.append(state)
             states, delta = recurrence(p, state, blk.n)
@@ -136,9 +144,10 @@ class DeltaRuleBlocked(torch.autograd.Function):
         d_state = q.new_zeros(b * h, kd, vd) if d_final is None else d_final.reshape(b * h, kd, vd).clone()
         d_out = torch.zeros_like(v) if d_out is None else d_out
         blocks = _blocks(b, h, seg.shape[1])
+        masks = _all_masks(seg, enter, q.dtype)
         for index in range(len(blocks) - 1, -1, -1):
             c0, c1 = blocks[index]
-            blk = _Block(q, k, v, g, beta, seg, enter, c0, c1, ctx.chunk, ctx.scale)
+            blk = _Block(q, k, v, g, beta, masks, c0, c1, ctx.chunk, ctx.scale)
             d_o = _chunks(d_out, blk.t0, blk.n, ctx.chunk).permute(0, 1, 3, 2, 4).reshape(-1, ctx.chunk, vd)
             d_state, block_grads = _block_backward(blk.prep(), checkpoints[index], d_o, d_state, blk.n)
             block_grads[0].mul_(ctx.scale)
@@ -157,15 +166,18 @@ def _block_backward(p: Prep, checkpoint, d_o, d_state, n):
     from_read = torch.bmm(p.q_read.transpose(1, 2), d_o).view(n, bh, kd, vd)    # d S from o = q_read S
     w_read, k_out = p.w_read.view(n, bh, length, kd), p.k_out.view(n, bh, length, kd)
     kappa = p.kappa.view(n, bh, -1, 1)
-    d_x = d_o.new_empty(N, length, kd + vd)                                      # [d_w_read | d delta]
-    dd = d_x[..., kd:].view(n, bh, length, vd)
+    # every product below writes a contiguous buffer: a strided ``out=`` makes bmm fall back to one
+    # matmul per batch entry
+    dd = d_o.new_empty(n, bh, length, vd)                                        # d delta
     d_after = d_o.new_empty(n, bh, kd, vd)                                       # d of each leaving state
+    d_after[n - 1] = d_state
     for j in range(n - 1, -1, -1):
-        d_after[j] = d_state
-        into(dd[j], torch.baddbmm, from_out[j], k_out[j], d_state)
-        d_state = torch.baddbmm(from_read[j], w_read[j].transpose(1, 2), dd[j], alpha=-1).addcmul_(kappa[j], d_state)
+        into(dd[j], torch.baddbmm, from_out[j], k_out[j], d_after[j])
+        d_enter = d_after[j - 1] if j else d_state
+        into(d_enter, torch.baddbmm, from_read[j], w_read[j].transpose(1, 2), dd[j], alpha=-1)
+        d_enter.addcmul_(kappa[j], d_after[j])
     S = states[:n].view(N, kd, vd)
-    into(d_x[..., :kd], torch.bmm, d_x[..., kd:], S.transpose(1, 2)).neg_()   # d w_read = -d delta S^T
+    d_x = torch.cat([torch.bmm(dd.view(N, length, vd), S.transpose(1, 2)).neg_(), dd.view(N, length, vd)], -1)
     d_q_read = torch.bmm(d_o, S.transpose(1, 2))
     d_qk = torch.bmm(d_o, delta.view(N, length, vd).transpose(1, 2))
     d_k_out = torch.bmm(delta.view(N, length, vd), d_after.view(N, kd, vd).transpose(1, 2))

@@ -26,8 +26,8 @@ of factors <= 1 has a small *relative* error, like the step recurrence's.
   where the true value is smaller still), each a product inside its half block.
   Halving the chunk recursively puts every pair ``s < t`` in exactly one (upper half, lower
   half) block whose split point lies between them, and each block is one batched matmul (q and
-  beta k rows stacked, sharing the k factor). A pair from two segments is excluded by zeroing
-  the factor rows whose segment differs from the reference's.
+  beta k rows stacked, sharing the k factor). A pair from two segments is zeroed at the end by the
+  same-segment mask (its product is finite: factors <= 1 times finite inputs).
 
 The factors of all levels come from one doubling pass (:class:`_Levels`). The backward returns
 the gradient with respect to the cumulative log-decay ``G`` (the interval sums are ``G_t - G_s``
@@ -40,6 +40,8 @@ Quadrants are views built from ``view`` and ``torch.diagonal`` (no ``as_strided`
 from __future__ import annotations
 
 import torch
+
+from .._inplace import into
 
 
 def quadrant(m: torch.Tensor, block: int, row: int = 1, col: int = 0) -> torch.Tensor:
@@ -105,35 +107,39 @@ def scalar_decay(gate: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return decay.view(keep.shape[0], -1, length, length).mul_(keep).view(n, length, length)
 
 
-def _segment_masks(seg: torch.Tensor, block: int, dtype):
-    """``(upper, lower)`` ``[N, L/block, half, 1]``: the rows whose segment is the reference's."""
-    s_up, s_lo, s_ref = _halves(seg, block)
-    ref = s_ref.unsqueeze(-1)
-    return (s_up == ref).unsqueeze(-1).to(dtype), (s_lo == ref).unsqueeze(-1).to(dtype)
+def _pair_quadrant(s2: torch.Tensor, block: int) -> torch.Tensor:
+    """View ``[N, L/block, 2, half, half]`` of the lower-left quadrants of both Grams of ``s2 [N, 2, L, L]``."""
+    n, _, length, _ = s2.shape
+    half = block // 2
+    return quadrant(s2.view(n * 2, length, length), block).view(n, 2, length // block, half, half).transpose(1, 2)
 
 
-def _factors(q, bk, k, up, lo, seg, block):
-    """One recursion level: left factors of q and beta k (upper halves), the right factor of k
-    (lower halves), and the two masked decay factors, ``[N, L/block, half, K]`` each."""
-    m_up, m_lo = _segment_masks(seg, block, up.dtype)
-    e_up, e_lo = up * m_up, lo * m_lo
-    return _halves(q, block)[0] * e_up, _halves(bk, block)[0] * e_up, _halves(k, block)[1] * e_lo, e_up, e_lo
+def _left_factors(left: torch.Tensor, up: torch.Tensor, block: int) -> torch.Tensor:
+    """``[N, L/block, 2 * half, K]``: the upper halves of both ``q`` and ``beta k`` (``left [N, 2L, K]``)
+    times ``up``, stacked per block (one product, no concatenation)."""
+    n, two_l, kd = left.shape
+    half, nb = block // 2, two_l // 2 // block
+    out = left.new_empty(n, nb, 2, half, kd)
+    upper = left.view(n, 2, nb, block, kd)[:, :, :, half:]                     # [N, 2, nb, half, K]
+    into(out.transpose(1, 2), torch.mul, upper, up.unsqueeze(1))
+    return out.view(n, nb, 2 * half, kd)
 
 
-def channel_grams(q, bk, k, gate, seg) -> torch.Tensor:
-    """``S2 [N, 2, L, L]`` for per-channel gates: ``q, bk = beta k, k [N, L, K]``, ``gate [N, L, K]``,
-    ``seg [N, L]`` segment ids."""
+def channel_grams(left, k, gate, keep) -> torch.Tensor:
+    """``S2 [N, 2, L, L]`` for per-channel gates: ``left = [q; beta k] [N, 2L, K]``, ``k [N, L, K]``,
+    ``gate [N, L, K]``, ``keep [X, 1, L, L]`` (``N = X * H``) the same-segment causal mask as floats.
+
+    The products are taken for every pair of a block (both factors are finite and <= 1 times finite
+    values); the pairs of two segments are zeroed by ``keep`` at the end."""
     n, length, _ = k.shape
     s2 = k.new_zeros(n, 2, length, length)
-    qk, kk = s2[:, 0], s2[:, 1]
     for block, up, lo in _Levels(gate):
-        left_q, left_k, right, _, _ = _factors(q, bk, k, up, lo, seg, block)
-        both = torch.cat([left_q, left_k], dim=2) @ right.transpose(-1, -2)    # [N, L/b, 2*half, half]
+        right = _halves(k, block)[1] * lo                                       # [N, nb, half, K]
+        both = _left_factors(left, up, block) @ right.transpose(-1, -2)        # [N, nb, 2*half, half]
         half = block // 2
-        quadrant(qk, block).copy_(both[:, :, :half])
-        quadrant(kk, block).copy_(both[:, :, half:])
-    qk.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))
-    return s2
+        _pair_quadrant(s2, block).copy_(both.view(n, length // block, 2, half, half))
+    s2[:, 0].diagonal(dim1=-2, dim2=-1).copy_((left[:, :length] * k).sum(-1))
+    return s2.view(keep.shape[0], -1, 2, length, length).mul_(keep.unsqueeze(2)).view(n, 2, length, length)
 
 
 def scalar_grams_backward(d_s2, s2, decay, left, k):
@@ -147,25 +153,32 @@ def scalar_grams_backward(d_s2, s2, decay, left, k):
     return torch.bmm(scaled, k), torch.bmm(scaled.transpose(1, 2), left), dG
 
 
-def channel_grams_backward(d_s2, q, bk, k, gate, seg):
-    """Backward of :func:`channel_grams`: ``(dq, d_bk, dk, dG [N, L, K])``."""
-    d_qk, d_kk = d_s2[:, 0], d_s2[:, 1]
-    dq, d_bk, dk, dg = torch.zeros_like(q), torch.zeros_like(bk), torch.zeros_like(k), torch.zeros_like(gate)
-    for block, up_f, lo_f in _Levels(gate):
-        left_q, left_k, right, e_up, e_lo = _factors(q, bk, k, up_f, lo_f, seg, block)
-        b_qk, b_kk = quadrant(d_qk, block), quadrant(d_kk, block)             # [N, L/b, half, half]
-        d_left_q, d_left_k = b_qk @ right, b_kk @ right
-        d_right = b_qk.transpose(-1, -2) @ left_q + b_kk.transpose(-1, -2) @ left_k
-        _halves(dq, block)[0].add_(d_left_q * e_up)
-        _halves(d_bk, block)[0].add_(d_left_k * e_up)
-        _halves(dk, block)[1].add_(d_right * e_lo)
+def channel_grams_backward(d_s2, left, k, gate, keep):
+    """Backward of :func:`channel_grams`: ``(d_left [N, 2L, K], dk, dG [N, L, K])``; ``d_s2`` is
+    overwritten."""
+    n, _, length, _ = d_s2.shape
+    kd = k.shape[-1]
+    d = d_s2.view(keep.shape[0], -1, 2, length, length).mul_(keep.unsqueeze(2)).view(n, 2, length, length)
+    d_left, dk, dg = torch.zeros_like(left), torch.zeros_like(k), torch.zeros_like(gate)
+    d_pair = d_left.view(n, 2, length, kd)
+    for block, up, lo in _Levels(gate):
+        half, nb = block // 2, length // block
+        lower = _halves(k, block)[1]
+        right = lower * lo
+        factors = _left_factors(left, up, block)                                 # [N, nb, 2*half, K]
+        grad = _pair_quadrant(d, block).reshape(n, nb, 2 * half, half)
+        d_factors = grad @ right                                                 # [N, nb, 2*half, K]
+        d_right = grad.transpose(-1, -2) @ factors                               # [N, nb, half, K]
+        d_pair.view(n, 2, nb, block, kd)[:, :, :, half:].add_(
+            d_factors.view(n, nb, 2, half, kd).transpose(1, 2) * up.unsqueeze(1))
+        dk.view(n, nb, block, kd)[:, :, :half].add_(d_right * lo)
         dg_up, dg_lo, dg_ref = _halves(dg, block)
-        up = d_left_q * left_q + d_left_k * left_k
-        lo = d_right * right
-        dg_up += up
-        dg_lo -= lo
-        dg_ref += lo.sum(2) - up.sum(2)
-    dd = d_qk.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
-    dq += dd * k
-    dk += dd * q
-    return dq, d_bk, dk, dg
+        u = (d_factors * factors).view(n, nb, 2, half, kd).sum(2)              # d up * up
+        w = d_right * right                                                     # d lo * lo
+        dg_up += u
+        dg_lo -= w
+        dg_ref += w.sum(2) - u.sum(2)
+    dd = d[:, 0].diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
+    d_left[:, :length] += dd * k
+    dk += dd * left[:, :length]
+    return d_left, dk, dg

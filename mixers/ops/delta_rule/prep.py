@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._inplace import into
 from ..chunks import LOG_DECAY_FLOOR, same_segment_causal
 from .gram import channel_grams, channel_grams_backward, scalar_decay, scalar_grams_backward
 from .wy import unit_lower_inverse
@@ -47,7 +48,11 @@ class Masks:
     reads: torch.Tensor       # [X, 1, L, 1] token of the entering state's segment
     last: torch.Tensor        # [X, 1, L, 1] token of the chunk's last segment
     keep_state: torch.Tensor  # [X, 1, 1, 1] the entering state's segment reaches the chunk's end
-    seg: torch.Tensor         # [X, L] segment ids (the per-channel Grams mask by segment)
+
+    def rows(self, r0: int, r1: int) -> Masks:
+        """The masks of chunks ``r0 .. r1 - 1`` (views)."""
+        return Masks(X=r1 - r0, keep=self.keep[r0:r1], sums=self.sums[r0:r1], reads=self.reads[r0:r1],
+                     last=self.last[r0:r1], keep_state=self.keep_state[r0:r1])
 
 
 def chunk_masks(seg: torch.Tensor, enter: torch.Tensor, dtype) -> Masks:
@@ -61,15 +66,7 @@ def chunk_masks(seg: torch.Tensor, enter: torch.Tensor, dtype) -> Masks:
     def col(m):
         return m.to(dtype).reshape(x, 1, length, 1)
     return Masks(X=x, keep=sums[:, None, :length], sums=sums, reads=col(reads), last=col(keep[:, -1]),
-                 keep_state=(seg[:, -1] == enter).to(dtype).reshape(x, 1, 1, 1), seg=seg)
-
-
-def into(out: torch.Tensor, op, *args, **kwargs) -> torch.Tensor:
-    """``op(*args, **kwargs, out=out)``: written in place in eager mode; computed and copied while
-    ``torch.compile`` traces (Dynamo refuses an ``out=`` that is not contiguous)."""
-    if torch.compiler.is_compiling():
-        return out.copy_(op(*args, **kwargs))
-    return op(*args, **kwargs, out=out)
+                 keep_state=(seg[:, -1] == enter).to(dtype).reshape(x, 1, 1, 1))
 
 
 def _heads_major(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -105,6 +102,8 @@ class Prep:
     G: torch.Tensor         # [N, L, Kg]
     decay_in: torch.Tensor  # [N, L, Kg] exp(G)
     tail: torch.Tensor      # [N, L, Kg] exp(suf)
+    read_in: torch.Tensor   # [N, L, Kg] exp(G) on the entering segment's tokens, else 0
+    tail_out: torch.Tensor  # [N, L, Kg] exp(suf) on the chunk's last segment's tokens, else 0
     s2: torch.Tensor        # [N, 2, L, L] (qk, beta kk) decayed
     decay: torch.Tensor | None  # [N, L, L] scalar gate: the decay matrix
     T: torch.Tensor         # [N, L, L] (I + strict(beta kk))^-1
@@ -156,22 +155,25 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False) -> Prep
         s2 = torch.bmm(left, k.transpose(1, 2)).view(n, 2, length, length).mul_(decay.unsqueeze(1))
     else:
         decay = None
-        seg = m.seg.unsqueeze(1).expand(x, heads, length).reshape(n, length)
-        s2 = channel_grams(q, bk, k, gate, seg)
+        s2 = channel_grams(left, k, gate, m.keep)
     T = unit_lower_inverse(s2[:, 1])
+    # the masks multiply the per-token factors (``[N, L, 1]`` for a scalar gate), not the rows
+    read_in = _per_head(decay_in, x).mul(m.reads).view(n, length, -1)         # exp(G) on read rows
+    tail_out = _per_head(tail, x).mul(m.last).view(n, length, -1)             # exp(suf) on last rows
     R = k.new_empty(n, length, kd + v.shape[-1])
-    rw = _per_head(R[..., :kd], x)
-    into(rw, torch.mul, _per_head(bk, x), _per_head(decay_in, x))
-    if not full_w:
-        rw.mul_(m.reads)
+    into(R[..., :kd], torch.mul, bk, decay_in if full_w else read_in)
     into(R[..., kd:], torch.mul, v, beta)
     wu = torch.bmm(T, R)
-    q_read = _per_head(q * decay_in, x).mul_(m.reads).view(n, length, kd)
-    k_out = _per_head(k * tail, x).mul_(m.last).view(n, length, kd)
     kappa = _per_head(decay_in[:, -1:].transpose(1, 2), x).mul(m.keep_state).view(n, -1, 1)
     return Prep(m=m, heads=heads, full_w=full_w, left=left, k=k, v=v, beta=beta, g=g, gate=gate, G=G,
-                decay_in=decay_in, tail=tail, s2=s2, decay=decay, T=T, X=wu, q_read=q_read, k_out=k_out,
-                kappa=kappa)
+                decay_in=decay_in, tail=tail, read_in=read_in, tail_out=tail_out, s2=s2, decay=decay, T=T, X=wu,
+                q_read=q * read_in, k_out=k * tail_out, kappa=kappa)
+
+
+def _masked(t: torch.Tensor, mask: torch.Tensor, x: int) -> torch.Tensor:
+    """``t [N, L, Kg] *= mask [X, 1, L, 1]`` (in place; returns ``t``)."""
+    _per_head(t, x).mul_(mask)
+    return t
 
 
 def _reduce(t: torch.Tensor, kg: int) -> torch.Tensor:
@@ -192,18 +194,18 @@ def prep_backward(p: Prep, d_x, d_q_read, d_qk, d_k_out, d_kappa, d_G=None, d_ga
     d_s2[:, 0].copy_(d_qk)
     into(d_s2[:, 1], torch.bmm, dR, p.X.transpose(1, 2)).neg_()               # dA = -dR X^T
     dR_w, dR_u = dR[..., :kd], dR[..., kd:]
-    if not p.full_w:
-        _per_head(dR_w, x).mul_(m.reads)
-    d_bk = dR_w * p.decay_in
+    d_bk = dR_w * (p.decay_in if p.full_w else p.read_in)
     d_dec = _reduce(dR_w * p.left[:, length:], kg)                             # d exp(G) from R
+    if not p.full_w:
+        _masked(d_dec, m.reads, x)
     dv = dR_u * p.beta
     dbeta = (dR_u * p.v).sum(-1, keepdim=True)
-    q_in = _per_head(d_q_read * p.decay_in, x).mul_(m.reads).view(n, length, kd)
-    d_dec = d_dec + _reduce(_per_head(d_q_read * p.q, x).mul_(m.reads).view(n, length, kd), kg)
+    q_in = d_q_read * p.read_in
+    d_dec += _masked(_reduce(d_q_read * p.q, kg), m.reads, x)
     if d_decay_in is not None:
         d_dec = d_dec + d_decay_in
-    dk = _per_head(d_k_out * p.tail, x).mul_(m.last).view(n, length, kd)
-    d_suf = _reduce(_per_head(d_k_out * p.k, x).mul_(m.last).view(n, length, kd), kg).mul_(p.tail)
+    dk = d_k_out * p.tail_out
+    d_suf = _reduce(d_k_out * p.k, kg).mul_(p.tail_out)
     dG = d_dec.mul_(p.decay_in)
     dG[:, -1] += (d_kappa * p.kappa).squeeze(-1)
     if d_G is not None:
@@ -213,10 +215,9 @@ def prep_backward(p: Prep, d_x, d_q_read, d_qk, d_k_out, d_kappa, d_G=None, d_ga
         dq = d_left[:, :length].add_(q_in)
         d_bk += d_left[:, length:]
     else:
-        seg = m.seg.unsqueeze(1).expand(x, p.heads, length).reshape(n, length)
-        dq, d_bk_g, dk_g, dG_g = channel_grams_backward(d_s2, p.q, p.left[:, length:], p.k, p.gate, seg)
-        dq += q_in
-        d_bk += d_bk_g
+        d_left, dk_g, dG_g = channel_grams_backward(d_s2, p.left, p.k, p.gate, m.keep)
+        dq = d_left[:, :length].add_(q_in)
+        d_bk += d_left[:, length:]
     dk += dk_g
     dG += dG_g
     dk += d_bk * p.beta
