@@ -81,27 +81,27 @@ class _Block:
 
 def _all_masks(seg: torch.Tensor, enter: torch.Tensor, dtype) -> Masks:
     """The masks of every chunk, chunk-major (``X = C * B``: a block's chunks are a range of rows),
-    built once per call: a block's own would cost a dozen small ops each time."""
+    built once per call (a block's own would cost a dozen small ops each time); the ``[2L, L]``
+    matrices stay bools until a block asks for its rows (0.5 KB per token as floats)."""
     b, c, length = seg.shape
-    return chunk_masks(seg.transpose(0, 1).reshape(c * b, length), enter.transpose(0, 1).reshape(c * b), dtype)
+    return chunk_masks(seg.transpose(0, 1).reshape(c * b, length), enter.transpose(0, 1).reshape(c * b), dtype,
+                       bool_sums=True)
 
 
-def recurrence(p: Prep, state: torch.Tensor, n: int):
-    """Run a block's ``n`` chunks from ``state [B*H, K, V]``: ``delta = U - w_read S``,
-    ``S' = kappa S + k_out^T delta``. Returns (states entering each chunk and the leaving one
-    ``[n + 1, B*H, K, V]``, deltas ``[n, B*H, L, V]``)."""
+def recurrence(p: Prep, states: torch.Tensor, n: int) -> torch.Tensor:
+    """Run a block's ``n`` chunks: ``delta = U - w_read S``, ``S' = kappa S + k_out^T delta``.
+    ``states [n + 1, B*H, K, V]`` holds the entering state in ``[0]``; the states leaving each chunk
+    are written to ``[1:]``. Returns the deltas ``[n, B*H, L, V]``."""
     N, length, kd = p.k.shape
     bh, vd = N // n, p.v.shape[-1]
     w_read, U = p.w_read.view(n, bh, length, kd), p.U.view(n, bh, length, vd)
     k_out, kappa = p.k_out.view(n, bh, length, kd), p.kappa.view(n, bh, -1, 1)
-    states = state.new_empty(n + 1, bh, kd, vd)
-    delta = state.new_empty(n, bh, length, vd)
-    states[0] = state
+    delta = states.new_empty(n, bh, length, vd)
     for j in range(n):
         into(delta[j], torch.baddbmm, U[j], w_read[j], states[j], alpha=-1)
         into(states[j + 1], torch.mul, states[j], kappa[j])
         states[j + 1].baddbmm_(k_out[j].transpose(1, 2), delta[j])
-    return states, delta
+    return delta
 
 
 def _heads_major(t: torch.Tensor, n: int, b: int) -> torch.Tensor:
@@ -119,25 +119,34 @@ class DeltaRuleBlocked(torch.autograd.Function):
         b, t, h, _ = q.shape
         vd = v.shape[-1]
         out = v.new_empty(b, t, h, vd)
-        state = h0.reshape(b * h, *h0.shape[2:]).to(q.dtype)
-        checkpoints = []
+        # with gradients wanted, the state entering every chunk (and the final one) is kept for the
+        # backward: K * V / L numbers per token and head, and no replay of the recurrence; without,
+        # one block's worth is reused
+        blocks = _blocks(b, h, seg.shape[1])
+        keep = any(ctx.needs_input_grad)
+        rows = seg.shape[1] if keep else max(c1 - c0 for c0, c1 in blocks)
+        states = q.new_empty(rows + 1, b * h, *h0.shape[2:])
+        states[0] = h0.reshape(b * h, *h0.shape[2:])
         masks = _all_masks(seg, enter, q.dtype)
-        for c0, c1 in _blocks(b, h, seg.shape[1]):
+        for c0, c1 in blocks:
             blk = _Block(q, k, v, g, beta, masks, c0, c1, chunk, scale)
             p = blk.prep()
-            checkpoints.append(state)
-            states, delta = recurrence(p, state, blk.n)
-            state = states[blk.n]
-            o = torch.bmm(p.q_read, states[:blk.n].view(-1, *state.shape[1:])).baddbmm_(p.qk, delta.view(
+            s0 = c0 if keep else 0
+            if not keep and c0:
+                states[0] = states[last]
+            delta = recurrence(p, states[s0:s0 + blk.n + 1], blk.n)
+            last = s0 + blk.n
+            o = torch.bmm(p.q_read, states[s0:last].view(-1, *states.shape[2:])).baddbmm_(p.qk, delta.view(
                 -1, chunk, vd))
             _store(out, _heads_major(o, blk.n, b), blk.t0)
-        ctx.save_for_backward(q, k, v, g, beta, seg, enter, torch.stack(checkpoints))
+        if keep:
+            ctx.save_for_backward(q, k, v, g, beta, seg, enter, states)
         ctx.scale, ctx.chunk = scale, chunk
-        return out, state.view(b, h, *state.shape[1:]).clone()   # not a view of the recurrence's buffer
+        return out, states[last].view(b, h, *states.shape[2:]).clone()   # not a view of a saved buffer
 
     @staticmethod
     def backward(ctx, d_out, d_final):
-        q, k, v, g, beta, seg, enter, checkpoints = ctx.saved_tensors
+        q, k, v, g, beta, seg, enter, states = ctx.saved_tensors
         b, t, h, kd = q.shape
         vd = v.shape[-1]
         grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
@@ -149,19 +158,21 @@ class DeltaRuleBlocked(torch.autograd.Function):
             c0, c1 = blocks[index]
             blk = _Block(q, k, v, g, beta, masks, c0, c1, ctx.chunk, ctx.scale)
             d_o = _chunks(d_out, blk.t0, blk.n, ctx.chunk).permute(0, 1, 3, 2, 4).reshape(-1, ctx.chunk, vd)
-            d_state, block_grads = _block_backward(blk.prep(), checkpoints[index], d_o, d_state, blk.n)
+            d_state, block_grads = _block_backward(blk.prep(), states[c0:c1], d_o, d_state, blk.n)
             block_grads[0].mul_(ctx.scale)
             for full, part in zip(grads, block_grads):
                 _store(full, part, blk.t0)
         return (*grads, None, None, d_state.view(b, h, kd, vd), None, None)
 
 
-def _block_backward(p: Prep, checkpoint, d_o, d_state, n):
-    """One block backwards: returns (gradient of the state entering the block, the block's input
-    gradients as :func:`_store` views of ``[B, n, L, ...]``)."""
-    states, delta = recurrence(p, checkpoint, n)
+def _block_backward(p: Prep, entering, d_o, d_state, n):
+    """One block backwards from the states entering its chunks ``[n, B*H, K, V]``: returns (gradient
+    of the state entering the block, the block's input gradients as :func:`_store` views of
+    ``[B, n, L, ...]``)."""
     N, length, kd = p.k.shape
     bh, vd = N // n, p.v.shape[-1]
+    S = entering.reshape(N, kd, vd)
+    delta = torch.baddbmm(p.U, p.w_read, S, alpha=-1)                          # [N, L, V], all chunks at once
     from_out = torch.bmm(p.qk.transpose(1, 2), d_o).view(n, bh, length, vd)    # d delta from o = qk delta
     from_read = torch.bmm(p.q_read.transpose(1, 2), d_o).view(n, bh, kd, vd)    # d S from o = q_read S
     w_read, k_out = p.w_read.view(n, bh, length, kd), p.k_out.view(n, bh, length, kd)
@@ -176,7 +187,6 @@ def _block_backward(p: Prep, checkpoint, d_o, d_state, n):
         d_enter = d_after[j - 1] if j else d_state
         into(d_enter, torch.baddbmm, from_read[j], w_read[j].transpose(1, 2), dd[j], alpha=-1)
         d_enter.addcmul_(kappa[j], d_after[j])
-    S = states[:n].view(N, kd, vd)
     d_x = torch.cat([torch.bmm(dd.view(N, length, vd), S.transpose(1, 2)).neg_(), dd.view(N, length, vd)], -1)
     d_q_read = torch.bmm(d_o, S.transpose(1, 2))
     d_qk = torch.bmm(d_o, delta.view(N, length, vd).transpose(1, 2))

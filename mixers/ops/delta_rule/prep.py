@@ -40,7 +40,8 @@ from .wy import unit_lower_inverse
 
 @dataclass
 class Masks:
-    """Per chunk (``X`` of them), broadcast over the heads, as floats of the compute dtype."""
+    """Per chunk (``X`` of them), broadcast over the heads, as floats of the compute dtype
+    (``sums`` may be kept as bools: :meth:`rows` converts a block's)."""
 
     X: int
     keep: torch.Tensor        # [X, 1, L, L] same segment, s <= t
@@ -50,17 +51,21 @@ class Masks:
     keep_state: torch.Tensor  # [X, 1, 1, 1] the entering state's segment reaches the chunk's end
 
     def rows(self, r0: int, r1: int) -> Masks:
-        """The masks of chunks ``r0 .. r1 - 1`` (views)."""
-        return Masks(X=r1 - r0, keep=self.keep[r0:r1], sums=self.sums[r0:r1], reads=self.reads[r0:r1],
+        """The masks of chunks ``r0 .. r1 - 1``, all as floats."""
+        sums = self.sums[r0:r1].to(self.reads.dtype)
+        return Masks(X=r1 - r0, keep=sums[:, None, :sums.shape[-1]], sums=sums, reads=self.reads[r0:r1],
                      last=self.last[r0:r1], keep_state=self.keep_state[r0:r1])
 
 
-def chunk_masks(seg: torch.Tensor, enter: torch.Tensor, dtype) -> Masks:
-    """Masks of chunks ``seg [X, L]`` whose entering state belongs to segment ``enter [X]``."""
+def chunk_masks(seg: torch.Tensor, enter: torch.Tensor, dtype, *, bool_sums: bool = False) -> Masks:
+    """Masks of chunks ``seg [X, L]`` whose entering state belongs to segment ``enter [X]``;
+    ``bool_sums``: keep the ``[X, 2L, L]`` matrices as bools (a quarter of the memory, for masks of
+    a whole sequence that :meth:`Masks.rows` hands out block by block)."""
     x, length = seg.shape
     keep = same_segment_causal(seg)
     strict = keep & ~torch.eye(length, dtype=torch.bool, device=seg.device)
-    sums = torch.cat([keep, strict.transpose(1, 2)], dim=1).to(dtype)
+    sums = torch.cat([keep, strict.transpose(1, 2)], dim=1)
+    sums = sums if bool_sums else sums.to(dtype)
     reads = seg == enter.unsqueeze(-1)
 
     def col(m):
