@@ -66,7 +66,8 @@ class _Levels:
     ``up = exp(sum_(r, t] g)`` for the upper half's ``t`` and ``lo = exp(sum_(s, r] g)`` for the
     lower half's ``s`` (``r`` the lower half's last token).
 
-    Built by doubling on the per-token decays ``exp(g)`` (one ``exp`` per token): a block's
+    Built by doubling on the per-token decays ``step = exp(g)`` (one ``exp`` per token, taken by
+    the caller): a block's
     factors are its halves' factors times one value, so a level costs one in-place product over
     half the tokens, and every factor is a tree of at most ``L`` factors <= 1: relative error
     <= log2(L) ulp, whatever the magnitudes elsewhere; an underflow only where the true value is
@@ -74,8 +75,8 @@ class _Levels:
     it.
     """
 
-    def __init__(self, gate: torch.Tensor):
-        self.decay = torch.exp(gate)
+    def __init__(self, step: torch.Tensor):
+        self.decay = step
 
     def __iter__(self):
         n, length, kg = self.decay.shape
@@ -93,15 +94,15 @@ class _Levels:
             half = block
 
 
-def scalar_decay(gate: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def scalar_decay(step: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``[N, L, L]`` ``exp(sum_(s, t] g)`` on same-segment pairs ``s <= t``, exactly 0 elsewhere.
 
-    ``gate [N, L, 1]``; ``keep [X, 1, L, L]`` (``N = X * H``): the same-segment causal mask, as a
-    float of the gate's dtype.
+    ``step [N, L, 1]`` the per-token decays ``exp(g)``; ``keep [X, 1, L, L]`` (``N = X * H``): the
+    same-segment causal mask, as a float of the same dtype.
     """
-    n, length, _ = gate.shape
-    decay = gate.new_zeros(n, length, length)
-    for block, up, lo in _Levels(gate):
+    n, length, _ = step.shape
+    decay = step.new_zeros(n, length, length)
+    for block, up, lo in _Levels(step):
         quadrant(decay, block).copy_(up * lo.transpose(-1, -2))
     decay.diagonal(dim1=1, dim2=2).fill_(1.0)
     return decay.view(keep.shape[0], -1, length, length).mul_(keep).view(n, length, length)
@@ -125,15 +126,15 @@ def _left_factors(left: torch.Tensor, up: torch.Tensor, block: int) -> torch.Ten
     return out.view(n, nb, 2 * half, kd)
 
 
-def channel_grams(left, k, gate, keep) -> torch.Tensor:
+def channel_grams(left, k, step, keep) -> torch.Tensor:
     """``S2 [N, 2, L, L]`` for per-channel gates: ``left = [q; beta k] [N, 2L, K]``, ``k [N, L, K]``,
-    ``gate [N, L, K]``, ``keep [X, 1, L, L]`` (``N = X * H``) the same-segment causal mask as floats.
+    ``step [N, L, K]`` the per-token decays ``exp(g)``, ``keep [X, 1, L, L]`` (``N = X * H``) the same-segment causal mask as floats.
 
     The products are taken for every pair of a block (both factors are finite and <= 1 times finite
     values); the pairs of two segments are zeroed by ``keep`` at the end."""
     n, length, _ = k.shape
     s2 = k.new_zeros(n, 2, length, length)
-    for block, up, lo in _Levels(gate):
+    for block, up, lo in _Levels(step):
         right = _halves(k, block)[1] * lo                                       # [N, nb, half, K]
         both = _left_factors(left, up, block) @ right.transpose(-1, -2)        # [N, nb, 2*half, half]
         half = block // 2
@@ -147,38 +148,57 @@ def scalar_grams_backward(d_s2, s2, decay, left, k):
     ``Akk`` unused): returns ``(d_left [N, 2L, K], dk, dG [N, L, 1])``; ``d_s2`` is overwritten."""
     n, _, length, _ = s2.shape
     d_s2[:, 1].diagonal(dim1=-2, dim2=-1).zero_()                          # Akk has no diagonal
-    dd = (d_s2 * s2).sum(1)                                                # d/d(G_t - G_s) on kept pairs
+    dd = torch.mul(d_s2[:, 0], s2[:, 0]).addcmul_(d_s2[:, 1], s2[:, 1])     # d/d(G_t - G_s) on kept pairs
     dG = (dd.sum(-1) - dd.sum(-2)).unsqueeze(-1)
     scaled = d_s2.mul_(decay.unsqueeze(1)).view(n, 2 * length, length)     # [d_qk * D; d_Akk * D]
     return torch.bmm(scaled, k), torch.bmm(scaled.transpose(1, 2), left), dG
 
 
-def channel_grams_backward(d_s2, left, k, gate, keep):
+def _level_grad(d: torch.Tensor, block: int, right: torch.Tensor, factors: torch.Tensor):
+    """One level's ``(d factors [N, nb, 2*half, K], d right [N, nb, half, K])`` from the quadrants of
+    ``d [N, 2, L, L]``. Small blocks are laid into one block-diagonal ``[L, L/2]`` matrix per
+    chunk-head first: thousands of ``2 x 1`` or ``8 x 4`` products cost ~1 us each as a batch, a
+    few zeros in one ``L x L/2`` product cost less."""
+    n, _, length, _ = d.shape
+    kd, half, nb = right.shape[-1], block // 2, length // block
+    if half >= _DIRECT_HALF:
+        grad = _pair_quadrant(d, block).reshape(n, nb, 2 * half, half)
+        return grad @ right, grad.transpose(-1, -2) @ factors
+    full = d.new_zeros(n, nb, 2, half, nb, half)
+    torch.diagonal(full, dim1=1, dim2=4).copy_(_pair_quadrant(d, block).permute(0, 2, 3, 4, 1))
+    full = full.view(n, length, length // 2)
+    d_factors = torch.bmm(full, right.reshape(n, length // 2, kd))
+    d_right = torch.bmm(full.transpose(1, 2), factors.reshape(n, length, kd))
+    return d_factors.view(n, nb, 2 * half, kd), d_right.view(n, nb, half, kd)
+
+
+_DIRECT_HALF = 8
+
+
+def channel_grams_backward(d_s2, left, k, step, keep):
     """Backward of :func:`channel_grams`: ``(d_left [N, 2L, K], dk, dG [N, L, K])``; ``d_s2`` is
     overwritten."""
     n, _, length, _ = d_s2.shape
     kd = k.shape[-1]
     d = d_s2.view(keep.shape[0], -1, 2, length, length).mul_(keep.unsqueeze(2)).view(n, 2, length, length)
-    d_left, dk, dg = torch.zeros_like(left), torch.zeros_like(k), torch.zeros_like(gate)
+    d_left, dk, dg = torch.zeros_like(left), torch.zeros_like(k), torch.zeros_like(step)
     d_pair = d_left.view(n, 2, length, kd)
-    for block, up, lo in _Levels(gate):
+    for block, up, lo in _Levels(step):
         half, nb = block // 2, length // block
-        lower = _halves(k, block)[1]
-        right = lower * lo
+        right = _halves(k, block)[1] * lo                                       # [N, nb, half, K]
         factors = _left_factors(left, up, block)                                 # [N, nb, 2*half, K]
-        grad = _pair_quadrant(d, block).reshape(n, nb, 2 * half, half)
-        d_factors = grad @ right                                                 # [N, nb, 2*half, K]
-        d_right = grad.transpose(-1, -2) @ factors                               # [N, nb, half, K]
-        d_pair.view(n, 2, nb, block, kd)[:, :, :, half:].add_(
-            d_factors.view(n, nb, 2, half, kd).transpose(1, 2) * up.unsqueeze(1))
-        dk.view(n, nb, block, kd)[:, :, :half].add_(d_right * lo)
+        d_factors, d_right = _level_grad(d, block, right, factors)
+        d_pair.view(n, 2, nb, block, kd)[:, :, :, half:].addcmul_(
+            d_factors.view(n, nb, 2, half, kd).transpose(1, 2), up.unsqueeze(1))
+        dk.view(n, nb, block, kd)[:, :, :half].addcmul_(d_right, lo)
         dg_up, dg_lo, dg_ref = _halves(dg, block)
-        u = (d_factors * factors).view(n, nb, 2, half, kd).sum(2)              # d up * up
-        w = d_right * right                                                     # d lo * lo
+        both = (d_factors * factors).view(n, nb, 2, half, kd)
+        u = both[:, :, 0].add_(both[:, :, 1])                                   # d up * up
+        w = d_right.mul_(right)                                                 # d lo * lo
         dg_up += u
         dg_lo -= w
         dg_ref += w.sum(2) - u.sum(2)
     dd = d[:, 0].diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
-    d_left[:, :length] += dd * k
-    dk += dd * left[:, :length]
+    d_left[:, :length].addcmul_(dd, k)
+    dk.addcmul_(dd, left[:, :length])
     return d_left, dk, dg

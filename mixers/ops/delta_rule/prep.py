@@ -80,6 +80,14 @@ def _heads_major(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.view(x, length, heads, hk // heads).transpose(1, 2).reshape(x * heads, length, hk // heads)
 
 
+def _exp_heads_major(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``exp`` of ``[X, L, H*Kg]`` as ``[X*H, L, Kg]`` (the transpose done by the same pass)."""
+    x, length, hk = t.shape
+    out = t.new_empty(x, heads, length, hk // heads)
+    into(out, torch.exp, t.view(x, length, heads, hk // heads).transpose(1, 2))
+    return out.view(x * heads, length, hk // heads)
+
+
 def _tokens_major(t: torch.Tensor, heads: int) -> torch.Tensor:
     """``[X*H, L, Kg]`` -> ``[X, L, H*Kg]``."""
     n, length, kg = t.shape
@@ -103,8 +111,9 @@ class Prep:
     v: torch.Tensor         # [N, L, V]
     beta: torch.Tensor      # [N, L, 1]
     g: torch.Tensor         # [X, L, H*Kg] log-decays as given (not floored)
-    gate: torch.Tensor      # [N, L, Kg] floored
-    G: torch.Tensor         # [N, L, Kg]
+    gate: torch.Tensor | None  # [N, L, Kg] floored (``full_w`` only)
+    step: torch.Tensor      # [N, L, Kg] exp(gate): each token's decay
+    G: torch.Tensor | None  # [N, L, Kg] (``full_w`` only)
     decay_in: torch.Tensor  # [N, L, Kg] exp(G)
     tail: torch.Tensor      # [N, L, Kg] exp(suf)
     read_in: torch.Tensor   # [N, L, Kg] exp(G) on the entering segment's tokens, else 0
@@ -151,16 +160,18 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False) -> Prep
     heads = n // x
     gate_tm = g.clamp(min=LOG_DECAY_FLOOR)
     sums = torch.bmm(m.sums, gate_tm)                                           # [X, 2L, H*Kg]
-    G, suf = _heads_major(sums[:, :length], heads), _heads_major(sums[:, length:], heads)
-    gate = _heads_major(gate_tm, heads)
-    decay_in, tail = torch.exp(G), torch.exp(suf)
+    # heads-major exponentials straight from the token-major sums (one pass each)
+    decay_in, tail = _exp_heads_major(sums[:, :length], heads), _exp_heads_major(sums[:, length:], heads)
+    step = _exp_heads_major(gate_tm, heads)                                     # exp(g) per token
+    G = _heads_major(sums[:, :length], heads) if full_w else None
+    gate = _heads_major(gate_tm, heads) if full_w else None
     q, bk = left[:, :length], left[:, length:]
-    if gate.shape[-1] == 1:
-        decay = scalar_decay(gate, m.keep)
+    if step.shape[-1] == 1:
+        decay = scalar_decay(step, m.keep)
         s2 = torch.bmm(left, k.transpose(1, 2)).view(n, 2, length, length).mul_(decay.unsqueeze(1))
     else:
         decay = None
-        s2 = channel_grams(left, k, gate, m.keep)
+        s2 = channel_grams(left, k, step, m.keep)
     T = unit_lower_inverse(s2[:, 1])
     # the masks multiply the per-token factors (``[N, L, 1]`` for a scalar gate), not the rows
     read_in = _per_head(decay_in, x).mul(m.reads).view(n, length, -1)         # exp(G) on read rows
@@ -170,7 +181,7 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False) -> Prep
     into(R[..., kd:], torch.mul, v, beta)
     wu = torch.bmm(T, R)
     kappa = _per_head(decay_in[:, -1:].transpose(1, 2), x).mul(m.keep_state).view(n, -1, 1)
-    return Prep(m=m, heads=heads, full_w=full_w, left=left, k=k, v=v, beta=beta, g=g, gate=gate, G=G,
+    return Prep(m=m, heads=heads, full_w=full_w, left=left, k=k, v=v, beta=beta, g=g, gate=gate, step=step, G=G,
                 decay_in=decay_in, tail=tail, read_in=read_in, tail_out=tail_out, s2=s2, decay=decay, T=T, X=wu,
                 q_read=q * read_in, k_out=k * tail_out, kappa=kappa)
 
@@ -193,39 +204,34 @@ def prep_backward(p: Prep, d_x, d_q_read, d_qk, d_k_out, d_kappa, d_G=None, d_ga
     zero), ``d_G``, ``d_gate``, ``d_decay_in``."""
     n, length, kd = p.k.shape
     x, m = p.m.X, p.m
-    kg = p.gate.shape[-1]
+    kg = p.step.shape[-1]
     dR = torch.bmm(p.T.transpose(1, 2), d_x)
     d_s2 = p.k.new_empty(n, 2, length, length)
     d_s2[:, 0].copy_(d_qk)
-    into(d_s2[:, 1], torch.bmm, dR, p.X.transpose(1, 2)).neg_()               # dA = -dR X^T
+    # dA = -dR X^T, into a contiguous buffer (bmm into a strided one runs a matmul per batch entry)
+    into(d_s2[:, 1], torch.neg, torch.bmm(dR, p.X.transpose(1, 2)))
     dR_w, dR_u = dR[..., :kd], dR[..., kd:]
-    d_bk = dR_w * (p.decay_in if p.full_w else p.read_in)
     d_dec = _reduce(dR_w * p.left[:, length:], kg)                             # d exp(G) from R
     if not p.full_w:
         _masked(d_dec, m.reads, x)
     dv = dR_u * p.beta
     dbeta = (dR_u * p.v).sum(-1, keepdim=True)
-    q_in = d_q_read * p.read_in
     d_dec += _masked(_reduce(d_q_read * p.q, kg), m.reads, x)
     if d_decay_in is not None:
         d_dec = d_dec + d_decay_in
-    dk = d_k_out * p.tail_out
     d_suf = _reduce(d_k_out * p.k, kg).mul_(p.tail_out)
     dG = d_dec.mul_(p.decay_in)
     dG[:, -1] += (d_kappa * p.kappa).squeeze(-1)
     if d_G is not None:
         dG = dG + d_G
     if kg == 1:
-        d_left, dk_g, dG_g = scalar_grams_backward(d_s2, p.s2, p.decay, p.left, p.k)
-        dq = d_left[:, :length].add_(q_in)
-        d_bk += d_left[:, length:]
+        d_left, dk, dG_g = scalar_grams_backward(d_s2, p.s2, p.decay, p.left, p.k)
     else:
-        d_left, dk_g, dG_g = channel_grams_backward(d_s2, p.left, p.k, p.gate, m.keep)
-        dq = d_left[:, :length].add_(q_in)
-        d_bk += d_left[:, length:]
-    dk += dk_g
+        d_left, dk, dG_g = channel_grams_backward(d_s2, p.left, p.k, p.step, m.keep)
     dG += dG_g
-    dk += d_bk * p.beta
+    dq = d_left[:, :length].addcmul_(d_q_read, p.read_in)
+    d_bk = d_left[:, length:].addcmul_(dR_w, p.decay_in if p.full_w else p.read_in)
+    dk.addcmul_(d_k_out, p.tail_out).addcmul_(d_bk, p.beta)
     dbeta += (d_bk * p.k).sum(-1, keepdim=True)
     both = torch.cat([_tokens_major(dG, p.heads), _tokens_major(d_suf, p.heads)], dim=1)   # [X, 2L, H*Kg]
     dg = torch.bmm(m.sums.transpose(1, 2), both)
