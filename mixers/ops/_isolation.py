@@ -159,19 +159,31 @@ class Isolation:
         self._masks = None
 
     # ---- detection ------------------------------------------------------------------------
-    def _token_bad(self, t: torch.Tensor, gate: bool) -> torch.Tensor | None:
+    def _token_bad(self, t: torch.Tensor, gate: bool, every: int = 1) -> torch.Tensor | None:
         if bool(torch.isfinite(t.sum())):        # one pass, no allocation: no NaN or inf anywhere
             return None
-        bad = ~_finite_ok(t, gate).reshape(*self.seg.shape, -1).all(-1)
-        return bad if bool(bad.any()) else None
+        bad = ~_finite_ok(t, gate).reshape(*self._every(self.seg, every).shape, -1).all(-1)
+        if not bool(bad.any()):
+            return None
+        if every > 1:                            # back to every token
+            full = bad.new_zeros(self.seg.shape)
+            self._every(full, every).copy_(bad)
+            bad = full
+        return bad
 
-    def scan(self, t: torch.Tensor | None, *, reads: bool = False, gate: bool = False) -> None:
+    @staticmethod
+    def _every(t: torch.Tensor, every: int) -> torch.Tensor:
+        """The last token of each group of ``every`` (a view of the last dim)."""
+        return t if every == 1 else t[..., every - 1::every]
+
+    def scan(self, t: torch.Tensor | None, *, reads: bool = False, gate: bool = False, every: int = 1) -> None:
         """Record the tokens where ``t`` (``[*seg.shape, ...]``) is non-finite. ``reads``: a value
         read at its own token only (q, C, z); else it enters the state (k, v, beta, g, x, dt, B).
-        ``gate``: a log-decay, where ``-inf`` is allowed (a reset)."""
+        ``gate``: a log-decay, where ``-inf`` is allowed (a reset). ``every > 1``: ``t`` holds the
+        last token of each group of ``every`` only (Gated DeltaProduct's queries)."""
         if not self.enabled or t is None or t.numel() == 0:
             return
-        bad = self._token_bad(t, gate)
+        bad = self._token_bad(t, gate, every)
         if bad is None:
             return
         self.active = True
@@ -255,9 +267,11 @@ class Isolation:
             y.register_hook(lambda grad: _drop_cotangent(grad, None, owner, self))
         return y
 
-    def poison_tokens(self, y: torch.Tensor) -> torch.Tensor:
-        """``y [*seg.shape, ...]`` with NaN where the recurrence is non-finite."""
-        return self._guard_output(y, self._compute_masks()[0] if self.active else None, self.seg)
+    def poison_tokens(self, y: torch.Tensor, every: int = 1) -> torch.Tensor:
+        """``y [*seg.shape, ...]`` with NaN where the recurrence is non-finite (``every > 1``: ``y``
+        holds the last token of each group of ``every`` only)."""
+        bad = self._every(self._compute_masks()[0], every) if self.active else None
+        return self._guard_output(y, bad, self._every(self.seg, every))
 
     def poison_states(self, s: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
         """Final states ``s [n, ...]`` of segments ``owner [n]``: NaN for those whose state is

@@ -32,14 +32,13 @@ __all__ = ["chunk_gated_delta_product", "chunk_gated_delta_rule", "chunk_kda", "
            "gated_delta_rule_step", "kda_step"]
 
 
-def _expand_householder(q, g, nh):
-    """Sub-step layout: ``q`` on each token's last sub-step, ``g`` on its first (zeros elsewhere)."""
-    b, t = q.shape[:2]
-    q_steps = q.new_zeros(b, t, nh, *q.shape[2:])
-    q_steps[:, :, -1] = q
-    g_steps = g.new_zeros(b, t, nh, *g.shape[2:])
-    g_steps[:, :, 0] = g
-    return q_steps.reshape(b, t * nh, *q.shape[2:]), g_steps.reshape(b, t * nh, *g.shape[2:])
+def _substeps(x, nh, at):
+    """Sub-step layout ``[B, T * nh, ...]``: ``x`` on each token's sub-step ``at``, zeros elsewhere
+    (``q`` is read at the last sub-step, ``g`` decays at the first)."""
+    b, t = x.shape[:2]
+    steps = x.new_zeros(b, t, nh, *x.shape[2:])
+    steps[:, :, at] = x
+    return steps.reshape(b, t * nh, *x.shape[2:])
 
 
 def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, varlen, chunk, nh):
@@ -51,10 +50,16 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2nor
     groups = v.shape[2] // q.shape[2]
     if groups > 1:                                    # grouped values: key head h serves h*G .. h*G+G-1
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
-    if nh > 1:
-        q, g = _expand_householder(q, g, nh)
     b, steps = k.shape[:2]
     doc_init = varlen is not None and initial_state is not None
+    keep = output_final_state and varlen is not None
+    # the fast path takes Gated DeltaProduct's queries as they are (one per token, read at its last
+    # sub-step) and lays the sub-steps out block by block; per-document states need every step's
+    q_every = nh if nh > 1 and not (doc_init or keep) else 1
+    if nh > 1:
+        g = _substeps(g, nh, 0)
+    if q_every == 1 and nh > 1:
+        q = _substeps(q, nh, -1)
     segs = None
     if varlen is None:
         seg_id = torch.arange(b, device=k.device).unsqueeze(1).expand(b, steps)
@@ -65,9 +70,8 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2nor
         seg_id = varlen.segments.seg_id if nh == 1 else varlen.segments.seg_id.repeat_interleave(nh, dim=1)
     extra = DocInitialStates(initial_state.to(compute), segs, chunk) if doc_init else None
     o, ch = delta_rule_chunked(q, k, v, g, beta, seg_id, chunk, initial_state=None if doc_init else initial_state,
-                               extra=extra, keep_intermediates=output_final_state and varlen is not None,
-                               scale=scale)
-    if nh > 1:
+                               extra=extra, keep_intermediates=keep, scale=scale, q_every=q_every)
+    if nh > 1 and q_every == 1:
         o = o[:, nh - 1::nh]
     final = None
     if output_final_state:

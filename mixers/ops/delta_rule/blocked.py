@@ -37,9 +37,27 @@ def _blocks(rows: int, heads: int, chunks: int) -> list[tuple[int, int]]:
     return [(c0, min(c0 + step, chunks)) for c0 in range(0, chunks, step)]
 
 
-def _chunks(x: torch.Tensor, t0: int, n: int, length: int) -> torch.Tensor:
-    """``x [B, T, ...]`` -> ``[n, B, L, ...]``: the ``n`` chunks from token ``t0``, zero-padded."""
+def _sparse_rows(t0: int, rows: int, every: int, compact: int) -> tuple[int, int, int]:
+    """Steps ``t0 .. t0 + rows - 1`` of a sequence whose ``x`` holds only every ``every``-th step
+    (the last of each group of ``every``; ``compact`` rows in all): ``(first, lo, count)``, the
+    offset of the first such step in the range, its row of ``x`` and how many rows of ``x`` fall
+    in the range."""
+    first = (every - 1 - t0) % every
+    lo = (t0 + first) // every
+    count = max(0, min(compact - lo, (rows - first + every - 1) // every))
+    return first, lo, count
+
+
+def _chunks(x: torch.Tensor, t0: int, n: int, length: int, every: int = 1) -> torch.Tensor:
+    """``x [B, T, ...]`` -> ``[n, B, L, ...]``: the ``n`` chunks from step ``t0``, zero-padded.
+    ``every > 1``: ``x`` holds only the last step of each group of ``every`` (Gated DeltaProduct's
+    queries and output gradients); the other steps are zeros, laid out here for one block only."""
     b, t = x.shape[:2]
+    if every > 1:
+        first, lo, count = _sparse_rows(t0, n * length, every, t)
+        part = x.new_zeros(b, n * length, *x.shape[2:])
+        part[:, first:first + count * every:every] = x[:, lo:lo + count]
+        return part.reshape(b, n, length, *x.shape[2:]).transpose(0, 1)
     t1 = min(t0 + n * length, t)
     part = x[:, t0:t1]
     if t1 - t0 < n * length:
@@ -47,9 +65,15 @@ def _chunks(x: torch.Tensor, t0: int, n: int, length: int) -> torch.Tensor:
     return part.reshape(b, n, length, *x.shape[2:]).transpose(0, 1)
 
 
-def _store(dst: torch.Tensor, src: torch.Tensor, t0: int) -> None:
-    """Write ``src [B, n, L, ...]`` (any strides) into tokens ``t0 ..`` of ``dst [B, T, ...]``."""
+def _store(dst: torch.Tensor, src: torch.Tensor, t0: int, every: int = 1) -> None:
+    """Write ``src [B, n, L, ...]`` (any strides) into steps ``t0 ..`` of ``dst [B, T, ...]``
+    (``every > 1``: ``dst`` keeps only the last step of each group of ``every``)."""
     b, n, length = src.shape[:3]
+    if every > 1:
+        first, lo, count = _sparse_rows(t0, n * length, every, dst.shape[1])
+        flat = src.reshape(b, n * length, *src.shape[3:])
+        dst[:, lo:lo + count].copy_(flat[:, first:first + count * every:every])
+        return
     t1 = min(t0 + n * length, dst.shape[1])
     if t1 - t0 == n * length:
         dst[:, t0:t1].view(src.shape).copy_(src)
@@ -60,12 +84,12 @@ def _store(dst: torch.Tensor, src: torch.Tensor, t0: int) -> None:
 class _Block:
     """One block's inputs, chunk-major, and its masks."""
 
-    def __init__(self, q, k, v, g, beta, masks: Masks, c0, c1, length, scale):
+    def __init__(self, q, k, v, g, beta, masks: Masks, c0, c1, length, scale, every=1):
         n, b, h, kd = c1 - c0, q.shape[0], q.shape[2], q.shape[3]
         t0 = c0 * length
         self.n, self.t0 = n, t0
         left = q.new_empty(n, b, h, 2, length, kd)
-        into(left[:, :, :, 0], torch.mul, _chunks(q, t0, n, length).permute(0, 1, 3, 2, 4), scale)
+        into(left[:, :, :, 0], torch.mul, _chunks(q, t0, n, length, every).permute(0, 1, 3, 2, 4), scale)
         kb = _chunks(k, t0, n, length).permute(0, 1, 3, 2, 4).contiguous()
         bb = _chunks(beta, t0, n, length).permute(0, 1, 3, 2).unsqueeze(-1).contiguous()
         into(left[:, :, :, 1], torch.mul, kb, bb)
@@ -111,14 +135,17 @@ def _heads_major(t: torch.Tensor, n: int, b: int) -> torch.Tensor:
 
 class DeltaRuleBlocked(torch.autograd.Function):
     """``(q, k [B,T,H,K], v [B,T,H,V], g [B,T,H,Kg], beta [B,T,H], seg [B,C,L], enter [B,C],
-    h0 [B,H,K,V], scale, chunk) -> (o [B,T,H,V], S_final [B,H,K,V])``; ``q`` is scaled by ``scale``
-    here; ``seg`` and ``enter`` are padded to whole chunks (:func:`..chunks.entering_segments`)."""
+    h0 [B,H,K,V], scale, chunk, every) -> (o [B,T,H,V], S_final [B,H,K,V])``; ``q`` is scaled by
+    ``scale`` here; ``seg`` and ``enter`` are padded to whole chunks
+    (:func:`..chunks.entering_segments`). ``every > 1``: the steps come in groups of ``every`` and
+    only each group's last step reads: ``q`` and ``o`` hold those steps only (``[B, T/every, ...]``;
+    Gated DeltaProduct's Householder sub-steps), the other steps' queries are zeros."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, seg, enter, h0, scale, chunk):
-        b, t, h, _ = q.shape
+    def forward(ctx, q, k, v, g, beta, seg, enter, h0, scale, chunk, every=1):
+        b, _, h, _ = k.shape
         vd = v.shape[-1]
-        out = v.new_empty(b, t, h, vd)
+        out = v.new_empty(b, q.shape[1], h, vd)
         # with gradients wanted, the state entering every chunk (and the final one) is kept for the
         # backward: K * V / L numbers per token and head, and no replay of the recurrence; without,
         # one block's worth is reused
@@ -128,41 +155,43 @@ class DeltaRuleBlocked(torch.autograd.Function):
         states = q.new_empty(rows + 1, b * h, *h0.shape[2:])
         states[0] = h0.reshape(b * h, *h0.shape[2:])
         masks = _all_masks(seg, enter, q.dtype)
+        last = 0                                                # the row of the latest state
         for c0, c1 in blocks:
-            blk = _Block(q, k, v, g, beta, masks, c0, c1, chunk, scale)
+            blk = _Block(q, k, v, g, beta, masks, c0, c1, chunk, scale, every)
             p = blk.prep()
             s0 = c0 if keep else 0
-            if not keep and c0:
+            if not keep and last:
                 states[0] = states[last]
             delta = recurrence(p, states[s0:s0 + blk.n + 1], blk.n)
             last = s0 + blk.n
             o = torch.bmm(p.q_read, states[s0:last].view(-1, *states.shape[2:])).baddbmm_(p.qk, delta.view(
                 -1, chunk, vd))
-            _store(out, _heads_major(o, blk.n, b), blk.t0)
+            _store(out, _heads_major(o, blk.n, b), blk.t0, every)
         if keep:
             ctx.save_for_backward(q, k, v, g, beta, seg, enter, states)
-        ctx.scale, ctx.chunk = scale, chunk
+        ctx.scale, ctx.chunk, ctx.every = scale, chunk, every
         return out, states[last].view(b, h, *states.shape[2:]).clone()   # not a view of a saved buffer
 
     @staticmethod
     def backward(ctx, d_out, d_final):
         q, k, v, g, beta, seg, enter, states = ctx.saved_tensors
-        b, t, h, kd = q.shape
+        b, _, h, kd = k.shape
         vd = v.shape[-1]
         grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
         d_state = q.new_zeros(b * h, kd, vd) if d_final is None else d_final.reshape(b * h, kd, vd).clone()
-        d_out = torch.zeros_like(v) if d_out is None else d_out
+        d_out = v.new_zeros(b, q.shape[1], h, vd) if d_out is None else d_out
         blocks = _blocks(b, h, seg.shape[1])
         masks = _all_masks(seg, enter, q.dtype)
         for index in range(len(blocks) - 1, -1, -1):
             c0, c1 = blocks[index]
-            blk = _Block(q, k, v, g, beta, masks, c0, c1, ctx.chunk, ctx.scale)
-            d_o = _chunks(d_out, blk.t0, blk.n, ctx.chunk).permute(0, 1, 3, 2, 4).reshape(-1, ctx.chunk, vd)
+            blk = _Block(q, k, v, g, beta, masks, c0, c1, ctx.chunk, ctx.scale, ctx.every)
+            d_o = _chunks(d_out, blk.t0, blk.n, ctx.chunk, ctx.every).permute(0, 1, 3, 2, 4)
+            d_o = d_o.reshape(-1, ctx.chunk, vd)
             d_state, block_grads = _block_backward(blk.prep(), states[c0:c1], d_o, d_state, blk.n)
             block_grads[0].mul_(ctx.scale)
-            for full, part in zip(grads, block_grads):
-                _store(full, part, blk.t0)
-        return (*grads, None, None, d_state.view(b, h, kd, vd), None, None)
+            for i, (full, part) in enumerate(zip(grads, block_grads)):
+                _store(full, part, blk.t0, ctx.every if i == 0 else 1)
+        return (*grads, None, None, d_state.view(b, h, kd, vd), None, None, None)
 
 
 def _block_backward(p: Prep, entering, d_o, d_state, n):

@@ -65,7 +65,7 @@ def _heads_major(t: torch.Tensor, b: int, c: int, L: int) -> torch.Tensor:
 
 
 def delta_rule_chunked(q, k, v, g, beta, seg_id, chunk: int, initial_state=None, extra=None,
-                       keep_intermediates: bool = False, scale: float = 1.0):
+                       keep_intermediates: bool = False, scale: float = 1.0, q_every: int = 1):
     """Chunked delta rule (``q`` scaled by ``scale`` here). Returns ``(o [B, T, H, V], Chunked)``.
 
     Args:
@@ -74,23 +74,28 @@ def delta_rule_chunked(q, k, v, g, beta, seg_id, chunk: int, initial_state=None,
         initial_state: ``[B, H, K, V]`` state of each row's first segment.
         extra: per-document initial states (:class:`.varlen_states.DocInitialStates`).
         keep_intermediates: keep what per-document final states need.
+        q_every: ``> 1``: only the last step of each group of ``q_every`` reads the state
+            (Gated DeltaProduct); ``q`` and the output hold those steps only, ``[B, T/q_every, ...]``
+            (fast path only: no ``extra``, no ``keep_intermediates``).
     """
-    iso = _guard(q, k, v, g, beta, seg_id, initial_state, extra)
-    q, k, v, beta = (iso.clean(x) for x in (q, k, v, beta))
+    assert q_every == 1 or (extra is None and not keep_intermediates)
+    iso = _guard(q, k, v, g, beta, seg_id, initial_state, extra, q_every)
+    q = iso.clean(q, owner=Isolation._every(seg_id, q_every))
+    k, v, beta = (iso.clean(x) for x in (k, v, beta))
     g = iso.clean(g, gate=True)
     initial_state = iso.clean_states(initial_state, seg_id[:, 0])
     if extra is not None:
         extra.isolate(iso)
-    o, ch = _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_intermediates, scale)
+    o, ch = _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_intermediates, scale, q_every)
     ch.iso, ch.s0 = iso, None if extra is None else extra.s0
     ch.s_final = iso.poison_states(ch.s_final, seg_id[:, -1])
-    return iso.poison_tokens(o), ch
+    return iso.poison_tokens(o, q_every), ch
 
 
-def _guard(q, k, v, g, beta, seg_id, initial_state, extra) -> Isolation:
+def _guard(q, k, v, g, beta, seg_id, initial_state, extra, q_every=1) -> Isolation:
     """Scan every input for non-finite values (q is read at its own token only)."""
     iso = Isolation(seg_id)
-    iso.scan(q, reads=True)
+    iso.scan(q, reads=True, every=q_every)
     for x in (k, v, beta):
         iso.scan(x)
     iso.scan(g, gate=True)
@@ -101,7 +106,7 @@ def _guard(q, k, v, g, beta, seg_id, initial_state, extra) -> Isolation:
     return iso
 
 
-def _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_intermediates, scale):
+def _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_intermediates, scale, q_every=1):
     b, t, h, kd = k.shape
     L = chunk
     pad = (-t) % L
@@ -111,7 +116,7 @@ def _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_interme
     enter_seg = entering_segments(seg)                                          # [B, C]
     h0 = k.new_zeros(b, h, kd, v.shape[-1]) if initial_state is None else initial_state.to(k.dtype)
     if extra is None and not keep_intermediates:
-        out, s_final = DeltaRuleBlocked.apply(q, k, v, g, beta, seg, enter_seg, h0, scale, L)
+        out, s_final = DeltaRuleBlocked.apply(q, k, v, g, beta, seg, enter_seg, h0, scale, L, q_every)
         return out, Chunked(s_final=s_final, chunk=L)
     q = q * scale
     q, k, v, g, beta = (pad_tokens(x, pad) for x in (q, k, v, g, beta))

@@ -30,12 +30,12 @@ def load_upstream(kind: str):
 
 
 def fused_recurrent_kernel(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, nh):
-    from . import _expand_householder
+    from . import _substeps
     op = load_upstream(kind)
     if kind == "gdp":
         if g is None:
             g = beta.new_zeros(q.shape[0], q.shape[1], q.shape[2])
-        q, g = _expand_householder(q, g, nh)
+        q, g = _substeps(q, nh, -1), _substeps(g, nh, 0)
     o, final = op(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                   output_final_state=output_final_state, use_qk_l2norm_in_kernel=l2norm)
     if kind == "gdp":

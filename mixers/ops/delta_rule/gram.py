@@ -128,7 +128,8 @@ def _left_factors(left: torch.Tensor, up: torch.Tensor, block: int) -> torch.Ten
 
 def channel_grams(left, k, step, keep) -> torch.Tensor:
     """``S2 [N, 2, L, L]`` for per-channel gates: ``left = [q; beta k] [N, 2L, K]``, ``k [N, L, K]``,
-    ``step [N, L, K]`` the per-token decays ``exp(g)``, ``keep [X, 1, L, L]`` (``N = X * H``) the same-segment causal mask as floats.
+    ``step [N, L, K]`` the per-token decays ``exp(g)``, ``keep [X, 1, L, L]`` (``N = X * H``) the
+    same-segment causal mask as floats.
 
     The products are taken for every pair of a block (both factors are finite and <= 1 times finite
     values); the pairs of two segments are zeroed by ``keep`` at the end."""
