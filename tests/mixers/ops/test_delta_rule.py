@@ -113,6 +113,32 @@ def test_layouts_fp64(kind, lengths, tail, chunk):
     compare(kind, cu, leaves, chunk, torch.float64)
 
 
+@pytest.mark.parametrize("nh,chunk", [pytest.param(3, 16, id="nh3-chunk16"), pytest.param(4, 8, id="nh4-chunk8")])
+def test_gated_delta_product_more_householders_fp64(nh, chunk):
+    """Sub-step groups that straddle chunks (3 does not divide 16): the fast path lays each block's
+    zero query sub-steps out itself and writes the output per token."""
+    cu, leaves = make("gdp", [0, 15, 100, 37], 2, torch.float64, nh=nh)
+    compare("gdp", cu, leaves, chunk, torch.float64, nh=nh)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_without_gradients_matches(kind):
+    """Without gradients the forward reuses one block's state buffer (blocks of 16 chunks here):
+    outputs and final states equal the training forward's bitwise, and the oracle's."""
+    cu, leaves = make(kind, [0, 15, 100, 300, 90], 3, torch.float64)
+    leaves = {name: t for name, t in leaves.items() if name != "initial_state"}
+    out, _ = call(kind, leaves, cu, 8, final=False)
+    with torch.no_grad():
+        plain = {name: t.detach() for name, t in leaves.items()}
+        out_ng, _ = call(kind, plain, cu, 8, final=False)
+        rows = {name: t.detach().expand(2, *t.shape[1:]) for name, t in plain.items()}
+        o_rows, s_rows = call(kind, rows, None, 8, final=True)
+    assert torch.equal(out_ng, out.detach())
+    _, ref_out, _ = oracle(kind, leaves, cu)
+    check_close(out_ng, ref_out, torch.float64, what=f"{kind} out (no gradients)")
+    assert torch.equal(o_rows[0], o_rows[1]) and torch.equal(s_rows[0], s_rows[1])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_low_precision(kind, dtype):
