@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .._inplace import into
-from .prep import Masks, Prep, chunk_masks, prep_backward, prep_forward
+from .prep import Masks, Prep, chunk_masks, pack_wy, prep_backward, prep_forward
 
 _BLOCK_CHUNK_HEADS = 64
 
@@ -99,8 +99,8 @@ class _Block:
                      bb.view(-1, length, 1), gb)
         self.masks = masks.rows(c0 * b, c1 * b)
 
-    def prep(self) -> Prep:
-        return prep_forward(*self.args, self.masks)
+    def prep(self, wy: torch.Tensor | None = None) -> Prep:
+        return prep_forward(*self.args, self.masks, wy=wy)
 
 
 def _all_masks(seg: torch.Tensor, enter: torch.Tensor, dtype) -> Masks:
@@ -146,19 +146,23 @@ class DeltaRuleBlocked(torch.autograd.Function):
         b, _, h, _ = k.shape
         vd = v.shape[-1]
         out = v.new_empty(b, q.shape[1], h, vd)
-        # with gradients wanted, the state entering every chunk (and the final one) is kept for the
-        # backward: K * V / L numbers per token and head, and no replay of the recurrence; without,
-        # one block's worth is reused
+        # with gradients wanted, kept for the backward: the state entering every chunk (and the
+        # final one; K * V / L numbers per token and head: no replay of the recurrence) and the
+        # chunks' WY inverses with their decay matrices, packed (L numbers per token and head: the
+        # backward's preparation skips both); without, one block's states are reused
         blocks = _blocks(b, h, seg.shape[1])
         keep = any(ctx.needs_input_grad)
         rows = seg.shape[1] if keep else max(c1 - c0 for c0, c1 in blocks)
         states = q.new_empty(rows + 1, b * h, *h0.shape[2:])
+        wy = q.new_empty(seg.shape[1] * b * h, chunk, chunk) if keep else None
         states[0] = h0.reshape(b * h, *h0.shape[2:])
         masks = _all_masks(seg, enter, q.dtype)
         last = 0                                                # the row of the latest state
         for c0, c1 in blocks:
             blk = _Block(q, k, v, g, beta, masks, c0, c1, chunk, scale, every)
             p = blk.prep()
+            if keep:
+                pack_wy(p, wy[c0 * b * h:c1 * b * h])
             s0 = c0 if keep else 0
             if not keep and last:
                 states[0] = states[last]
@@ -168,13 +172,13 @@ class DeltaRuleBlocked(torch.autograd.Function):
                 -1, chunk, vd))
             _store(out, _heads_major(o, blk.n, b), blk.t0, every)
         if keep:
-            ctx.save_for_backward(q, k, v, g, beta, seg, enter, states)
+            ctx.save_for_backward(q, k, v, g, beta, seg, enter, states, wy)
         ctx.scale, ctx.chunk, ctx.every = scale, chunk, every
         return out, states[last].view(b, h, *states.shape[2:]).clone()   # not a view of a saved buffer
 
     @staticmethod
     def backward(ctx, d_out, d_final):
-        q, k, v, g, beta, seg, enter, states = ctx.saved_tensors
+        q, k, v, g, beta, seg, enter, states, wy = ctx.saved_tensors
         b, _, h, kd = k.shape
         vd = v.shape[-1]
         grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
@@ -187,7 +191,8 @@ class DeltaRuleBlocked(torch.autograd.Function):
             blk = _Block(q, k, v, g, beta, masks, c0, c1, ctx.chunk, ctx.scale, ctx.every)
             d_o = _chunks(d_out, blk.t0, blk.n, ctx.chunk, ctx.every).permute(0, 1, 3, 2, 4)
             d_o = d_o.reshape(-1, ctx.chunk, vd)
-            d_state, block_grads = _block_backward(blk.prep(), states[c0:c1], d_o, d_state, blk.n)
+            p = blk.prep(wy[c0 * b * h:c1 * b * h])
+            d_state, block_grads = _block_backward(p, states[c0:c1], d_o, d_state, blk.n)
             block_grads[0].mul_(ctx.scale)
             for i, (full, part) in enumerate(zip(grads, block_grads)):
                 _store(full, part, blk.t0, ctx.every if i == 0 else 1)

@@ -152,9 +152,31 @@ def _flat(mask: torch.Tensor, heads: int) -> torch.Tensor:
     return mask.expand(mask.shape[0], heads, *mask.shape[2:]).reshape(-1, *mask.shape[2:])
 
 
-def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False) -> Prep:
+def pack_wy(p: Prep, out: torch.Tensor) -> None:
+    """Write the two lower-triangular products of :func:`prep_forward` worth keeping for the
+    backward into ``out [N, L, L]``: ``T`` (unit diagonal) and, for a scalar gate, the decay matrix
+    (unit diagonal too) transposed into the strict upper triangle. :func:`prep_forward` takes it
+    back (``wy=``) instead of recomputing the triangular inverse and the decays."""
+    if p.decay is None:
+        out.copy_(p.T)
+        return
+    into(out, torch.add, p.T, p.decay.transpose(1, 2))                         # both diagonals are 1
+    out.diagonal(dim1=1, dim2=2).fill_(1.0)
+
+
+def _unpack_wy(wy: torch.Tensor, scalar: bool):
+    """``(T, decay or None)`` from :func:`pack_wy`'s matrix."""
+    if not scalar:
+        return wy, None
+    decay = wy.transpose(1, 2).tril(-1)
+    decay.diagonal(dim1=1, dim2=2).fill_(1.0)
+    return wy.tril(), decay
+
+
+def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, wy: torch.Tensor | None = None) -> Prep:
     """``left [N, 2L, K]`` holding ``q`` (scaled) in rows ``:L`` and ``beta k`` in rows ``L:``;
-    ``k [N, L, K]``, ``v [N, L, V]``, ``beta [N, L, 1]``, ``g [X, L, H*Kg]`` (token-major in the chunk)."""
+    ``k [N, L, K]``, ``v [N, L, V]``, ``beta [N, L, 1]``, ``g [X, L, H*Kg]`` (token-major in the chunk).
+    ``wy``: :func:`pack_wy`'s matrix of these chunks, kept from an earlier call."""
     n, length, kd = k.shape
     x = m.X
     heads = n // x
@@ -166,13 +188,14 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False) -> Prep
     G = _heads_major(sums[:, :length], heads) if full_w else None
     gate = _heads_major(gate_tm, heads) if full_w else None
     q, bk = left[:, :length], left[:, length:]
-    if step.shape[-1] == 1:
-        decay = scalar_decay(step, m.keep)
+    scalar = step.shape[-1] == 1
+    T, decay = _unpack_wy(wy, scalar) if wy is not None else (None, None)
+    if scalar:
+        decay = scalar_decay(step, m.keep) if decay is None else decay
         s2 = torch.bmm(left, k.transpose(1, 2)).view(n, 2, length, length).mul_(decay.unsqueeze(1))
     else:
-        decay = None
         s2 = channel_grams(left, k, step, m.keep)
-    T = unit_lower_inverse(s2[:, 1])
+    T = unit_lower_inverse(s2[:, 1]) if T is None else T
     # the masks multiply the per-token factors (``[N, L, 1]`` for a scalar gate), not the rows
     read_in = _per_head(decay_in, x).mul(m.reads).view(n, length, -1)         # exp(G) on read rows
     tail_out = _per_head(tail, x).mul(m.last).view(n, length, -1)             # exp(suf) on last rows
