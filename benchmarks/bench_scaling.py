@@ -6,7 +6,12 @@ documents of 16-127 tokens, next-token loss), on the reference path (CPU). Targe
 
 * forward + backward time per token at T = 65,536 within 1.2x of T = 8,192, for every layer and
   the model (the two sizes alternate in one process, round after round; graded on the fastest
-  round of each, with the spread of the per-round ratios);
+  round of each, with the spread of the per-round ratios). Measured twice, in two processes: with
+  the default allocator, and with PyTorch's transparent-huge-page allocation
+  (``THP_MEM_ALLOC_ENABLE=1``, PyTorch >= 2.2: buffers >= 2 MB on 2 MB pages). glibc serves every
+  block above 32 MB (a ``[65536, 128]`` fp32 tensor) with a fresh ``mmap``, so with the defaults a
+  step at T = 65,536 pays a page fault per 4 KB touched, which a step at 8,192 does not; the
+  second measurement takes the allocator out of the comparison of the algorithms;
 * peak extra memory of one forward + backward <= 12 KB per token per layer at T = 65,536
   (measured in a fresh process per point as the peak resident set (``VmHWM``) above the resident
   set before the step; the inputs, i.e. the hidden state and its output gradient, and the
@@ -32,6 +37,7 @@ import torch
 from benchmarks.common import Possible, Result, Timings, alternate, fill_with_documents, results_table, table
 
 HIDDEN = 128
+ALLOCATORS = {"default allocator": {}, "THP_MEM_ALLOC_ENABLE=1": {"THP_MEM_ALLOC_ENABLE": "1"}}
 SIZES = [4096, 8192, 16384, 32768, 65536, 131072]
 GRADED = (8192, 65536)                     # per-token time at the second within 1.2x of the first
 TIME_TARGET, MEMORY_TARGET_KB = 1.2, 12.0
@@ -118,8 +124,8 @@ def time_points(name: str, sizes: list[int], rounds: int) -> dict:
 
 
 # ------------------------------------------------------------------------------- driver (subprocesses)
-def _worker(args: list[str], timeout: float) -> tuple[dict | None, str]:
-    env = dict(os.environ)
+def _worker(args: list[str], timeout: float, env_extra: dict | None = None) -> tuple[dict | None, str]:
+    env = dict(os.environ, **(env_extra or {}))
     cmd = [sys.executable, "-m", "benchmarks.bench_scaling", "--worker", *args]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -165,38 +171,40 @@ def run(sizes: list[int], rounds: int, names=None, log=print) -> dict:
     for name in names or NAMES:
         memory, skipped = measure_memory(name, sizes, log)
         fits = [t for t in sizes if t in memory]
-        got, why = _worker(["time", name, str(rounds), *map(str, fits)], timeout=3600) if fits else (None, "")
-        if got is None and fits:
-            skipped.update({t: f"timing {why}" for t in fits})
-        got = got or {"rounds": {}, "others": {}}
-        times = {int(k): v for k, v in got["rounds"].items()}
-        others = {int(k): v for k, v in got["others"].items()}
-        log(f"    {name}: " + ", ".join(f"T={t} {min(v) / t * 1e6:.1f} us/token" for t, v in times.items()))
-        data[name] = {"memory": memory, "time": times, "others": others, "skipped": skipped}
+        data[name] = {"memory": memory, "skipped": skipped, "time": {}, "others": {}}
+        for alloc, env in ALLOCATORS.items():
+            got, why = _worker(["time", name, str(rounds), *map(str, fits)], 3600, env) if fits else (None, "")
+            if got is None and fits:
+                skipped.update({t: f"timing ({alloc}) {why}" for t in fits})
+            got = got or {"rounds": {}, "others": {}}
+            times = {int(k): v for k, v in got["rounds"].items()}
+            log(f"    {name} ({alloc}): " + ", ".join(f"T={t} {min(v) / t * 1e6:.1f} us/token"
+                                                    for t, v in times.items()))
+            data[name]["time"][alloc] = times
+            data[name]["others"][alloc] = {int(k): v for k, v in got["others"].items()}
     return data
 
 
 def results(data: dict) -> list[Result]:
-    """The graded figures: per-token time 64k vs 8k, and KB/token at 64k (layers)."""
+    """The graded figures: per-token time 64k vs 8k (each allocator), and KB/token at 64k (layers)."""
     small, large = GRADED
     out = []
     for name, d in data.items():
-        times = d["time"]
-        if small in times and large in times:
-            raw = Timings({"small": times[small], "large": times[large]},
-                          {"small": d["others"][small], "large": d["others"][large]})
-            t = raw.scaled({"small": 1 / small, "large": 1 / large})
-            ratios = t.ratios("large", "small")
-            ratio = t.best("large") / t.best("small")
-            out.append(Result("scaling", f"{name}: fwd+bwd per token, T={large:,} vs T={small:,}",
-                              t.best("large") * 1e6, t.best("small") * 1e6, ratio, TIME_TARGET, False,
-                              unit="us/token", rounds=ratios, load=raw.load(),
-                              possible=Possible(small / large, None, f"T={large:,} does {large // small}x the work "
-                                                f"of T={small:,}: it cannot take less time")))
-        else:
-            out.append(Result("scaling", f"{name}: fwd+bwd per token, T={large:,} vs T={small:,}", float("nan"), None,
-                              float("nan"), note="not measured: " + "; ".join(f"T={k}: {v}" for k, v in
-                                                                            d["skipped"].items())))
+        for alloc in ALLOCATORS:
+            times, others = d["time"].get(alloc, {}), d["others"].get(alloc, {})
+            what = f"{name}: fwd+bwd per token, T={large:,} vs T={small:,} ({alloc})"
+            if small in times and large in times:
+                raw = Timings({"small": times[small], "large": times[large]},
+                              {"small": others[small], "large": others[large]})
+                t = raw.scaled({"small": 1 / small, "large": 1 / large})
+                out.append(Result("scaling", what, t.best("large") * 1e6, t.best("small") * 1e6,
+                                  t.best("large") / t.best("small"), TIME_TARGET, False, unit="us/token",
+                                  rounds=t.ratios("large", "small"), load=raw.load(),
+                                  possible=Possible(small / large, None, f"T={large:,} does {large // small}x the "
+                                                    f"work of T={small:,}: it cannot take less time")))
+            else:
+                out.append(Result("scaling", what, float("nan"), None, float("nan"),
+                                  note="not measured: " + "; ".join(f"T={k}: {v}" for k, v in d["skipped"].items())))
         if name != MODEL and large in d["memory"]:
             kb = d["memory"][large]
             out.append(Result("scaling", f"{name}: peak extra memory of fwd+bwd at T={large:,}", kb, None, kb,
@@ -205,21 +213,24 @@ def results(data: dict) -> list[Result]:
 
 
 def curve_table(data: dict) -> str:
-    sizes = sorted({t for d in data.values() for t in list(d["memory"]) + list(d["time"]) + list(d["skipped"])})
+    sizes = sorted({t for d in data.values() for t in list(d["memory"]) + list(d["skipped"])
+                    + [t for times in d["time"].values() for t in times]})
     rows = []
     for name, d in data.items():
-        row = [name]
-        for t in sizes:
-            if t in d["time"]:
-                cell = f"{min(d['time'][t]) / t * 1e6:.1f} us"
-                if t in d["memory"]:
-                    cell += f", {d['memory'][t]:.1f} KB"
-            elif t in d["skipped"]:
-                cell = "skipped"
-            else:
-                cell = "-"
-            row.append(cell)
-        rows.append(row)
+        for alloc in ALLOCATORS:
+            times = d["time"].get(alloc, {})
+            row = [f"{name} ({alloc})"]
+            for t in sizes:
+                if t in times:
+                    cell = f"{min(times[t]) / t * 1e6:.1f} us"
+                    if t in d["memory"] and alloc == next(iter(ALLOCATORS)):
+                        cell += f", {d['memory'][t]:.1f} KB"
+                elif t in d["skipped"]:
+                    cell = "skipped"
+                else:
+                    cell = "-"
+                row.append(cell)
+            rows.append(row)
     notes = [f"- {name} T={t:,}: skipped, {why}" for name, d in data.items() for t, why in d["skipped"].items()]
     return (table(["per token: fwd+bwd time, peak extra memory"] + [f"T={t:,}" for t in sizes], rows)
             + ("\n\n" + "\n".join(notes) if notes else ""))
@@ -231,12 +242,16 @@ def plot(data: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, d in data.items():
-        ts = sorted(d["time"])
-        ax_t.plot(ts, [min(d["time"][t]) / t * 1e6 for t in ts], marker="o", label=name)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, d) in enumerate(data.items()):
+        for alloc, style in zip(ALLOCATORS, ("-", "--")):
+            times = d["time"].get(alloc, {})
+            ts = sorted(times)
+            ax_t.plot(ts, [min(times[t]) / t * 1e6 for t in ts], marker="o", linestyle=style,
+                      color=colors[i % len(colors)], label=f"{name} ({alloc})")
         ms = sorted(d["memory"])
         if ms:
-            ax_m.plot(ms, [d["memory"][t] for t in ms], marker="o", label=name)
+            ax_m.plot(ms, [d["memory"][t] for t in ms], marker="o", color=colors[i % len(colors)], label=name)
     for ax in (ax_t, ax_m):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
