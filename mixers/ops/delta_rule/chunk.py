@@ -169,8 +169,7 @@ class PrepFunction(torch.autograd.Function):
         dW = given(dW, p.W)
         if dw_read is not None:
             dW = dW + _reads(p, dw_read)
-        d_x = torch.cat([dW, given(dU, p.U)], dim=-1)
-        dq, dk, dv, dbeta, dg = prep_backward(p, d_x, given(dq_read, p.q_read), given(dqk, p.qk),
+        dq, dk, dv, dbeta, dg = prep_backward(p, dW, given(dU, p.U), given(dq_read, p.q_read), given(dqk, p.qk),
                                               given(dk_out, p.k_out), given(dkappa, p.kappa),
                                               d_G=dG, d_gate=dgate, d_decay_in=ddecay)
         b, c, h, L = kc.shape[:4]

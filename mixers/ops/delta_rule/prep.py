@@ -220,20 +220,20 @@ def _reduce(t: torch.Tensor, kg: int) -> torch.Tensor:
     return t if kg != 1 else t.sum(-1, keepdim=True)
 
 
-def prep_backward(p: Prep, d_x, d_q_read, d_qk, d_k_out, d_kappa, d_G=None, d_gate=None, d_decay_in=None):
+def prep_backward(p: Prep, d_w, d_u, d_q_read, d_qk, d_k_out, d_kappa, d_G=None, d_gate=None, d_decay_in=None):
     """Gradients ``(dq, dk, dv, dbeta [N, L, 1], dg [X, L, H*Kg])`` from those of the prep's
-    outputs: ``d_x = [d_W | d_U] [N, L, K + V]`` (``d_W``: of ``w_read`` on the fast path, of ``W``
+    outputs: ``d_w [N, L, K]`` and ``d_u [N, L, V]`` (``d_w``: of ``w_read`` on the fast path, of ``W``
     with ``full_w``), ``d_q_read``, ``d_qk``, ``d_k_out``, ``d_kappa`` and, optionally (``None``:
     zero), ``d_G``, ``d_gate``, ``d_decay_in``."""
     n, length, kd = p.k.shape
     x, m = p.m.X, p.m
     kg = p.step.shape[-1]
-    dR = torch.bmm(p.T.transpose(1, 2), d_x)
+    t_t = p.T.transpose(1, 2)
+    dR_w, dR_u = torch.bmm(t_t, d_w), torch.bmm(t_t, d_u)                    # dR = T^T [d_W | d_U]
     d_s2 = p.k.new_empty(n, 2, length, length)
     d_s2[:, 0].copy_(d_qk)
     # dA = -dR X^T, into a contiguous buffer (bmm into a strided one runs a matmul per batch entry)
-    into(d_s2[:, 1], torch.neg, torch.bmm(dR, p.X.transpose(1, 2)))
-    dR_w, dR_u = dR[..., :kd], dR[..., kd:]
+    into(d_s2[:, 1], torch.neg, torch.bmm(dR_w, p.W.transpose(1, 2)).baddbmm_(dR_u, p.U.transpose(1, 2)))
     d_dec = _reduce(dR_w * p.left[:, length:], kg)                             # d exp(G) from R
     if not p.full_w:
         _masked(d_dec, m.reads, x)
