@@ -27,6 +27,7 @@ How a figure is graded (the rules every ``bench_*.py`` follows):
 from __future__ import annotations
 
 import gc
+import math
 import os
 import resource
 import statistics
@@ -269,8 +270,10 @@ class Result:
         return "; ".join(parts) or "-"
 
     def row(self) -> list[str]:
+        if math.isnan(self.ours):                         # not measured: the note says why
+            return [self.measure, "-", "-", "-", self.note, "-"]
         if self.unit == "s":
-            times = f"{fmt_ms(self.ours)} vs {fmt_ms(self.other)}"
+            times = fmt_ms(self.ours) + ("" if self.other is None else f" vs {fmt_ms(self.other)}")
         elif self.other is None:
             times = f"{self.ours:,.1f} {self.unit}"
         else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.common import BUSY, Possible, Result, Timings, ratio_result, settle
+from benchmarks.common import BUSY, Possible, Result, Timings, ratio_result, results_table, settle
 
 
 def timings(ours, other, others=None):
@@ -98,3 +98,13 @@ def test_roofline_fraction_comes_from_the_same_rounds_and_cannot_exceed_the_matm
     same = Timings({"ours": [1.0] * 3, "matmul": [1.0] * 3})
     fast = roofline_result("g", "m", same, "ours", flops=mm * 2, target=0.3)      # twice a matmul's rate
     assert fast.unstable is not None and fast.unstable.startswith("impossible") and fast.passed is None
+
+
+@pytest.mark.parametrize("unit", ["s", "us/token"])
+def test_a_figure_not_measured_is_a_row_that_says_why(unit):
+    """A missing peer, a skipped size or a compiler failure: one row with the reason, no grade
+    (the table used to fail formatting ``None`` as milliseconds)."""
+    r = Result("g", "peer not measured", float("nan"), None, float("nan"), unit=unit, note="not installed")
+    assert r.passed is None
+    assert r.row() == ["peer not measured", "-", "-", "-", "not installed", "-"]
+    assert "not installed" in results_table([r])
