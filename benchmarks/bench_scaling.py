@@ -219,6 +219,7 @@ def curve_table(data: dict) -> str:
     sizes = sorted({t for d in data.values() for t in list(d["memory"]) + list(d["skipped"])
                     + [t for times in d["time"].values() for t in times]})
     rows = []
+    measured_in = next(iter(ALLOCATORS))                 # memory is measured with the default allocator
     for name, d in data.items():
         for alloc in ALLOCATORS:
             times = d["time"].get(alloc, {})
@@ -226,7 +227,7 @@ def curve_table(data: dict) -> str:
             for t in sizes:
                 if t in times:
                     cell = f"{min(times[t]) / t * 1e6:.1f} us"
-                    if t in d["memory"] and alloc == next(iter(ALLOCATORS)):
+                    if t in d["memory"] and alloc == measured_in:
                         cell += f", {d['memory'][t]:.1f} KB"
                 elif t in d["skipped"]:
                     cell = "skipped"

@@ -115,13 +115,19 @@ def _pair_quadrant(s2: torch.Tensor, block: int) -> torch.Tensor:
     return quadrant(s2.view(n * 2, length, length), block).view(n, 2, length // block, half, half).transpose(1, 2)
 
 
+def _upper_pairs(left: torch.Tensor, block: int) -> torch.Tensor:
+    """View ``[N, 2, L/block, half, K]`` of the upper halves of both ``q`` and ``beta k`` in
+    ``left [N, 2L, K]`` (or its gradient)."""
+    n, two_l, kd = left.shape
+    return left.view(n, 2, two_l // 2 // block, block, kd)[:, :, :, block // 2:]
+
+
 def _left_factors(left: torch.Tensor, up: torch.Tensor, block: int) -> torch.Tensor:
     """``[N, L/block, 2 * half, K]``: the upper halves of both ``q`` and ``beta k`` (``left [N, 2L, K]``)
     times ``up``, stacked per block (one product, no concatenation)."""
-    n, two_l, kd = left.shape
-    half, nb = block // 2, two_l // 2 // block
+    upper = _upper_pairs(left, block)                                           # [N, 2, nb, half, K]
+    n, _, nb, half, kd = upper.shape
     out = left.new_empty(n, nb, 2, half, kd)
-    upper = left.view(n, 2, nb, block, kd)[:, :, :, half:]                     # [N, 2, nb, half, K]
     into(out.transpose(1, 2), torch.mul, upper, up.unsqueeze(1))
     return out.view(n, nb, 2 * half, kd)
 
@@ -155,6 +161,9 @@ def scalar_grams_backward(d_s2, s2, decay, left, k):
     return torch.bmm(scaled, k), torch.bmm(scaled.transpose(1, 2), left), dG
 
 
+_DIRECT_HALF = 8     # quadrants of at least this size go to batched products directly
+
+
 def _level_grad(d: torch.Tensor, block: int, right: torch.Tensor, factors: torch.Tensor):
     """One level's ``(d factors [N, nb, 2*half, K], d right [N, nb, half, K])`` from the quadrants of
     ``d [N, 2, L, L]``. Small blocks are laid into one block-diagonal ``[L, L/2]`` matrix per
@@ -173,9 +182,6 @@ def _level_grad(d: torch.Tensor, block: int, right: torch.Tensor, factors: torch
     return d_factors.view(n, nb, 2 * half, kd), d_right.view(n, nb, half, kd)
 
 
-_DIRECT_HALF = 8
-
-
 def channel_grams_backward(d_s2, left, k, step, keep):
     """Backward of :func:`channel_grams`: ``(d_left [N, 2L, K], dk, dG [N, L, K])``; ``d_s2`` is
     overwritten."""
@@ -183,15 +189,13 @@ def channel_grams_backward(d_s2, left, k, step, keep):
     kd = k.shape[-1]
     d = d_s2.view(keep.shape[0], -1, 2, length, length).mul_(keep.unsqueeze(2)).view(n, 2, length, length)
     d_left, dk, dg = torch.zeros_like(left), torch.zeros_like(k), torch.zeros_like(step)
-    d_pair = d_left.view(n, 2, length, kd)
     for block, up, lo in _Levels(step):
         half, nb = block // 2, length // block
         right = _halves(k, block)[1] * lo                                       # [N, nb, half, K]
         factors = _left_factors(left, up, block)                                 # [N, nb, 2*half, K]
         d_factors, d_right = _level_grad(d, block, right, factors)
-        d_pair.view(n, 2, nb, block, kd)[:, :, :, half:].addcmul_(
-            d_factors.view(n, nb, 2, half, kd).transpose(1, 2), up.unsqueeze(1))
-        dk.view(n, nb, block, kd)[:, :, :half].addcmul_(d_right, lo)
+        _upper_pairs(d_left, block).addcmul_(d_factors.view(n, nb, 2, half, kd).transpose(1, 2), up.unsqueeze(1))
+        _halves(dk, block)[1].addcmul_(d_right, lo)
         dg_up, dg_lo, dg_ref = _halves(dg, block)
         both = (d_factors * factors).view(n, nb, 2, half, kd)
         u = both[:, :, 0].add_(both[:, :, 1])                                   # d up * up

@@ -36,7 +36,7 @@ def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
     b = min(_BASE, length)
     t = torch.zeros_like(a)
     eye = torch.eye(b, dtype=a.dtype, device=a.device).expand(n, length // b, b, b)
-    # contiguous operands and a given output: the solver copies neither (half its time otherwise)
+    # a contiguous matrix and a given output: the solver copies neither (half its time otherwise)
     inverse = a.new_empty(n, length // b, b, b)
     into(inverse, torch.linalg.solve_triangular, _diagonal_blocks(a, b).contiguous(), eye, upper=False,
          unitriangular=True)
