@@ -17,9 +17,9 @@ difference loses ``ulp(|G|)``, i.e. all precision once one gate of the chunk is 
 (``|g| ~ 1e3`` in fp32 leaves ~1e-4 absolute error in the exponent of every later pair). A product
 of factors <= 1 has a small *relative* error, like the step recurrence's.
 
-* Scalar gate (GDN): the decay matrix ``D``, shared by both products, is built by the halving
-  below: each (upper half, lower half) quadrant is the outer product of its two factors; then
-  ``S2 = ([q; beta k] @ k^T) * D``, one batched matmul.
+* Scalar gate (GDN): the decay matrix ``D``, shared by both products, is a running product down
+  each column (``D[t, s] = D[t-1, s] * exp(g_t)``, one ``cumprod``: the step recurrence's own
+  products, relative error <= L ulp); then ``S2 = ([q; beta k] @ k^T) * D``, one batched matmul.
 * Per-channel gate (KDA): ``exp(sum_(s,t])`` differs per channel, so it cannot leave the sum.
   It is split at a reference position ``r`` between ``s`` and ``t``:
   ``exp(sum_(r,t]) * exp(sum_(s,r])``, both factors <= 1 (no overflow, and an underflow only
@@ -29,7 +29,7 @@ of factors <= 1 has a small *relative* error, like the step recurrence's.
   beta k rows stacked, sharing the k factor). A pair from two segments is zeroed at the end by the
   same-segment mask (its product is finite: factors <= 1 times finite inputs).
 
-The factors of all levels come from one doubling pass (:class:`_Levels`). The backward returns
+The per-channel factors of all levels come from one doubling pass (:class:`_Levels`). The backward returns
 the gradient with respect to the cumulative log-decay ``G`` (the interval sums are ``G_t - G_s``
 mathematically); the caller carries it on through ``G``'s own segmented sum.
 
@@ -98,13 +98,14 @@ def scalar_decay(step: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``[N, L, L]`` ``exp(sum_(s, t] g)`` on same-segment pairs ``s <= t``, exactly 0 elsewhere.
 
     ``step [N, L, 1]`` the per-token decays ``exp(g)``; ``keep [X, 1, L, L]`` (``N = X * H``): the
-    same-segment causal mask, as a float of the same dtype.
+    same-segment causal mask, as a float of the same dtype. Column ``s`` is the running product of
+    the decays after ``s`` (``factors[u, s] = step[u]`` for ``u > s``, else 1), taken in the
+    order the step recurrence takes them.
     """
     n, length, _ = step.shape
-    decay = step.new_zeros(n, length, length)
-    for block, up, lo in _Levels(step):
-        quadrant(decay, block).copy_(up * lo.transpose(-1, -2))
-    decay.diagonal(dim1=1, dim2=2).fill_(1.0)
+    below = torch.ones(length, length, dtype=step.dtype, device=step.device).tril_(-1)
+    factors = torch.addcmul(1 - below, step, below)                             # [N, L, L]
+    decay = factors.cumprod_(dim=1)
     return decay.view(keep.shape[0], -1, length, length).mul_(keep).view(n, length, length)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from .._inplace import into
-from .gram import quadrant
 
 _BASE = 16
 
@@ -42,8 +41,11 @@ def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
          unitriangular=True)
     _diagonal_blocks(t, b).copy_(inverse)
     while b < length:
-        block = 2 * b
-        t11, t22, a21 = quadrant(t, block, 0, 0), quadrant(t, block, 1, 1), quadrant(a, block, 1, 0)
-        quadrant(t, block, 1, 0).copy_(t22 @ (a21 @ t11)).neg_()
-        b = block
+        # each new block's lower-left quadrant, one position at a time: 3-d slices go to the
+        # batched product as they are (a 4-d view of all positions is copied first)
+        for r0 in range(0, length, 2 * b):
+            r1, r2 = r0 + b, r0 + 2 * b
+            a21_t11 = torch.bmm(a[:, r1:r2, r0:r1], t[:, r0:r1, r0:r1])
+            into(t[:, r1:r2, r0:r1], torch.neg, torch.bmm(t[:, r1:r2, r1:r2], a21_t11))
+        b *= 2
     return t
