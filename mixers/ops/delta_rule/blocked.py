@@ -112,15 +112,16 @@ def _all_masks(seg: torch.Tensor, enter: torch.Tensor, dtype) -> Masks:
                        bool_sums=True)
 
 
-def recurrence(p: Prep, states: torch.Tensor, n: int) -> torch.Tensor:
+def recurrence(p: Prep, states: torch.Tensor, n: int, delta: torch.Tensor | None = None) -> torch.Tensor:
     """Run a block's ``n`` chunks: ``delta = U - w_read S``, ``S' = kappa S + k_out^T delta``.
     ``states [n + 1, B*H, K, V]`` holds the entering state in ``[0]``; the states leaving each chunk
-    are written to ``[1:]``. Returns the deltas ``[n, B*H, L, V]``."""
+    are written to ``[1:]``. Returns the deltas ``[n, B*H, L, V]`` (written into ``delta`` if given,
+    contiguous)."""
     N, length, kd = p.k.shape
     bh, vd = N // n, p.v.shape[-1]
     w_read, U = p.w_read.view(n, bh, length, kd), p.U.view(n, bh, length, vd)
     k_out, kappa = p.k_out.view(n, bh, length, kd), p.kappa.view(n, bh, -1, 1)
-    delta = states.new_empty(n, bh, length, vd)
+    delta = states.new_empty(n, bh, length, vd) if delta is None else delta.view(n, bh, length, vd)
     for j in range(n):
         into(delta[j], torch.baddbmm, U[j], w_read[j], states[j], alpha=-1)
         into(states[j + 1], torch.mul, states[j], kappa[j])
@@ -147,14 +148,16 @@ class DeltaRuleBlocked(torch.autograd.Function):
         vd = v.shape[-1]
         out = v.new_empty(b, q.shape[1], h, vd)
         # with gradients wanted, kept for the backward: the state entering every chunk (and the
-        # final one; K * V / L numbers per token and head: no replay of the recurrence) and the
-        # chunks' WY inverses with their decay matrices, packed (L numbers per token and head: the
-        # backward's preparation skips both); without, one block's states are reused
+        # final one; K * V / L numbers per token and head: no replay of the recurrence), the
+        # corrected values (V numbers per token and head) and the chunks' WY inverses with their
+        # decay matrices, packed (L numbers per token and head: the backward's preparation skips
+        # both); without, one block's states are reused
         blocks = _blocks(b, h, seg.shape[1])
         keep = any(ctx.needs_input_grad)
         rows = seg.shape[1] if keep else max(c1 - c0 for c0, c1 in blocks)
         states = q.new_empty(rows + 1, b * h, *h0.shape[2:])
         wy = q.new_empty(seg.shape[1] * b * h, chunk, chunk) if keep else None
+        deltas = q.new_empty(seg.shape[1] * b * h, chunk, vd) if keep else None
         states[0] = h0.reshape(b * h, *h0.shape[2:])
         masks = _all_masks(seg, enter, q.dtype)
         last = 0                                                # the row of the latest state
@@ -166,19 +169,20 @@ class DeltaRuleBlocked(torch.autograd.Function):
             s0 = c0 if keep else 0
             if not keep and last:
                 states[0] = states[last]
-            delta = recurrence(p, states[s0:s0 + blk.n + 1], blk.n)
+            delta = recurrence(p, states[s0:s0 + blk.n + 1], blk.n,
+                               deltas[c0 * b * h:c1 * b * h] if keep else None)
             last = s0 + blk.n
             o = torch.bmm(p.q_read, states[s0:last].view(-1, *states.shape[2:])).baddbmm_(p.qk, delta.view(
                 -1, chunk, vd))
             _store(out, _heads_major(o, blk.n, b), blk.t0, every)
         if keep:
-            ctx.save_for_backward(q, k, v, g, beta, seg, enter, states, wy)
+            ctx.save_for_backward(q, k, v, g, beta, seg, enter, states, wy, deltas)
         ctx.scale, ctx.chunk, ctx.every = scale, chunk, every
         return out, states[last].view(b, h, *states.shape[2:]).clone()   # not a view of a saved buffer
 
     @staticmethod
     def backward(ctx, d_out, d_final):
-        q, k, v, g, beta, seg, enter, states, wy = ctx.saved_tensors
+        q, k, v, g, beta, seg, enter, states, wy, deltas = ctx.saved_tensors
         b, _, h, kd = k.shape
         vd = v.shape[-1]
         grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
@@ -191,22 +195,22 @@ class DeltaRuleBlocked(torch.autograd.Function):
             blk = _Block(q, k, v, g, beta, masks, c0, c1, ctx.chunk, ctx.scale, ctx.every)
             d_o = _chunks(d_out, blk.t0, blk.n, ctx.chunk, ctx.every).permute(0, 1, 3, 2, 4)
             d_o = d_o.reshape(-1, ctx.chunk, vd)
-            p = blk.prep(wy[c0 * b * h:c1 * b * h])
-            d_state, block_grads = _block_backward(p, states[c0:c1], d_o, d_state, blk.n)
+            rows = slice(c0 * b * h, c1 * b * h)
+            p = blk.prep(wy[rows])
+            d_state, block_grads = _block_backward(p, states[c0:c1], deltas[rows], d_o, d_state, blk.n)
             block_grads[0].mul_(ctx.scale)
             for i, (full, part) in enumerate(zip(grads, block_grads)):
                 _store(full, part, blk.t0, ctx.every if i == 0 else 1)
         return (*grads, None, None, d_state.view(b, h, kd, vd), None, None, None)
 
 
-def _block_backward(p: Prep, entering, d_o, d_state, n):
-    """One block backwards from the states entering its chunks ``[n, B*H, K, V]``: returns (gradient
-    of the state entering the block, the block's input gradients as :func:`_store` views of
-    ``[B, n, L, ...]``)."""
+def _block_backward(p: Prep, entering, delta, d_o, d_state, n):
+    """One block backwards from the states entering its chunks ``[n, B*H, K, V]`` and its corrected
+    values ``[N, L, V]``: returns (gradient of the state entering the block, the block's input
+    gradients as :func:`_store` views of ``[B, n, L, ...]``)."""
     N, length, kd = p.k.shape
     bh, vd = N // n, p.v.shape[-1]
     S = entering.reshape(N, kd, vd)
-    delta = torch.baddbmm(p.U, p.w_read, S, alpha=-1)                          # [N, L, V], all chunks at once
     from_out = torch.bmm(p.qk.transpose(1, 2), d_o).view(n, bh, length, vd)    # d delta from o = qk delta
     from_read = torch.bmm(p.q_read.transpose(1, 2), d_o).view(n, bh, kd, vd)    # d S from o = q_read S
     w_read, k_out = p.w_read.view(n, bh, length, kd), p.k_out.view(n, bh, length, kd)

@@ -151,15 +151,20 @@ def channel_grams(left, k, step, keep) -> torch.Tensor:
     return s2.view(keep.shape[0], -1, 2, length, length).mul_(keep.unsqueeze(2)).view(n, 2, length, length)
 
 
-def scalar_grams_backward(d_s2, s2, decay, left, k):
+def scalar_grams_backward(d_s2, decay, left, k):
     """Backward of ``S2 = (left @ k^T) * D`` with ``left = [q; beta k] [N, 2L, K]`` (the diagonal of
-    ``Akk`` unused): returns ``(d_left [N, 2L, K], dk, dG [N, L, 1])``; ``d_s2`` is overwritten."""
-    n, _, length, _ = s2.shape
+    ``Akk`` unused): returns ``(d_left [N, 2L, K], dk, dG [N, L, 1])``; ``d_s2`` is overwritten.
+
+    ``S2`` itself is not needed: with ``scaled = d_S2 * D``, the gradient of each pair's
+    ``G_t - G_s`` is ``scaled[t, s] (left_t . k_s)``, whose sum over ``s`` is ``left_t . d_left_t``
+    and over ``t`` is ``k_s . dk_s``."""
+    n, _, length, _ = d_s2.shape
     d_s2[:, 1].diagonal(dim1=-2, dim2=-1).zero_()                          # Akk has no diagonal
-    dd = torch.mul(d_s2[:, 0], s2[:, 0]).addcmul_(d_s2[:, 1], s2[:, 1])     # d/d(G_t - G_s) on kept pairs
-    dG = (dd.sum(-1) - dd.sum(-2)).unsqueeze(-1)
     scaled = d_s2.mul_(decay.unsqueeze(1)).view(n, 2 * length, length)     # [d_qk * D; d_Akk * D]
-    return torch.bmm(scaled, k), torch.bmm(scaled.transpose(1, 2), left), dG
+    d_left, dk = torch.bmm(scaled, k), torch.bmm(scaled.transpose(1, 2), left)
+    rows = (left * d_left).sum(-1).view(n, 2, length)
+    dG = rows[:, 0].add_(rows[:, 1]).sub_((k * dk).sum(-1)).unsqueeze(-1)
+    return d_left, dk, dG
 
 
 _DIRECT_HALF = 8     # quadrants of at least this size go to batched products directly

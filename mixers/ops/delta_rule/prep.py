@@ -118,7 +118,7 @@ class Prep:
     tail: torch.Tensor      # [N, L, Kg] exp(suf)
     read_in: torch.Tensor   # [N, L, Kg] exp(G) on the entering segment's tokens, else 0
     tail_out: torch.Tensor  # [N, L, Kg] exp(suf) on the chunk's last segment's tokens, else 0
-    s2: torch.Tensor        # [N, 2, L, L] (qk, beta kk) decayed
+    s2: torch.Tensor        # [N, 2, L, L] (qk, beta kk) decayed; [N, 1, L, L] (qk) given ``wy``, scalar gate
     decay: torch.Tensor | None  # [N, L, L] scalar gate: the decay matrix
     T: torch.Tensor         # [N, L, L] (I + strict(beta kk))^-1
     X: torch.Tensor         # [N, L, K + V] = [W | U] (W masked by reads unless full_w)
@@ -192,7 +192,9 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, wy: tor
     T, decay = _unpack_wy(wy, scalar) if wy is not None else (None, None)
     if scalar:
         decay = scalar_decay(step, m.keep) if decay is None else decay
-        s2 = torch.bmm(left, k.transpose(1, 2)).view(n, 2, length, length).mul_(decay.unsqueeze(1))
+        # beta kk only feeds the inverse: given it (``wy``), qk alone (the backward reads no Akk)
+        rows = q if T is not None else left
+        s2 = torch.bmm(rows, k.transpose(1, 2)).view(n, -1, length, length).mul_(decay.unsqueeze(1))
     else:
         s2 = channel_grams(left, k, step, m.keep)
     T = unit_lower_inverse(s2[:, 1]) if T is None else T
@@ -248,7 +250,7 @@ def prep_backward(p: Prep, d_w, d_u, d_q_read, d_qk, d_k_out, d_kappa, d_G=None,
     if d_G is not None:
         dG = dG + d_G
     if kg == 1:
-        d_left, dk, dG_g = scalar_grams_backward(d_s2, p.s2, p.decay, p.left, p.k)
+        d_left, dk, dG_g = scalar_grams_backward(d_s2, p.decay, p.left, p.k)
     else:
         d_left, dk, dG_g = channel_grams_backward(d_s2, p.left, p.k, p.step, m.keep)
     dG += dG_g
