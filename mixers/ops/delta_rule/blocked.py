@@ -1,4 +1,4 @@
-"""The chunked delta rule over blocks of chunks, with block checkpointing (the fast path).
+"""The chunked delta rule over blocks of chunks (the fast path).
 
     B = rows, T = tokens, C = chunks, n = chunks per block, H = heads, L = chunk length,
     K, V = head dims, Kg = 1 or K, N = n * B * H (one block's chunk-heads, chunk-major)
@@ -7,15 +7,17 @@ The inputs stay token-major (``[B, T, H, ...]``, as the caller has them). Block 
 block's tokens are copied chunk-major (the query scaled on the way), :func:`.prep.prep_forward`
 prepares its chunks, the state recurrence runs chunk by chunk, and the block's outputs are written
 straight into the token-major output. A block holds ~``_BLOCK_CHUNK_HEADS`` chunk-heads, so its
-working set stays in a core's cache, and nothing the size of the sequence is allocated but the
-output (and, in the backward, the input gradients): a fresh large allocation costs a page fault per
+working set stays small, and the only sequence-sized allocations are the output, what the backward
+keeps and (in the backward) the input gradients: a fresh large allocation costs a page fault per
 4 KB on first touch, which on a CPU costs more than the arithmetic that fills it.
 
-Only the state entering each block is kept. The backward walks the blocks in reverse: it
-recomputes the block's preparation and replays the recurrence from the block's checkpoint, runs
-the recurrence backwards, then the preparation's hand-written backward (:func:`.prep.prep_backward`),
-and writes the block's input gradients in place. No autograd inside: ``torch.compile`` traces the
-forward and the backward.
+With gradients wanted, the forward keeps per chunk what is costly to recompute and small to keep:
+the entering state (``K * V / L`` numbers per token and head), the corrected values ``delta``
+(``V``), and the WY inverse packed with the scalar decay matrix (``L``). The backward walks the
+blocks in reverse: it recomputes the rest of the block's preparation from the inputs (the Grams,
+only ``qk`` for a scalar gate, and ``[W | U]``), runs the recurrence backwards, then the
+preparation's hand-written backward (:func:`.prep.prep_backward`), and writes the block's input
+gradients in place. No autograd inside: ``torch.compile`` traces the forward and the backward.
 
 Like every mixing step of the references, the masks here multiply exact zeros into the
 cross-document terms; every value is finite (the caller sanitizes non-finite inputs and output
