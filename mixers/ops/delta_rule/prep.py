@@ -19,7 +19,10 @@ Forward (``S`` the state entering a chunk)::
 so that ``delta = U - w_read S``, ``o = q_read S + qk delta``, ``S' = kappa S + k_out^T delta``.
 Only the entering document's rows of ``W`` are ever read: the fast path masks ``R``'s rows
 before the product (``T`` is block-diagonal per document, so that equals masking ``W``'s rows);
-the composed path (``full_w``) keeps every row (per-document initial states correct them).
+the composed path (``full_w``) keeps every row (per-document initial states correct them). For
+the same reason the fast path needs ``exp(G)`` on the entering segment's tokens only and
+``exp(suf)`` on the last segment's only, where no reset lies between the token and the chunk's
+start (end): it takes them as running products of ``exp(g)``, with no segmented sum.
 
 The backward is the chain rule through the same steps: the WY system's is one product with the
 transposed inverse (``dR = T^T dX``, ``dA = -dR X^T``), the Grams' is :mod:`.gram`'s, and the
@@ -114,8 +117,8 @@ class Prep:
     gate: torch.Tensor | None  # [N, L, Kg] floored (``full_w`` only)
     step: torch.Tensor      # [N, L, Kg] exp(gate): each token's decay
     G: torch.Tensor | None  # [N, L, Kg] (``full_w`` only)
-    decay_in: torch.Tensor  # [N, L, Kg] exp(G)
-    tail: torch.Tensor      # [N, L, Kg] exp(suf)
+    decay_in: torch.Tensor  # [N, L, Kg] exp(G) (fast path: on the entering segment's tokens)
+    tail: torch.Tensor      # [N, L, Kg] exp(suf) (fast path: on the last segment's tokens)
     read_in: torch.Tensor   # [N, L, Kg] exp(G) on the entering segment's tokens, else 0
     tail_out: torch.Tensor  # [N, L, Kg] exp(suf) on the chunk's last segment's tokens, else 0
     s2: torch.Tensor        # [N, 2, L, L] (qk, beta kk) decayed; [N, 1, L, L] (qk) given ``wy``, scalar gate
@@ -181,12 +184,19 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, wy: tor
     x = m.X
     heads = n // x
     gate_tm = g.clamp(min=LOG_DECAY_FLOOR)
-    sums = torch.bmm(m.sums, gate_tm)                                           # [X, 2L, H*Kg]
-    # heads-major exponentials straight from the token-major sums (one pass each)
-    decay_in, tail = _exp_heads_major(sums[:, :length], heads), _exp_heads_major(sums[:, length:], heads)
     step = _exp_heads_major(gate_tm, heads)                                     # exp(g) per token
-    G = _heads_major(sums[:, :length], heads) if full_w else None
-    gate = _heads_major(gate_tm, heads) if full_w else None
+    G = gate = None
+    if full_w:
+        sums = torch.bmm(m.sums, gate_tm)                                       # [X, 2L, H*Kg]
+        # heads-major exponentials straight from the token-major sums (one pass each)
+        decay_in, tail = _exp_heads_major(sums[:, :length], heads), _exp_heads_major(sums[:, length:], heads)
+        G, gate = _heads_major(sums[:, :length], heads), _heads_major(gate_tm, heads)
+    else:
+        # read only on the entering segment's tokens (exp(G)) and the last segment's (exp(suf)):
+        # no reset lies between those and the chunk's start or end, so both are running products
+        # of the per-token decays (no segmented sum: for a per-channel gate that product is as
+        # large as a Gram's)
+        decay_in, tail = step.cumprod(1), _suffix_products(step)
     q, bk = left[:, :length], left[:, length:]
     scalar = step.shape[-1] == 1
     T, decay = _unpack_wy(wy, scalar) if wy is not None else (None, None)
@@ -209,6 +219,14 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, wy: tor
     return Prep(m=m, heads=heads, full_w=full_w, left=left, k=k, v=v, beta=beta, g=g, gate=gate, step=step, G=G,
                 decay_in=decay_in, tail=tail, read_in=read_in, tail_out=tail_out, s2=s2, decay=decay, T=T, X=wu,
                 q_read=q * read_in, k_out=k * tail_out, kappa=kappa)
+
+
+def _suffix_products(step: torch.Tensor) -> torch.Tensor:
+    """``out[:, t] = prod_{u > t} step[:, u]`` (1 at the last token) for ``step [N, L, Kg]``."""
+    out = torch.empty_like(step)
+    out[:, -1] = 1.0
+    out[:, :-1] = step[:, 1:].flip(1).cumprod(1).flip(1)
+    return out
 
 
 def _masked(t: torch.Tensor, mask: torch.Tensor, x: int) -> torch.Tensor:
