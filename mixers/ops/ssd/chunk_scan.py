@@ -39,6 +39,12 @@ def _blocks(q: int, per_chunk: int):
         yield q0, min(q0 + step, q)
 
 
+def _floats(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A block's ``[K, L, L]`` bool mask as ``[K, 1, L, L]`` floats (converted per block: the whole
+    sequence's would be ``L`` floats per token, a fresh allocation every step)."""
+    return keep.to(dtype).unsqueeze(1)
+
+
 def _group_major(t: torch.Tensor) -> torch.Tensor:
     """``[K, L, G, X]`` -> ``[K, G, L, X]`` contiguous."""
     return t.transpose(1, 2).contiguous()
@@ -107,7 +113,6 @@ class SSDChunkScan(torch.autograd.Function):
         q = b * c
         xq, dtq, aq = x.reshape(q, L, h, p), dt.reshape(q, L, h), a.reshape(q, L, h)
         bq, cq = Bm.reshape(q, L, g, ns), Cm.reshape(q, L, g, ns)
-        keepf = keep.to(x.dtype).unsqueeze(1)                                    # [Q, 1, L, L]
         lastf, readf = last.to(x.dtype).unsqueeze(-1), reads.to(x.dtype).unsqueeze(-1)
         out = torch.empty(q, L, h, p, dtype=x.dtype, device=x.device)
         u = torch.empty(q, h, p, ns, dtype=x.dtype, device=x.device)
@@ -119,7 +124,7 @@ class SSDChunkScan(torch.autograd.Function):
             x_hm = xq[q0:q1].transpose(1, 2)
             xdt = torch.mul(x_hm, dtq[q0:q1].transpose(1, 2).unsqueeze(-1), out=xdt_hm[:k])  # [K, H, L, P]
             bg, cg = _group_major(bq[q0:q1]), _group_major(cq[q0:q1])
-            scores = _decay(aq[q0:q1].transpose(1, 2), keepf[q0:q1], buf[:k])
+            scores = _decay(aq[q0:q1].transpose(1, 2), _floats(keep[q0:q1], x.dtype), buf[:k])
             scores.view(k, g, h // g, L, L).mul_((cg @ bg.transpose(-1, -2)).unsqueeze(2))
             out[q0:q1] = (scores @ xdt).transpose(1, 2)
             w_state = state_weights(aq[q0:q1], lastf[q0:q1])

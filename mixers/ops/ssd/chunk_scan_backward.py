@@ -14,6 +14,7 @@ from .chunk_scan import (
     _cols_to_heads,
     _cols_to_state,
     _decay,
+    _floats,
     _group_major,
     _heads_to_cols,
     _state_to_cols,
@@ -57,7 +58,6 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
     g_y, g_z = _gate(g_out, z, pre_gate)          # g_y: gradient of y + D x
     xq, dtq, aq = x.reshape(q, L, h, p), dt.reshape(q, L, h), a.reshape(q, L, h)
     bq, cq, gyq = Bm.reshape(q, L, g, ns), Cm.reshape(q, L, g, ns), g_y.reshape(q, L, h, p)
-    keepf = keep.to(x.dtype).unsqueeze(1)
     lastf, readf = last.to(x.dtype).unsqueeze(-1), reads.to(x.dtype).unsqueeze(-1)
     hq = h_enter.reshape(q, h, p, ns)
     g_a = torch.zeros(q, L, h, dtype=x.dtype, device=x.device)
@@ -103,7 +103,7 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
         gw = (g_xw * xq[q0:q1]).sum(-1) * dtw                                    # [K, L, H]
         g_a[q0:q1, -1] += gw.sum(1)
         g_a[q0:q1] -= gw
-        decay_blk = _decay(aq[q0:q1].transpose(1, 2), keepf[q0:q1], bufs[0][:k])
+        decay_blk = _decay(aq[q0:q1].transpose(1, 2), _floats(keep[q0:q1], x.dtype), bufs[0][:k])
         cb = (cg @ bg.transpose(-1, -2)).unsqueeze(2)                            # [K, G, 1, L, L]
         scores = torch.mul(decay_blk.view(k, g, h // g, L, L), cb, out=bufs[1][:k].view(k, g, h // g, L, L))
         gy_hm = gyq[q0:q1].transpose(1, 2).contiguous()

@@ -40,17 +40,32 @@ from .varlen_states import LeavingStates
 
 class _SegmentSum(torch.autograd.Function):
     """``keep [b, c, L, L] (bool) @ v [b, c, L, h]``: keeps the bool mask for backward, not a float
-    copy of it (autograd through the matmul would keep ``[T, L]`` floats)."""
+    copy of it (autograd through the matmul would keep ``[T, L]`` floats), and converts it a block
+    of chunks at a time (the whole sequence's floats would be a fresh ``L`` per token every step)."""
 
     @staticmethod
     def forward(ctx, keep, v):
         ctx.save_for_backward(keep)
-        return keep.to(v.dtype) @ v
+        return _masked_sum(keep, v)
 
     @staticmethod
     def backward(ctx, grad):
         (keep,) = ctx.saved_tensors
-        return None, keep.to(grad.dtype).transpose(-1, -2) @ grad
+        return None, _masked_sum(keep, grad, transpose=True)
+
+
+_MASK_BLOCK = 1 << 20     # mask elements converted at once (4 MB of fp32)
+
+
+def _masked_sum(keep: torch.Tensor, v: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """``keep @ v`` (``keep^T @ v`` if ``transpose``) over blocks of chunks; ``keep [b, c, L, L]`` bool."""
+    b, c, length, _ = keep.shape
+    out = torch.empty_like(v)
+    step = max(1, _MASK_BLOCK // (b * length * length))
+    for c0 in range(0, c, step):
+        mask = keep[:, c0:c0 + step].to(v.dtype)
+        torch.matmul(mask.transpose(-1, -2) if transpose else mask, v[:, c0:c0 + step], out=out[:, c0:c0 + step])
+    return out
 
 
 @dataclass
