@@ -6,10 +6,11 @@
 The inputs stay token-major (``[B, T, H, ...]``, as the caller has them). Block by block: the
 block's tokens are copied chunk-major (the query scaled on the way), :func:`.prep.prep_forward`
 prepares its chunks, the state recurrence runs chunk by chunk, and the block's outputs are written
-straight into the token-major output. A block holds ~``_BLOCK_CHUNK_HEADS`` chunk-heads, so its
-working set stays small, and the only sequence-sized allocations are the output, what the backward
-keeps and (in the backward) the input gradients: a fresh large allocation costs a page fault per
-4 KB on first touch, which on a CPU costs more than the arithmetic that fills it.
+straight into the token-major output. A block's ``[N, L, max(K, V)]`` tensors hold about
+``_BLOCK_NUMBERS`` numbers (64 chunk-heads at K = V = 64, 32 at 128), so its working set stays
+small, and the only sequence-sized allocations are the output, what the backward keeps and (in the
+backward) the input gradients: a fresh large allocation costs a page fault per 4 KB on first
+touch, which on a CPU costs more than the arithmetic that fills it.
 
 With gradients wanted, the forward keeps per chunk what is costly to recompute and small to keep:
 the entering state (``K * V / L`` numbers per token and head), the corrected values ``delta``
@@ -31,11 +32,13 @@ import torch
 from .._inplace import into
 from .prep import Masks, Prep, chunk_masks, pack_wy, prep_backward, prep_forward
 
-_BLOCK_CHUNK_HEADS = 64
+_BLOCK_NUMBERS = 1 << 18
 
 
-def _blocks(rows: int, heads: int, chunks: int) -> list[tuple[int, int]]:
-    step = max(1, _BLOCK_CHUNK_HEADS // (rows * heads))
+def _blocks(rows: int, heads: int, chunks: int, chunk: int, width: int) -> list[tuple[int, int]]:
+    """Ranges of chunks, ``rows * heads`` chunk-heads each, whose ``[N, chunk, width]`` tensors hold
+    about ``_BLOCK_NUMBERS`` numbers (``width = max(K, V)``)."""
+    step = max(1, _BLOCK_NUMBERS // (chunk * width * rows * heads))
     return [(c0, min(c0 + step, chunks)) for c0 in range(0, chunks, step)]
 
 
@@ -154,7 +157,7 @@ class DeltaRuleBlocked(torch.autograd.Function):
         # corrected values (V numbers per token and head) and the chunks' WY inverses with their
         # decay matrices, packed (L numbers per token and head: the backward's preparation skips
         # both); without, one block's states are reused
-        blocks = _blocks(b, h, seg.shape[1])
+        blocks = _blocks(b, h, seg.shape[1], chunk, max(k.shape[-1], vd))
         keep = any(ctx.needs_input_grad)
         rows = seg.shape[1] if keep else max(c1 - c0 for c0, c1 in blocks)
         states = q.new_empty(rows + 1, b * h, *h0.shape[2:])
@@ -190,7 +193,7 @@ class DeltaRuleBlocked(torch.autograd.Function):
         grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
         d_state = q.new_zeros(b * h, kd, vd) if d_final is None else d_final.reshape(b * h, kd, vd).clone()
         d_out = v.new_zeros(b, q.shape[1], h, vd) if d_out is None else d_out
-        blocks = _blocks(b, h, seg.shape[1])
+        blocks = _blocks(b, h, seg.shape[1], ctx.chunk, max(kd, vd))
         masks = _all_masks(seg, enter, q.dtype)
         for index in range(len(blocks) - 1, -1, -1):
             c0, c1 = blocks[index]
