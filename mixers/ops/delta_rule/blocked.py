@@ -14,9 +14,9 @@ touch, which on a CPU costs more than the arithmetic that fills it.
 
 With gradients wanted, the forward keeps per chunk what is costly to recompute and small to keep:
 the entering state (``K * V / L`` numbers per token and head), the corrected values ``delta``
-(``V``), and the WY inverse packed with the scalar decay matrix (``L``). The backward walks the
-blocks in reverse: it recomputes the rest of the block's preparation from the inputs (the Grams,
-only ``qk`` for a scalar gate, and ``[W | U]``), runs the recurrence backwards, then the
+(``V``), and the WY inverse ``T`` (``L``). The backward walks the blocks in reverse: it recomputes
+the rest of the block's preparation from the inputs (the Grams, only ``qk`` for a scalar gate,
+the scalar decay matrix, ``[W | U]``), runs the recurrence backwards, then the
 preparation's hand-written backward (:func:`.prep.prep_backward`), and writes the block's input
 gradients in place. No autograd inside: ``torch.compile`` traces the forward and the backward.
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from .._inplace import into
-from .prep import Masks, Prep, chunk_masks, pack_wy, prep_backward, prep_forward
+from .prep import Masks, Prep, chunk_masks, prep_backward, prep_forward
 
 _BLOCK_NUMBERS = 1 << 18
 
@@ -104,8 +104,8 @@ class _Block:
                      bb.view(-1, length, 1), gb)
         self.masks = masks.rows(c0 * b, c1 * b)
 
-    def prep(self, wy: torch.Tensor | None = None) -> Prep:
-        return prep_forward(*self.args, self.masks, wy=wy)
+    def prep(self, inverse: torch.Tensor | None = None, inverse_out: torch.Tensor | None = None) -> Prep:
+        return prep_forward(*self.args, self.masks, inverse=inverse, inverse_out=inverse_out)
 
 
 def _all_masks(seg: torch.Tensor, enter: torch.Tensor, dtype) -> Masks:
@@ -154,40 +154,38 @@ class DeltaRuleBlocked(torch.autograd.Function):
         out = v.new_empty(b, q.shape[1], h, vd)
         # with gradients wanted, kept for the backward: the state entering every chunk (and the
         # final one; K * V / L numbers per token and head: no replay of the recurrence), the
-        # corrected values (V numbers per token and head) and the chunks' WY inverses with their
-        # decay matrices, packed (L numbers per token and head: the backward's preparation skips
-        # both); without, one block's states are reused
+        # corrected values (V numbers per token and head) and the chunks' WY inverses (L numbers
+        # per token and head, written there by the preparation: the backward's skips them);
+        # without, one block's states are reused
         blocks = _blocks(b, h, seg.shape[1], chunk, max(k.shape[-1], vd))
         keep = any(ctx.needs_input_grad)
         rows = seg.shape[1] if keep else max(c1 - c0 for c0, c1 in blocks)
         states = q.new_empty(rows + 1, b * h, *h0.shape[2:])
-        wy = q.new_empty(seg.shape[1] * b * h, chunk, chunk) if keep else None
+        inverses = q.new_empty(seg.shape[1] * b * h, chunk, chunk) if keep else None
         deltas = q.new_empty(seg.shape[1] * b * h, chunk, vd) if keep else None
         states[0] = h0.reshape(b * h, *h0.shape[2:])
         masks = _all_masks(seg, enter, q.dtype)
         last = 0                                                # the row of the latest state
         for c0, c1 in blocks:
             blk = _Block(q, k, v, g, beta, masks, c0, c1, chunk, scale, every)
-            p = blk.prep()
-            if keep:
-                pack_wy(p, wy[c0 * b * h:c1 * b * h])
+            span = slice(c0 * b * h, c1 * b * h)
+            p = blk.prep(inverse_out=inverses[span] if keep else None)
             s0 = c0 if keep else 0
             if not keep and last:
                 states[0] = states[last]
-            delta = recurrence(p, states[s0:s0 + blk.n + 1], blk.n,
-                               deltas[c0 * b * h:c1 * b * h] if keep else None)
+            delta = recurrence(p, states[s0:s0 + blk.n + 1], blk.n, deltas[span] if keep else None)
             last = s0 + blk.n
             o = torch.bmm(p.q_read, states[s0:last].view(-1, *states.shape[2:])).baddbmm_(p.qk, delta.view(
                 -1, chunk, vd))
             _store(out, _heads_major(o, blk.n, b), blk.t0, every)
         if keep:
-            ctx.save_for_backward(q, k, v, g, beta, seg, enter, states, wy, deltas)
+            ctx.save_for_backward(q, k, v, g, beta, seg, enter, states, inverses, deltas)
         ctx.scale, ctx.chunk, ctx.every = scale, chunk, every
         return out, states[last].view(b, h, *states.shape[2:]).clone()   # not a view of a saved buffer
 
     @staticmethod
     def backward(ctx, d_out, d_final):
-        q, k, v, g, beta, seg, enter, states, wy, deltas = ctx.saved_tensors
+        q, k, v, g, beta, seg, enter, states, inverses, deltas = ctx.saved_tensors
         b, _, h, kd = k.shape
         vd = v.shape[-1]
         grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
@@ -200,9 +198,9 @@ class DeltaRuleBlocked(torch.autograd.Function):
             blk = _Block(q, k, v, g, beta, masks, c0, c1, ctx.chunk, ctx.scale, ctx.every)
             d_o = _chunks(d_out, blk.t0, blk.n, ctx.chunk, ctx.every).permute(0, 1, 3, 2, 4)
             d_o = d_o.reshape(-1, ctx.chunk, vd)
-            rows = slice(c0 * b * h, c1 * b * h)
-            p = blk.prep(wy[rows])
-            d_state, block_grads = _block_backward(p, states[c0:c1], deltas[rows], d_o, d_state, blk.n)
+            span = slice(c0 * b * h, c1 * b * h)
+            p = blk.prep(inverse=inverses[span])
+            d_state, block_grads = _block_backward(p, states[c0:c1], deltas[span], d_o, d_state, blk.n)
             block_grads[0].mul_(ctx.scale)
             for i, (full, part) in enumerate(zip(grads, block_grads)):
                 _store(full, part, blk.t0, ctx.every if i == 0 else 1)

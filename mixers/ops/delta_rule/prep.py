@@ -121,7 +121,7 @@ class Prep:
     tail: torch.Tensor      # [N, L, Kg] exp(suf) (fast path: on the last segment's tokens)
     read_in: torch.Tensor   # [N, L, Kg] exp(G) on the entering segment's tokens, else 0
     tail_out: torch.Tensor  # [N, L, Kg] exp(suf) on the chunk's last segment's tokens, else 0
-    s2: torch.Tensor        # [N, 2, L, L] (qk, beta kk) decayed; [N, 1, L, L] (qk) given ``wy``, scalar gate
+    s2: torch.Tensor        # [N, 2, L, L] (qk, beta kk) decayed; [N, 1, L, L] (qk) given ``inverse``, scalar gate
     decay: torch.Tensor | None  # [N, L, L] scalar gate: the decay matrix
     T: torch.Tensor         # [N, L, L] (I + strict(beta kk))^-1
     X: torch.Tensor         # [N, L, K + V] = [W | U] (W masked by reads unless full_w)
@@ -155,31 +155,13 @@ def _flat(mask: torch.Tensor, heads: int) -> torch.Tensor:
     return mask.expand(mask.shape[0], heads, *mask.shape[2:]).reshape(-1, *mask.shape[2:])
 
 
-def pack_wy(p: Prep, out: torch.Tensor) -> None:
-    """Write the two lower-triangular products of :func:`prep_forward` worth keeping for the
-    backward into ``out [N, L, L]``: ``T`` (unit diagonal) and, for a scalar gate, the decay matrix
-    (unit diagonal too) transposed into the strict upper triangle. :func:`prep_forward` takes it
-    back (``wy=``) instead of recomputing the triangular inverse and the decays."""
-    if p.decay is None:
-        out.copy_(p.T)
-        return
-    into(out, torch.add, p.T, p.decay.transpose(1, 2))                         # both diagonals are 1
-    out.diagonal(dim1=1, dim2=2).fill_(1.0)
-
-
-def _unpack_wy(wy: torch.Tensor, scalar: bool):
-    """``(T, decay or None)`` from :func:`pack_wy`'s matrix."""
-    if not scalar:
-        return wy, None
-    decay = wy.transpose(1, 2).tril(-1)
-    decay.diagonal(dim1=1, dim2=2).fill_(1.0)
-    return wy.tril(), decay
-
-
-def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, wy: torch.Tensor | None = None) -> Prep:
+def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, inverse: torch.Tensor | None = None,
+                 inverse_out: torch.Tensor | None = None) -> Prep:
     """``left [N, 2L, K]`` holding ``q`` (scaled) in rows ``:L`` and ``beta k`` in rows ``L:``;
     ``k [N, L, K]``, ``v [N, L, V]``, ``beta [N, L, 1]``, ``g [X, L, H*Kg]`` (token-major in the chunk).
-    ``wy``: :func:`pack_wy`'s matrix of these chunks, kept from an earlier call."""
+    ``inverse``: ``T [N, L, L]`` of these chunks, kept from an earlier call (then, for a scalar gate,
+    only ``qk`` of the Grams is formed: ``beta kk`` feeds nothing else); ``inverse_out``: where to
+    write ``T`` (a contiguous ``[N, L, L]``, e.g. a slice of what the backward keeps)."""
     n, length, kd = k.shape
     x = m.X
     heads = n // x
@@ -199,15 +181,14 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, wy: tor
         decay_in, tail = step.cumprod(1), _suffix_products(step)
     q, bk = left[:, :length], left[:, length:]
     scalar = step.shape[-1] == 1
-    T, decay = _unpack_wy(wy, scalar) if wy is not None else (None, None)
+    decay = None
     if scalar:
-        decay = scalar_decay(step, m.keep) if decay is None else decay
-        # beta kk only feeds the inverse: given it (``wy``), qk alone (the backward reads no Akk)
-        rows = q if T is not None else left
+        decay = scalar_decay(step, m.keep)
+        rows = q if inverse is not None else left
         s2 = torch.bmm(rows, k.transpose(1, 2)).view(n, -1, length, length).mul_(decay.unsqueeze(1))
     else:
         s2 = channel_grams(left, k, step, m.keep)
-    T = unit_lower_inverse(s2[:, 1]) if T is None else T
+    T = unit_lower_inverse(s2[:, 1], out=inverse_out) if inverse is None else inverse
     # the masks multiply the per-token factors (``[N, L, 1]`` for a scalar gate), not the rows
     read_in = _per_head(decay_in, x).mul(m.reads).view(n, length, -1)         # exp(G) on read rows
     tail_out = _per_head(tail, x).mul(m.last).view(n, length, -1)             # exp(suf) on last rows

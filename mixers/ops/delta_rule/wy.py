@@ -29,11 +29,12 @@ def _diagonal_blocks(m: torch.Tensor, block: int) -> torch.Tensor:
     return torch.diagonal(m.view(n, nb, block, nb, block), dim1=1, dim2=3).permute(0, 3, 1, 2)
 
 
-def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
-    """``(I + strict_lower(a))^-1`` for ``a [N, L, L]``, ``L`` a power of two."""
+def unit_lower_inverse(a: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(I + strict_lower(a))^-1`` for ``a [N, L, L]``, ``L`` a power of two (written into ``out``,
+    a contiguous ``[N, L, L]``, if given)."""
     n, length, _ = a.shape
     b = min(_BASE, length)
-    t = torch.zeros_like(a)
+    t = torch.zeros_like(a) if out is None else out.zero_()
     eye = torch.eye(b, dtype=a.dtype, device=a.device).expand(n, length // b, b, b)
     # a contiguous matrix and a given output: the solver copies neither (half its time otherwise)
     inverse = a.new_empty(n, length // b, b, b)
