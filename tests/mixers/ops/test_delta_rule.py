@@ -14,6 +14,7 @@ from mixers.ops import (
     gated_delta_rule_step,
     kda_step,
 )
+from mixers.ops.delta_rule import blocked
 from ssm_pack import lengths_to_cu_seqlens
 from tests.oracles import check_close, check_grads, delta_oracle, design_lengths, documents
 
@@ -121,10 +122,28 @@ def test_gated_delta_product_more_householders_fp64(nh, chunk):
     compare("gdp", cu, leaves, chunk, torch.float64, nh=nh)
 
 
+# the default block holds every chunk of these small heads at once; this many numbers per block
+# gives 3 chunks per block for 4 value heads, 6 for Gated DeltaProduct's 2 (chunk 8, width 4)
+FEW_CHUNKS = 3 * 8 * 4 * 4
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_forward_without_gradients_matches(kind):
-    """Without gradients the forward reuses one block's state buffer (blocks of 16 chunks here):
+@pytest.mark.parametrize("numbers", [pytest.param(1, id="one-chunk-blocks"),
+                                     pytest.param(FEW_CHUNKS, id="few-chunk-blocks")])
+def test_many_blocks_fp64(kind, numbers, monkeypatch):
+    """The fast path over many blocks: the state carried from block to block, forward and
+    backward (Gated DeltaProduct's sub-step groups straddle the block ends), against the oracle."""
+    monkeypatch.setattr(blocked, "_BLOCK_NUMBERS", numbers)
+    cu, leaves = make(kind, [0, 15, 100, 300, 90], 3, torch.float64)
+    assert len(blocked._blocks(1, 2 if kind == "gdp" else HV, 64, 8, max(K, V))) > 8
+    compare_training_path(kind, cu, leaves, 8, torch.float64)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_without_gradients_matches(kind, monkeypatch):
+    """Without gradients the forward reuses one block's state buffer (blocks of a few chunks here):
     outputs and final states equal the training forward's bitwise, and the oracle's."""
+    monkeypatch.setattr(blocked, "_BLOCK_NUMBERS", FEW_CHUNKS)
     cu, leaves = make(kind, [0, 15, 100, 300, 90], 3, torch.float64)
     leaves = {name: t for name, t in leaves.items() if name != "initial_state"}
     out, _ = call(kind, leaves, cu, 8, final=False)

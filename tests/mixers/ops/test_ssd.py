@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mixers.ops import mamba_chunk_scan_combined
+from mixers.ops.ssd import chunk_scan, reference
 from ssm_pack import lengths_to_cu_seqlens
 from tests.oracles import check_close, design_lengths, documents, ssm_oracle
 
@@ -85,6 +86,21 @@ def test_design_grid_fp64(chunk, per_doc_init):
 def test_layouts_fp64(lengths, tail, chunk):
     cu, leaves = make(lengths, tail, torch.float64, d_2d=True)
     (out, final, states, grads), (ref_out, ref_states, ref_grads), _ = run_both(cu, leaves, chunk)
+    check_close(out, ref_out, torch.float64, what="out")
+    check_close(states, ref_states, torch.float64, what="varlen states")
+    for name, a, r in zip(NAMES, grads, ref_grads):
+        check_close(a, r, torch.float64, grad=True, what=f"grad {name}")
+
+
+@pytest.mark.parametrize("elements", [pytest.param(1, id="one-chunk-blocks"),
+                                      pytest.param(3 * H * 8 * 8, id="3-chunk-blocks")])
+def test_many_blocks_fp64(elements, monkeypatch):
+    """The chunk scan and the segmented sum over blocks of a few chunks (the defaults hold every
+    chunk of these small sizes at once): masks converted per block, states carried between them."""
+    monkeypatch.setattr(chunk_scan, "_BLOCK_ELEMENTS", elements)      # H * L * L per chunk
+    monkeypatch.setattr(reference, "_MASK_BLOCK", elements // H)       # L * L per chunk (one row)
+    cu, leaves = make([7, 9, 17, 33, 0, 40], 3, torch.float64, d_2d=True)
+    (out, final, states, grads), (ref_out, ref_states, ref_grads), _ = run_both(cu, leaves, 8)
     check_close(out, ref_out, torch.float64, what="out")
     check_close(states, ref_states, torch.float64, what="varlen states")
     for name, a, r in zip(NAMES, grads, ref_grads):
