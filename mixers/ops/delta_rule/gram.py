@@ -67,21 +67,20 @@ class _Levels:
     lower half's ``s`` (``r`` the lower half's last token).
 
     Built by doubling on the per-token decays ``step = exp(g)`` (one ``exp`` per token, taken by
-    the caller): a block's
-    factors are its halves' factors times one value, so a level costs one in-place product over
-    half the tokens, and every factor is a tree of at most ``L`` factors <= 1: relative error
-    <= log2(L) ulp, whatever the magnitudes elsewhere; an underflow only where the true value is
-    smaller still. The views are updated in place for the next level: use them before asking for
-    it.
+    the caller): a block's factors are its halves' factors times one value, so a level costs one
+    in-place product over half the tokens, and every factor is a tree of at most ``L`` factors
+    <= 1: relative error <= log2(L) ulp, whatever the magnitudes elsewhere; an underflow only where
+    the true value is smaller still. The views are updated in place for the next level: use them
+    before asking for it.
     """
 
     def __init__(self, step: torch.Tensor):
-        self.decay = step
+        self.step = step
 
     def __iter__(self):
-        n, length, kg = self.decay.shape
-        fwd = self.decay.clone()                # from the start of each half-size block through t
-        rev = torch.ones_like(self.decay)       # after t to the end of each half-size block
+        n, length, kg = self.step.shape
+        fwd = self.step.clone()                # from the start of each half-size block through t
+        rev = torch.ones_like(self.step)       # after t to the end of each half-size block
         half = 1
         while half < length:
             block = 2 * half

@@ -118,9 +118,9 @@ class Prep:
     step: torch.Tensor      # [N, L, Kg] exp(gate): each token's decay
     G: torch.Tensor | None  # [N, L, Kg] (``full_w`` only)
     decay_in: torch.Tensor  # [N, L, Kg] exp(G) (fast path: on the entering segment's tokens)
-    tail: torch.Tensor      # [N, L, Kg] exp(suf) (fast path: on the last segment's tokens)
     read_in: torch.Tensor   # [N, L, Kg] exp(G) on the entering segment's tokens, else 0
-    tail_out: torch.Tensor  # [N, L, Kg] exp(suf) on the chunk's last segment's tokens, else 0
+    tail_out: torch.Tensor  # [N, L, Kg] exp(suf) on the chunk's last segment's tokens, else 0 (suf: log-decay
+                            # from after t to the chunk's end)
     s2: torch.Tensor        # [N, 2, L, L] (qk, beta kk) decayed; [N, 1, L, L] (qk) given ``inverse``, scalar gate
     decay: torch.Tensor | None  # [N, L, L] scalar gate: the decay matrix
     T: torch.Tensor         # [N, L, L] (I + strict(beta kk))^-1
@@ -198,7 +198,7 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, inverse
     wu = torch.bmm(T, R)
     kappa = _per_head(decay_in[:, -1:].transpose(1, 2), x).mul(m.keep_state).view(n, -1, 1)
     return Prep(m=m, heads=heads, full_w=full_w, left=left, k=k, v=v, beta=beta, g=g, gate=gate, step=step, G=G,
-                decay_in=decay_in, tail=tail, read_in=read_in, tail_out=tail_out, s2=s2, decay=decay, T=T, X=wu,
+                decay_in=decay_in, read_in=read_in, tail_out=tail_out, s2=s2, decay=decay, T=T, X=wu,
                 q_read=q * read_in, k_out=k * tail_out, kappa=kappa)
 
 
