@@ -18,23 +18,12 @@ from ssm_pack import PackedSeqParams, VarlenBatch
 
 from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer, RMSNorm
 from .layers.norm import upcast
+from .mlp import SwiGLU
 from .model_inference import CachedLM
 from .sizes import size_problem
 
 MIXERS = {"M": Mamba2Mixer, "G": GatedDeltaNetMixer, "K": KDAMixer, "P": GatedDeltaProductMixer, "A": AttentionMixer}
 IGNORE_INDEX = -100
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, ratio: float = 8 / 3):
-        super().__init__()
-        inner = int(hidden * ratio)
-        self.gate_up = nn.Linear(hidden, 2 * inner, bias=False)
-        self.down = nn.Linear(inner, hidden, bias=False)
-
-    def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
