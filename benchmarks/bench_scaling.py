@@ -12,7 +12,8 @@ documents of 16-127 tokens, next-token loss), on the reference path (CPU). Targe
   above 32 MB (a ``[65536, 128]`` fp32 tensor) with a fresh ``mmap`` and unmaps it on free, so a
   step at T = 65,536 pays a page fault and the kernel's zeroing per 4 KB touched, which a step at
   8,192 does not; the second measurement takes the allocator out of the comparison of the
-  algorithms;
+  algorithms. Next to each, not graded: the user CPU per token (the computation) at the two
+  sizes and the system CPU's share of each step (the kernel's page faults and zeroing);
 * peak extra memory of one forward + backward <= 12 KB per token per layer at T = 65,536
   (measured in a fresh process per point as the peak resident set (``VmHWM``) above the resident
   set before the step; the inputs, i.e. the hidden state and its output gradient, and the
@@ -120,10 +121,21 @@ def time_points(name: str, sizes: list[int], rounds: int) -> dict:
     In every round each size runs twice in a row and the second run is timed: the first puts the
     allocator in that size's steady state (what a training loop at one size sees), which a step
     of another size just before would otherwise disturb."""
+    import resource
     _, inputs = build(name)
-    steps = {str(t): inputs(t) for t in sizes}
+    cpu: dict[str, list[tuple[float, float]]] = {str(t): [] for t in sizes}
+
+    def metered(key, step):                # this process's user and system CPU seconds per call
+        def run():
+            before = resource.getrusage(resource.RUSAGE_SELF)
+            step()
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            cpu[key].append((after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime))
+        return run
+    steps = {str(t): metered(str(t), inputs(t)) for t in sizes}
     timings = alternate(steps, rounds=rounds, warmup=0, untimed=1)
-    return {"rounds": timings.rounds, "others": timings.others}
+    timed = {key: calls[1::2] for key, calls in cpu.items()}       # each round: one untimed call, one timed
+    return {"rounds": timings.rounds, "others": timings.others, "cpu": timed}
 
 
 # ------------------------------------------------------------------------------- driver (subprocesses)
@@ -179,12 +191,13 @@ def run(sizes: list[int], rounds: int, names=None, log=print) -> dict:
             got, why = _worker(["time", name, str(rounds), *map(str, fits)], 3600, env) if fits else (None, "")
             if got is None and fits:
                 skipped.update({t: f"timing ({alloc}) {why}" for t in fits})
-            got = got or {"rounds": {}, "others": {}}
+            got = got or {"rounds": {}, "others": {}, "cpu": {}}
             times = {int(k): v for k, v in got["rounds"].items()}
             log(f"    {name} ({alloc}): " + ", ".join(f"T={t} {min(v) / t * 1e6:.1f} us/token"
                                                     for t, v in times.items()))
             data[name]["time"][alloc] = times
             data[name]["others"][alloc] = {int(k): v for k, v in got["others"].items()}
+            data[name].setdefault("cpu", {})[alloc] = {int(k): v for k, v in got["cpu"].items()}
     return data
 
 
@@ -208,11 +221,30 @@ def results(data: dict) -> list[Result]:
             else:
                 out.append(Result("scaling", what, float("nan"), None, float("nan"),
                                   note="not measured: " + "; ".join(f"T={k}: {v}" for k, v in d["skipped"].items())))
+            cpu = d.get("cpu", {}).get(alloc, {})
+            if small in cpu and large in cpu and cpu[small] and cpu[large]:
+                out.append(cpu_split(name, alloc, cpu[small], cpu[large]))
         if name != MODEL and large in d["memory"]:
             kb = d["memory"][large]
             out.append(Result("scaling", f"{name}: peak extra memory of fwd+bwd at T={large:,}", kb, None, kb,
                               MEMORY_TARGET_KB, False, unit="KB/token", ratio_unit=" KB/token", bound=None))
     return out
+
+
+def cpu_split(name: str, alloc: str, small_calls: list, large_calls: list) -> Result:
+    """Not graded: where the time goes. The user CPU per token (the computation, all threads) at
+    T=65,536 vs 8,192, and the system CPU's share of each step (the kernel mapping and zeroing
+    fresh pages): a user ratio near 1 with a large system share at 65,536 says the algorithms are
+    linear and the rest is the allocator's."""
+    small, large = GRADED
+    user = {t: min(u for u, _ in calls) / t for t, calls in ((small, small_calls), (large, large_calls))}
+    share = {t: min(s / (u + s) for u, s in calls if u + s > 0)
+             for t, calls in ((small, small_calls), (large, large_calls))}
+    return Result("scaling", f"{name}: user CPU per token, T={large:,} vs T={small:,} ({alloc})",
+                  user[large] * 1e6, user[small] * 1e6, user[large] / user[small], None, False,
+                  unit="us/token", bound=None,
+                  note=f"not graded: system CPU {share[small]:.0%} of the step at T={small:,}, "
+                       f"{share[large]:.0%} at T={large:,} (fewest of the timed rounds)")
 
 
 def curve_table(data: dict) -> str:
