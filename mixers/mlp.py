@@ -90,9 +90,11 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w1, w2 = self.gate_up.weight, self.down.weight
         device = x.device.type
+        if device not in ("cpu", "cuda"):         # no autocast there
+            return _SwiGLUFn.apply(x.reshape(-1, x.shape[-1]), w1, w2).reshape(*x.shape[:-1], w2.shape[0])
         if torch.is_autocast_enabled(device):     # as autocast casts a linear layer's operands
             dtype = torch.get_autocast_dtype(device)
             x, w1, w2 = (t.to(dtype) if t.dtype != torch.float64 else t for t in (x, w1, w2))
         with torch.autocast(device, enabled=False):
             out = _SwiGLUFn.apply(x.reshape(-1, x.shape[-1]), w1, w2)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return out.reshape(*x.shape[:-1], w2.shape[0])
