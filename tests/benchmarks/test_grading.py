@@ -108,3 +108,16 @@ def test_a_figure_not_measured_is_a_row_that_says_why(unit):
     assert r.passed is None
     assert r.row() == ["peer not measured", "-", "-", "-", "not installed", "-"]
     assert "not installed" in results_table([r])
+
+
+def test_scaling_cpu_split_is_not_graded_and_reads_the_fewest_seconds():
+    """bench_scaling's user / system CPU row: the least user CPU per token of the timed calls at each
+    size, and the smallest system share of a step; printed, never graded."""
+    from benchmarks.bench_scaling import GRADED, cpu_split
+    small, large = GRADED
+    r = cpu_split("L", "default allocator", [(small * 2e-6, 0.0), (small * 1e-6, 0.0)],
+                  [(large * 1.1e-6, large * 0.5e-6), (large * 1.05e-6, large * 0.3e-6)])
+    assert r.target is None and r.passed is None and r.unstable is None
+    assert r.ours == pytest.approx(1.05) and r.other == pytest.approx(1.0) and r.ratio == pytest.approx(1.05)
+    assert "0% of the step at T=8,192" in r.note and "22% at T=65,536" in r.note   # 0.3 / 1.35
+    assert "not graded" in r.row()[4]
