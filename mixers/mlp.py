@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ops._autocast import autocasting, outside_autocast
 from .ops.chunks import compute_dtype, row_blocks
 
 _BLOCK_ELEMENTS = 1 << 20           # numbers in one block's [rows, 2I] (4 MB fp32)
@@ -61,7 +62,7 @@ class _SwiGLUFn(torch.autograd.Function):
         g_x = torch.empty_like(x)
         g_w1 = torch.zeros(w1.shape, dtype=acc, device=w1.device)
         g_w2 = torch.zeros(w2.shape, dtype=acc, device=w2.device)
-        d_h = None
+        buf = None                                                     # the first block is the largest
         for r0, r1 in row_blocks(x.shape[0], 2 * inner, _BLOCK_ELEMENTS):
             h, g_out = h_all[r0:r1], grad[r0:r1]
             gate, up = h[:, :inner], h[:, inner:]
@@ -69,7 +70,8 @@ class _SwiGLUFn(torch.autograd.Function):
             act = gate * sig                                           # silu(gate)
             g_w2 += (g_out.t() @ (act * up)).to(acc)
             g_a = g_out @ w2                                           # [rows, I]
-            d_h = x.new_empty(r1 - r0, 2 * inner) if d_h is None or d_h.shape[0] != r1 - r0 else d_h
+            buf = x.new_empty(r1 - r0, 2 * inner) if buf is None else buf
+            d_h = buf[:r1 - r0]
             d_h[:, inner:] = g_a * act
             d_h[:, :inner] = g_a.mul_(up).mul_(torch.rsub(sig, 1).mul_(gate).add_(1).mul_(sig))  # silu'
             g_w1 += (d_h.t() @ x[r0:r1]).to(acc)
@@ -89,12 +91,12 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w1, w2 = self.gate_up.weight, self.down.weight
-        device = x.device.type
-        if device not in ("cpu", "cuda"):         # no autocast there
-            return _SwiGLUFn.apply(x.reshape(-1, x.shape[-1]), w1, w2).reshape(*x.shape[:-1], w2.shape[0])
-        if torch.is_autocast_enabled(device):     # as autocast casts a linear layer's operands
-            dtype = torch.get_autocast_dtype(device)
+        if autocasting(x.device.type):            # as autocast casts a linear layer's operands
+            dtype = torch.get_autocast_dtype(x.device.type)
             x, w1, w2 = (t.to(dtype) if t.dtype != torch.float64 else t for t in (x, w1, w2))
-        with torch.autocast(device, enabled=False):
-            out = _SwiGLUFn.apply(x.reshape(-1, x.shape[-1]), w1, w2)
-        return out.reshape(*x.shape[:-1], w2.shape[0])
+        return _swiglu(x.reshape(-1, x.shape[-1]), w1, w2).reshape(*x.shape[:-1], w2.shape[0])
+
+
+@outside_autocast
+def _swiglu(x, w1, w2):
+    return _SwiGLUFn.apply(x, w1, w2)

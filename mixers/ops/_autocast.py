@@ -23,7 +23,10 @@ def _device_type(args, kwargs) -> str | None:
     return None
 
 
-def _autocasting(device: str) -> bool:
+def autocasting(device: str | None) -> bool:
+    """Whether autocast is on for ``device`` (a device type; autocast knows only CPU and CUDA)."""
+    if device not in ("cpu", "cuda"):
+        return False
     try:
         return torch.is_autocast_enabled(device)
     except TypeError:         # a torch without the per-device query: assume it is on
@@ -36,7 +39,7 @@ def outside_autocast(op):
     @functools.wraps(op)
     def run(*args, **kwargs):
         device = _device_type(args, kwargs)
-        if device not in ("cpu", "cuda") or not _autocasting(device):
+        if not autocasting(device):
             return op(*args, **kwargs)
         with torch.autocast(device, enabled=False):
             return op(*args, **kwargs)
