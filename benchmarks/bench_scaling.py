@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -121,7 +122,6 @@ def time_points(name: str, sizes: list[int], rounds: int) -> dict:
     In every round each size runs twice in a row and the second run is timed: the first puts the
     allocator in that size's steady state (what a training loop at one size sees), which a step
     of another size just before would otherwise disturb."""
-    import resource
     _, inputs = build(name)
     cpu: dict[str, list[tuple[float, float]]] = {str(t): [] for t in sizes}
 

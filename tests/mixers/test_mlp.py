@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from mixers import mlp
 from mixers.mlp import SwiGLU
-from tests.tolerances import BF16_FWD_REL, BF16_GRAD_REL, FP32_REL, FP64_ABS
+from tests.oracles import check_close
+from tests.tolerances import FP64_ABS
 
 HIDDEN = 24                     # I = 64, so a block of 2^9 numbers in [rows, 2I] is 4 rows
 
@@ -21,11 +22,6 @@ HIDDEN = 24                     # I = 64, so a block of 2^9 numbers in [rows, 2I
 def plain(module, x):
     gate, up = F.linear(x, module.gate_up.weight).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, module.down.weight)
-
-
-def rel_rms(got, want):
-    got, want = got.detach().double(), want.detach().double()
-    return float((got - want).square().mean().sqrt() / want.square().mean().sqrt())
 
 
 def run(fn, module, x, g_out):
@@ -54,8 +50,7 @@ def test_blocked_equals_autograd(monkeypatch, shape, block, dtype):
         if not b.any():                          # no rows: empty output and input gradient, zero weight gradients
             assert torch.equal(a, b), name
             continue
-        error = (a - b).abs().max() if dtype == torch.float64 else rel_rms(a, b)
-        assert error < (FP64_ABS if dtype == torch.float64 else FP32_REL), (name, float(error))
+        check_close(a, b, dtype, grad=name != "out", what=name)
 
 
 def test_no_grad_keeps_nothing_and_equals(monkeypatch):
@@ -93,10 +88,10 @@ def test_autocast_computes_like_linear_layers(monkeypatch, backward_in_autocast)
         results.append((out, *grads))
     (out, *grads), (want, *want_grads) = results
     assert out.dtype == want.dtype == torch.bfloat16
-    assert rel_rms(out, want) < BF16_FWD_REL
+    check_close(out, want, torch.bfloat16, what="out")
     for g, w in zip(grads, want_grads):
         assert g.dtype == w.dtype == torch.float32
-        assert rel_rms(g, w) < BF16_GRAD_REL
+        check_close(g, w, torch.bfloat16, grad=True, what="gradient")      # computed in bf16
 
 
 def test_fp32_backward_inside_autocast_stays_fp32():
