@@ -1,10 +1,14 @@
-"""Parameter initialisations the mixers share."""
+"""Parameter initialisations and the decay gate the mixers share."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
+
+from ..ops.chunks import row_blocks
+from .norm import upcast
 
 
 def inverse_softplus_dt(n: int, dt_min: float = 0.001, dt_max: float = 0.1, floor: float = 1e-4) -> torch.Tensor:
@@ -14,23 +18,48 @@ def inverse_softplus_dt(n: int, dt_min: float = 0.001, dt_max: float = 0.1, floo
 
 
 class _DecayGate(torch.autograd.Function):
-    """``-exp(A) * softplus(raw)`` (``A`` broadcast over ``raw``); keeps ``raw`` and ``A`` only
-    (autograd would also keep ``softplus(raw)``, a second tensor of ``raw``'s size)."""
+    """``-exp(A) * softplus(pre + bias)`` for ``pre [N, W]`` (any float dtype), ``bias`` and ``A``
+    ``[W]`` (fp32 / fp64); returns ``[N, W]`` in ``A``'s dtype.
+
+    Keeps ``pre``, ``bias`` and ``A`` only, and runs both passes over blocks of rows: autograd
+    through the steps would keep the biased input and its softplus, and its backward would build
+    five more tensors of that size (KDA's per-channel gate is ``[T, HV K]``: 32 MB each at
+    T = 65,536 and hidden 128)."""
 
     @staticmethod
-    def forward(ctx, raw, A):
-        ctx.save_for_backward(raw, A)
-        return -torch.exp(A) * torch.nn.functional.softplus(raw)
+    def forward(ctx, pre, bias, A):
+        scale = -torch.exp(A)
+        out = torch.empty(pre.shape, dtype=scale.dtype, device=pre.device)
+        for r0, r1 in row_blocks(*pre.shape):
+            torch.mul(F.softplus(upcast(pre[r0:r1]) + bias), scale, out=out[r0:r1])
+        ctx.save_for_backward(pre, bias, A)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        raw, A = ctx.saved_tensors
+        pre, bias, A = ctx.saved_tensors
         scale = -torch.exp(A)
-        g_raw = grad * scale * torch.sigmoid(raw)
-        g_A = (grad * torch.nn.functional.softplus(raw)).sum_to_size(A.shape) * scale
-        return g_raw, g_A
+        g_pre = torch.empty_like(pre)
+        g_bias, g_A = torch.zeros_like(scale), torch.zeros_like(scale)
+        for r0, r1 in row_blocks(*pre.shape):
+            raw = upcast(pre[r0:r1]) + bias
+            g = upcast(grad[r0:r1])
+            g_A += (g * F.softplus(raw)).sum(0)
+            g_raw = torch.sigmoid(raw).mul_(g).mul_(scale)                      # d softplus = sigmoid
+            g_bias += g_raw.sum(0)
+            g_pre[r0:r1] = g_raw
+        return g_pre, g_bias.to(bias.dtype), (g_A * scale).to(A.dtype)
 
 
-def decay_gate(raw: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-    """The log-decay of fla's gated delta layers: ``-exp(A) * softplus(raw)``."""
-    return _DecayGate.apply(raw, A)
+def decay_gate(pre: torch.Tensor, bias: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """The log decay of fla's gated delta layers: ``-exp(A) * softplus(pre + bias)``.
+
+    ``pre [..., W]`` (a projection's output, any float dtype), ``bias [W]`` and ``A [W]``
+    (``dt_bias`` and ``A_log``, per channel: repeat a per-head ``A_log`` first). Computed and
+    returned in fp32 (fp64 for fp64 parameters)."""
+    width = pre.shape[-1]
+    if bias.shape != (width,) or A.shape != (width,):
+        raise ValueError(f"decay_gate: bias {tuple(bias.shape)} and A {tuple(A.shape)} must both be "
+                         f"[{width}], the last dim of pre {tuple(pre.shape)}")
+    out = _DecayGate.apply(pre.reshape(-1, width), upcast(bias), upcast(A))
+    return out.reshape(pre.shape)

@@ -18,6 +18,7 @@ from ._init import decay_gate, inverse_softplus_dt
 from .base import SHORT_CONV, MixerBase
 from .delta_cache import DeltaCached
 from .norm import GatedRMSNorm, upcast
+from .projections import project
 from .short_conv import ShortConvolution
 
 
@@ -44,6 +45,12 @@ class DeltaMixerBase(DeltaCached, MixerBase):
     def householder(self) -> int:
         return getattr(self.config, "num_householder", 1)
 
+    def _project(self, hidden_states: torch.Tensor):
+        """``(q, k, v, beta_logits, gate_in, output_gate_in)``: every projection of ``hidden_states``
+        in one call with one input gradient (:func:`mixers.layers.projections.project`); the last two
+        feed the subclass's ``_gate`` and ``_output_gate``."""
+        return project(hidden_states, (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self._gate_inputs()))
+
     def forward(self, hidden_states: torch.Tensor, packed_seq_params=None, *, cache=None,
                 cache_slots=None) -> torch.Tensor:
         """``[B, T, D]`` -> ``[B, T, D]``; packed input needs ``B == 1``. With ``cache``: inference
@@ -53,14 +60,15 @@ class DeltaMixerBase(DeltaCached, MixerBase):
         c, nh = self.config, self.householder
         varlen = self.varlen(hidden_states, packed_seq_params)
         b, t, _ = hidden_states.shape
-        q = self.q_conv(self.q_proj(hidden_states), varlen).reshape(b, t, c.num_heads, c.head_dim)
-        k = self.k_conv(self.k_proj(hidden_states), varlen).reshape(b, t * nh, c.num_heads, c.head_dim)
-        v = self.v_conv(self.v_proj(hidden_states), varlen).reshape(b, t * nh, c.num_v_heads, c.head_v_dim)
-        beta = torch.sigmoid(upcast(self.b_proj(hidden_states))).reshape(b, t * nh, c.num_v_heads)
+        q, k, v, beta, gate_in, out_gate_in = self._project(hidden_states)
+        q = self.q_conv(q, varlen).reshape(b, t, c.num_heads, c.head_dim)
+        k = self.k_conv(k, varlen).reshape(b, t * nh, c.num_heads, c.head_dim)
+        v = self.v_conv(v, varlen).reshape(b, t * nh, c.num_v_heads, c.head_v_dim)
+        beta = torch.sigmoid(upcast(beta)).reshape(b, t * nh, c.num_v_heads)
         if c.allow_neg_eigval:
             beta = beta * 2
-        o = self._scan(q, k, v.to(q.dtype), self._gate(hidden_states), beta.to(q.dtype), varlen)
-        o = self.o_norm(o, self._output_gate(hidden_states).reshape(b, t, c.num_v_heads, c.head_v_dim))
+        o = self._scan(q, k, v.to(q.dtype), self._gate(gate_in), beta.to(q.dtype), varlen)
+        o = self.o_norm(o, self._output_gate(out_gate_in).reshape(b, t, c.num_v_heads, c.head_v_dim))
         return self.o_proj(o.reshape(b, t, c.value_dim))
 
 
@@ -77,8 +85,12 @@ class ScalarGateMixer(DeltaMixerBase):
         self.g_proj = nn.Linear(c.hidden_size, c.value_dim, bias=False)
         self.o_norm = GatedRMSNorm(c.head_v_dim, c.norm_eps, "swish")
 
-    def _gate(self, x):
-        return decay_gate(upcast(self.a_proj(x)) + self.dt_bias, upcast(self.A_log))
+    def _gate_inputs(self):
+        return self.a_proj, self.g_proj
 
-    def _output_gate(self, x):
-        return self.g_proj(x)
+    def _gate(self, a):
+        """The log decay ``[B, T, HV]`` from ``a_proj``'s output."""
+        return decay_gate(a, self.dt_bias, self.A_log)
+
+    def _output_gate(self, g):
+        return g

@@ -55,17 +55,18 @@ class DeltaCached(CachedMixin):
     def _cached(self, hidden_states, varlen, cache: LayerCache, batch: SlotBatch) -> torch.Tensor:
         c, nh = self.config, self.householder
         b, t, _ = hidden_states.shape
-        q = conv_cached(self.q_conv, self.q_proj(hidden_states), cache, "q_conv", batch)
-        k = conv_cached(self.k_conv, self.k_proj(hidden_states), cache, "k_conv", batch)
-        v = conv_cached(self.v_conv, self.v_proj(hidden_states), cache, "v_conv", batch)
+        q, k, v, beta, gate_in, out_gate_in = self._project(hidden_states)
+        q = conv_cached(self.q_conv, q, cache, "q_conv", batch)
+        k = conv_cached(self.k_conv, k, cache, "k_conv", batch)
+        v = conv_cached(self.v_conv, v, cache, "v_conv", batch)
         q = q.reshape(b, t, c.num_heads, c.head_dim)
         k = k.reshape(b, t * nh, c.num_heads, c.head_dim)
         v = v.reshape(b, t * nh, c.num_v_heads, c.head_v_dim)
-        beta = torch.sigmoid(upcast(self.b_proj(hidden_states))).reshape(b, t * nh, c.num_v_heads)
+        beta = torch.sigmoid(upcast(beta)).reshape(b, t * nh, c.num_v_heads)
         if c.allow_neg_eigval:
             beta = beta * 2
-        o = self._scan_cached(q, k, v.to(q.dtype), self._gate(hidden_states), beta.to(q.dtype), cache, batch)
-        o = self.o_norm(o, self._output_gate(hidden_states).reshape(b, t, c.num_v_heads, c.head_v_dim))
+        o = self._scan_cached(q, k, v.to(q.dtype), self._gate(gate_in), beta.to(q.dtype), cache, batch)
+        o = self.o_norm(o, self._output_gate(out_gate_in).reshape(b, t, c.num_v_heads, c.head_v_dim))
         return self.o_proj(o.reshape(b, t, c.value_dim))
 
     def _scan_cached(self, q, k, v, g, beta, cache: LayerCache, batch: SlotBatch) -> torch.Tensor:

@@ -12,7 +12,7 @@ from ..ops import chunk_kda
 from ._init import decay_gate, inverse_softplus_dt
 from .config import KDAConfig
 from .delta_base import DeltaMixerBase
-from .norm import GatedRMSNorm, upcast
+from .norm import GatedRMSNorm
 
 
 class KDAMixer(DeltaMixerBase):
@@ -36,13 +36,18 @@ class KDAMixer(DeltaMixerBase):
                                     nn.Linear(c.head_v_dim, c.value_dim, bias=c.output_gate_bias))
         self.o_norm = GatedRMSNorm(c.head_v_dim, c.norm_eps, "sigmoid")
 
-    def _gate(self, x):
-        c = self.config
-        raw = (upcast(self.f_proj(x)) + self.dt_bias).reshape(*x.shape[:2], c.num_v_heads, c.head_dim)
-        return decay_gate(raw, upcast(self.A_log)[:, None])
+    def _gate_inputs(self):
+        """The low-rank first halves of ``f_proj`` and ``g_proj`` (they read the hidden state)."""
+        return self.f_proj[0], self.g_proj[0]
 
-    def _output_gate(self, x):
-        return self.g_proj(x)
+    def _gate(self, f):
+        """The per-channel log decay ``[B, T, HV, K]`` from ``f_proj[0]``'s output ``[B, T, V]``."""
+        c = self.config
+        gate = decay_gate(self.f_proj[1](f), self.dt_bias, self.A_log.repeat_interleave(c.head_dim))
+        return gate.reshape(*f.shape[:2], c.num_v_heads, c.head_dim)
+
+    def _output_gate(self, g):
+        return self.g_proj[1](g)
 
     def _scan(self, q, k, v, g, beta, varlen):
         o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=varlen,

@@ -11,7 +11,6 @@ through ``seq_idx``; gated RMS norm ``rmsnorm(y * silu(z))`` per group; out_proj
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..ops import mamba_chunk_scan_combined
@@ -20,6 +19,7 @@ from .base import SHORT_CONV, MixerBase
 from .config import Mamba2Config
 from .mamba2_cache import Mamba2Cached
 from .norm import GatedRMSNorm, upcast
+from .projections import shared_input_linear
 from .short_conv import ShortConvolution
 
 
@@ -55,10 +55,11 @@ class Mamba2Mixer(Mamba2Cached, MixerBase):
     def _in_projections(self, hidden_states: torch.Tensor):
         """``(z, x B C, dt)`` of ``hidden_states [B, T, hidden]``: ``in_proj`` as three products with its
         weight's row blocks, so each part is its own contiguous tensor (the conv reads ``x B C`` without
-        a copy) and no ``[T, in_proj]`` gradient is assembled in backward."""
+        a copy), no ``[T, in_proj]`` gradient is assembled in backward and the input gradient is one
+        tensor (:func:`mixers.layers.projections.shared_input_linear`)."""
         c = self.config
         sizes = [c.d_inner, c.d_inner + 2 * c.num_groups * c.state_size, c.num_heads]
-        return tuple(F.linear(hidden_states, w) for w in torch.split(self.in_proj.weight, sizes, 0))
+        return tuple(shared_input_linear(hidden_states, torch.split(self.in_proj.weight, sizes, 0)))
 
     def forward(self, hidden_states: torch.Tensor, packed_seq_params=None, *, cache=None,
                 cache_slots=None) -> torch.Tensor:

@@ -1,0 +1,114 @@
+"""Several linear projections of one input, with one input gradient.
+
+    N = rows (the input's leading dims flattened), D = in features, O_i = projection i's out features
+
+A mixer feeds its hidden state to several projections (q, k, v, beta, gates; Mamba2's in_proj
+row blocks). Through autograd each one's backward builds its own ``[N, D]`` input gradient and
+the engine sums them out of place: 2n - 1 tensors of the input's size for n projections. At
+T = 65,536 each is a fresh mapping (glibc serves every block above 32 MB with its own ``mmap``)
+that the kernel faults in and zeroes page by page: ~8 ms per 32 MB on a 2-core machine, for
+nothing. One autograd function does the n products instead:
+
+1. forward: ``y_i = x W_i^T (+ b_i)``, each its own contiguous ``[N, O_i]`` (a conv reads it
+   without a copy);
+2. backward: ``dx = sum_i dy_i W_i``, accumulated into one ``[N, D]`` buffer
+   (``addmm_``), ``dW_i = dy_i^T x``, ``db_i = sum_N dy_i``.
+
+It keeps ``x`` and the weights, as the n linear layers do. Under ``torch.autocast`` the input,
+weights and biases are cast the way autocast casts a linear layer's, and both passes run in
+that dtype.
+
+:func:`project` takes the modules: it uses the function only when every one is a plain
+``nn.Linear`` with no hooks, and otherwise calls the modules (a LoRA wrapper, a quantized
+linear or a forward hook then works as it would in any layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..ops._autocast import autocasting, outside_autocast
+
+
+class _SharedInputLinearFn(torch.autograd.Function):
+    """``(x [N, D], n, W_1 .. W_n, b_1 .. b_n) -> (y_1 [N, O_1] .. y_n)``; a ``b_i`` may be ``None``."""
+
+    @staticmethod
+    def forward(ctx, x, n, *params):
+        weights, biases = params[:n], params[n:]
+        outs = tuple(torch.addmm(b, x, w.t()) if b is not None else torch.mm(x, w.t())
+                     for w, b in zip(weights, biases))
+        ctx.n, ctx.device_type = n, x.device.type
+        ctx.has_bias = tuple(b is not None for b in biases)
+        ctx.save_for_backward(x, *weights)
+        ctx.set_materialize_grads(False)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        with torch.autocast(ctx.device_type, enabled=False):       # the dtype the forward ran in
+            return _SharedInputLinearFn._backward(ctx, grads)
+
+    @staticmethod
+    def _backward(ctx, grads):
+        x, *weights = ctx.saved_tensors
+        n, need = ctx.n, ctx.needs_input_grad
+        g_x = None
+        g_w, g_b = [None] * n, [None] * n
+        for i, (grad, w) in enumerate(zip(grads, weights)):
+            if grad is None:                          # an output that reached no loss
+                continue
+            if need[0]:
+                g_x = torch.mm(grad, w) if g_x is None else g_x.addmm_(grad, w)
+            if need[2 + i]:
+                g_w[i] = grad.t() @ x
+            if ctx.has_bias[i] and need[2 + n + i]:
+                g_b[i] = grad.sum(0)
+        return (g_x, None, *g_w, *g_b)           # g_x None: no output had a gradient (zero)
+
+
+@outside_autocast
+def _apply(x, n, *params):
+    return _SharedInputLinearFn.apply(x, n, *params)
+
+
+def shared_input_linear(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                        biases: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+    """``[F.linear(x, W_i, b_i) for each i]`` for ``x [..., D]``, ``W_i [O_i, D]``, ``b_i [O_i]`` or
+    ``None``, with one input gradient (module docstring). Returns ``[..., O_i]`` tensors."""
+    weights = list(weights)
+    biases = [None] * len(weights) if biases is None else list(biases)
+    if not weights or len(biases) != len(weights):
+        raise ValueError(f"shared_input_linear needs one or more weights and as many biases (or None), "
+                         f"got {len(weights)} weights and {len(biases)} biases")
+    lead = x.shape[:-1]
+    if autocasting(x.device.type):             # as autocast casts a linear layer's operands
+        dtype = torch.get_autocast_dtype(x.device.type)
+        cast = lambda t: t if t is None or t.dtype == torch.float64 else t.to(dtype)  # noqa: E731
+        x, weights, biases = cast(x), [cast(w) for w in weights], [cast(b) for b in biases]
+    outs = _apply(x.reshape(-1, x.shape[-1]), len(weights), *weights, *biases)
+    return [y.reshape(*lead, y.shape[-1]) for y in outs]
+
+
+def _hookless(module: nn.Module) -> bool:
+    return not any(getattr(module, name, None) for name in
+                   ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
+
+
+def project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """``[m(x) for m in linears]``: through :func:`shared_input_linear` when every module is a
+    plain ``nn.Linear`` (not a subclass) without hooks, module calls otherwise."""
+    if all(type(m) is nn.Linear and _hookless(m) for m in linears) and not _global_hooks():
+        return shared_input_linear(x, [m.weight for m in linears], [m.bias for m in linears])
+    return [m(x) for m in linears]
+
+
+def _global_hooks() -> bool:
+    """Whether ``nn.modules.module.register_module_forward_(pre_)hook`` hooks are registered."""
+    mod = nn.modules.module
+    return any(getattr(mod, name, None) for name in
+               ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                "_global_backward_pre_hooks"))
