@@ -151,6 +151,7 @@ class SSDChunkScan(torch.autograd.Function):
         ctx.final_shape = h_final.shape
         ctx.save_for_backward(x, dt, a, Bm, Cm, keep, last, reads, keep_state, h_enter, D, z, pre_gate)
         ctx.chunk = chunk
+        ctx.set_materialize_grads(False)      # an unused output's gradient arrives as None, not zeros
         return out, h_enter, h_final
 
     @staticmethod
@@ -160,12 +161,13 @@ class SSDChunkScan(torch.autograd.Function):
 
 
 def _pass_states(u, decay, keep_state, h0):
-    """``h_enter[c+1] = keep * decay * h_enter[c] + u[c]``, in place over one buffer."""
+    """``h_enter[c+1] = keep * decay * h_enter[c] + u[c]``, written over ``u`` (chunk c's ``u`` is
+    read before its slot takes ``h_enter[c]``): no second ``[B, C, H, P, Ns]`` buffer."""
     b, c = u.shape[:2]
-    h_enter = torch.empty_like(u)
     factor = (decay * keep_state.unsqueeze(-1)).reshape(b, c, -1, 1, 1)
-    state = h0.clone()
+    state, nxt = h0.to(u.dtype, copy=True), torch.empty_like(u[:, 0])
     for ci in range(c):
-        h_enter[:, ci] = state
-        torch.addcmul(u[:, ci], state, factor[:, ci], out=state)
-    return h_enter, state
+        torch.addcmul(u[:, ci], state, factor[:, ci], out=nxt)
+        u[:, ci] = state
+        state, nxt = nxt, state
+    return u, state

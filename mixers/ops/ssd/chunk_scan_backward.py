@@ -33,17 +33,20 @@ def _gate(g_out, z, pre_gate):
 
 
 def _unpass_states(g_enter, g_final, h_enter, decay, keep_state):
-    """Backward of ``h_enter[c+1] = keep * decay * h_enter[c] + u[c]``: ``(g_u, g_decay, g_h0)``."""
+    """Backward of ``h_enter[c+1] = keep * decay * h_enter[c] + u[c]``: ``(g_u, g_decay, g_h0)``.
+
+    ``g_u`` is written over ``g_enter`` (the caller's own buffer; chunk c's ``g_enter`` is read
+    before its slot takes ``g_u[c]``)."""
     b, c = h_enter.shape[:2]
     factor = (decay * keep_state.unsqueeze(-1)).reshape(b, c, -1, 1, 1)
-    g_u = torch.empty_like(h_enter)
     g_factor = torch.empty_like(decay)
-    g = g_final.clone()
+    g, nxt = g_final.to(h_enter.dtype, copy=True), torch.empty_like(h_enter[:, 0])
     for ci in range(c - 1, -1, -1):
-        g_u[:, ci] = g
         g_factor[:, ci] = (g * h_enter[:, ci]).sum((-1, -2))
-        g.mul_(factor[:, ci]).add_(g_enter[:, ci])
-    return g_u, g_factor * keep_state.unsqueeze(-1), g
+        torch.addcmul(g_enter[:, ci], g, factor[:, ci], out=nxt)
+        g_enter[:, ci] = g
+        g, nxt = nxt, g
+    return g_enter, g_factor * keep_state.unsqueeze(-1), g
 
 
 def chunk_scan_backward(ctx, g_out, g_enter, g_final):
