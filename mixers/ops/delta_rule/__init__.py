@@ -25,7 +25,8 @@ from ..chunks import compute_dtype
 from ._validate import check_delta_inputs
 from .chunk import delta_rule_chunked
 from .kernel import fla_kernel, unsupported
-from .recurrent import gated_delta_product_step, gated_delta_rule_step, kda_step, l2_normalize
+from .l2norm import l2_normalize
+from .recurrent import gated_delta_product_step, gated_delta_rule_step, kda_step
 from .varlen_states import DocInitialStates, doc_final_states
 
 __all__ = ["chunk_gated_delta_product", "chunk_gated_delta_rule", "chunk_kda", "gated_delta_product_step",

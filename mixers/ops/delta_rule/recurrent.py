@@ -13,10 +13,7 @@ import torch
 
 from ssm_pack.checks import check_tensor
 
-
-def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """fla's ``l2norm``: ``x / sqrt(sum(x^2) + 1e-6)`` over the last dim."""
-    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+from .l2norm import l2_normalize
 
 
 def _prepare(q, k, scale, normalize, heads_v):

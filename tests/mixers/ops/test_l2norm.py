@@ -1,0 +1,59 @@
+"""fla's ``l2norm`` as one blocked autograd function equals autograd through the plain steps.
+
+    N = rows, K = normalised dim
+
+Blocks are forced small (a few rows), so the uneven last block is exercised; an all-zero row
+(``r = 1 / sqrt(1e-6)``) and a row of huge values stay finite and exact.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from mixers.ops import chunks
+from mixers.ops.delta_rule import l2norm
+from mixers.ops.delta_rule.l2norm import l2_normalize
+from tests.oracles import check_close
+
+
+def plain(x):
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+
+
+def run(fn, x, g_out):
+    leaf = x.detach().clone().requires_grad_()
+    out = fn(leaf)
+    return out, torch.autograd.grad(out, leaf, g_out)[0]
+
+
+@pytest.mark.parametrize("shape", [
+    pytest.param((1, 37, 3, 16), id="37-tokens-3-heads"),
+    pytest.param((2, 15, 1, 64), id="batch-2"),
+    pytest.param((1, 1, 2, 8), id="one-token"),
+    pytest.param((1, 0, 2, 8), id="no-tokens"),
+])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_blocked_equals_autograd(monkeypatch, shape, dtype):
+    monkeypatch.setattr(l2norm, "row_blocks", functools.partial(chunks.row_blocks, elements=5 * shape[-1]))
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=dtype)
+    if x.shape[1] > 2:
+        x[0, 1] = 0                                  # all-zero rows: output 0, gradient r * dy
+        x[0, 2] *= 1e6
+    g_out = torch.randn(shape, dtype=dtype)
+    got, want = run(l2_normalize, x, g_out), run(plain, x, g_out)
+    for name, a, b in zip(("out", "x"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.isfinite(a).all(), name
+        if not b.numel():
+            continue
+        check_close(a, b, dtype, grad=name != "out", what=name)
+
+
+def test_non_contiguous_input_and_no_grad():
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 8, dtype=torch.float64).transpose(0, 1)
+    torch.testing.assert_close(l2_normalize(x), plain(x), rtol=0, atol=1e-14)
+    with torch.no_grad():
+        assert l2_normalize(x.requires_grad_()).grad_fn is None
