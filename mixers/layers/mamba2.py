@@ -3,7 +3,8 @@
     B = rows, T = tokens, D = hidden, E = d_inner, H = heads, P = head dim, G = groups,
     Ns = state size
 
-in_proj -> [z | x B C | dt]; short conv (SiLU) over ``x B C`` with the packed ``seq_idx``; SSD
+in_proj -> [z | x B C | dt]; short conv (SiLU) over ``x B C`` with the packed ``seq_idx`` (in training,
+``x``, ``B`` and ``C`` as separate tensors through both: no ``[T, conv_dim]`` concatenation); SSD
 scan with ``A = -exp(A_log)``, ``D`` skip, ``dt_bias`` and softplus, reset at every document
 through ``seq_idx``; gated RMS norm ``rmsnorm(y * silu(z))`` per group; out_proj.
 """
@@ -53,10 +54,10 @@ class Mamba2Mixer(Mamba2Cached, MixerBase):
         self.out_proj = nn.Linear(c.d_inner, c.hidden_size, bias=False)
 
     def _in_projections(self, hidden_states: torch.Tensor):
-        """``(z, x B C, dt)`` of ``hidden_states [B, T, hidden]``: ``in_proj`` as three products with its
-        weight's row blocks, so each part is its own contiguous tensor (the conv reads ``x B C`` without
-        a copy), no ``[T, in_proj]`` gradient is assembled in backward and the input gradient is one
-        tensor (:func:`mixers.layers.projections.shared_input_linear`)."""
+        """``(z, x B C, dt)`` of ``hidden_states [B, T, hidden]`` for the cached forward (its conv state
+        covers ``x B C`` as one): ``in_proj`` as three products with its weight's row blocks, each its
+        own contiguous tensor (the conv reads ``x B C`` without a copy)
+        (:func:`mixers.layers.projections.shared_input_linear`)."""
         c = self.config
         sizes = [c.d_inner, c.d_inner + 2 * c.num_groups * c.state_size, c.num_heads]
         return tuple(shared_input_linear(hidden_states, torch.split(self.in_proj.weight, sizes, 0)))
@@ -68,9 +69,10 @@ class Mamba2Mixer(Mamba2Cached, MixerBase):
         c = self.config
         varlen = self.varlen(hidden_states, packed_seq_params)
         b, t, _ = hidden_states.shape
-        z, xbc, dt = self._in_projections(hidden_states)
-        xbc = self.conv(xbc, varlen)
-        x, B, C = torch.split(xbc, [c.d_inner, c.num_groups * c.state_size, c.num_groups * c.state_size], -1)
+        gn = c.num_groups * c.state_size
+        z, x, B, C, dt = shared_input_linear(   # in_proj's row blocks: [z | x | B | C | dt]
+            hidden_states, torch.split(self.in_proj.weight, [c.d_inner, c.d_inner, gn, gn, c.num_heads], 0))
+        x, B, C = self.conv.forward_parts((x, B, C), varlen)
         y = mamba_chunk_scan_combined(
             x.reshape(b, t, c.num_heads, c.head_dim), dt, -torch.exp(upcast(self.A_log)),
             B.reshape(b, t, c.num_groups, c.state_size), C.reshape(b, t, c.num_groups, c.state_size), c.chunk_size,
