@@ -37,17 +37,16 @@ class KDAMixer(DeltaMixerBase):
         self.o_norm = GatedRMSNorm(c.head_v_dim, c.norm_eps, "sigmoid")
 
     def _gate_inputs(self):
-        """The low-rank first halves of ``f_proj`` and ``g_proj`` (they read the hidden state)."""
-        return self.f_proj[0], self.g_proj[0]
+        return self.f_proj, self.g_proj
 
     def _gate(self, f):
-        """The per-channel log decay ``[B, T, HV, K]`` from ``f_proj[0]``'s output ``[B, T, V]``."""
+        """The per-channel log decay ``[B, T, HV, K]`` from ``f_proj``'s output ``[B, T, HV K]``."""
         c = self.config
-        gate = decay_gate(self.f_proj[1](f), self.dt_bias, self.A_log.repeat_interleave(c.head_dim))
+        gate = decay_gate(f, self.dt_bias, self.A_log.repeat_interleave(c.head_dim))
         return gate.reshape(*f.shape[:2], c.num_v_heads, c.head_dim)
 
     def _output_gate(self, g):
-        return self.g_proj[1](g)
+        return g
 
     def _scan(self, q, k, v, g, beta, varlen):
         o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=varlen,

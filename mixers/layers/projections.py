@@ -18,9 +18,10 @@ It keeps ``x`` and the weights, as the n linear layers do. Under ``torch.autocas
 weights and biases are cast the way autocast casts a linear layer's, and both passes run in
 that dtype.
 
-:func:`project` takes the modules: it uses the function only when every one is a plain
-``nn.Linear`` with no hooks, and otherwise calls the modules (a LoRA wrapper, a quantized
-linear or a forward hook then works as it would in any layer).
+:func:`project` takes the modules (``nn.Linear``, or an ``nn.Sequential`` of low-rank linears):
+it uses the function only when every first linear is a plain ``nn.Linear`` and nothing has
+hooks, and otherwise calls the modules (a LoRA wrapper, a quantized linear or a forward hook
+then works as it would in any layer).
 """
 
 from __future__ import annotations
@@ -98,12 +99,28 @@ def _hookless(module: nn.Module) -> bool:
                    ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
 
 
-def project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
-    """``[m(x) for m in linears]``: through :func:`shared_input_linear` when every module is a
-    plain ``nn.Linear`` (not a subclass) without hooks, module calls otherwise."""
-    if all(type(m) is nn.Linear and _hookless(m) for m in linears) and not _global_hooks():
-        return shared_input_linear(x, [m.weight for m in linears], [m.bias for m in linears])
-    return [m(x) for m in linears]
+def _first_linear(module: nn.Module) -> nn.Module:
+    """The module that reads the input: ``module`` itself, or a plain ``nn.Sequential``'s first."""
+    if type(module) is nn.Sequential and len(module) and _hookless(module):
+        return module[0]
+    return module
+
+
+def project(x: torch.Tensor, modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """``[m(x) for m in modules]``, each module an ``nn.Linear`` or an ``nn.Sequential`` starting
+    with one (a low-rank projection). The first linear of each goes through
+    :func:`shared_input_linear` (the rest of a ``Sequential`` is applied after it) when all of
+    them are plain ``nn.Linear`` (not a subclass) and nothing has hooks; otherwise the modules are
+    called as they are."""
+    heads = [_first_linear(m) for m in modules]
+    if not all(type(h) is nn.Linear and _hookless(h) for h in heads) or _global_hooks():
+        return [m(x) for m in modules]
+    outs = shared_input_linear(x, [h.weight for h in heads], [h.bias for h in heads])
+    for i, (m, h) in enumerate(zip(modules, heads)):
+        if m is not h:
+            for layer in list(m)[1:]:
+                outs[i] = layer(outs[i])
+    return outs
 
 
 def _global_hooks() -> bool:

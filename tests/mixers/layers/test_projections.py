@@ -136,17 +136,40 @@ def test_project_calls_modules_that_are_not_plain_linears():
     assert "SharedInputLinear" in type(y.grad_fn.next_functions[0][0]).__name__   # under the reshape
 
 
-@pytest.mark.parametrize("cls", [GatedDeltaNetMixer, KDAMixer], ids=["gdn", "kda"])
-def test_mixer_honours_a_hook_on_a_projection(cls):
-    """Registering a forward hook on ``q_proj`` (what adapters do) changes the mixer's output."""
+def test_project_takes_low_rank_sequentials():
+    """An ``nn.Sequential`` of linears (KDA's low-rank gates): its first linear joins the fused
+    products, the rest runs after; outputs and gradients are the modules' own."""
+    torch.manual_seed(0)
+    lin, seq = nn.Linear(4, 3).double(), nn.Sequential(nn.Linear(4, 2, bias=False), nn.Linear(2, 6)).double()
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    got, want = project(x, [lin, seq]), [lin(x), seq(x)]
+    assert "SharedInputLinear" in type(got[0].grad_fn.next_functions[0][0]).__name__
+    leaves = [x, *lin.parameters(), *seq.parameters()]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+    g_got, g_want = _grads(sum(y.sum() for y in got), leaves), _grads(sum(y.sum() for y in want), leaves)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("cls, name", [pytest.param(GatedDeltaNetMixer, "q_proj", id="gdn-q_proj"),
+                                       pytest.param(GatedDeltaNetMixer, "a_proj", id="gdn-a_proj"),
+                                       pytest.param(KDAMixer, "q_proj", id="kda-q_proj"),
+                                       pytest.param(KDAMixer, "f_proj", id="kda-f_proj-sequential"),
+                                       pytest.param(KDAMixer, "g_proj.0", id="kda-g_proj-first-linear")])
+def test_mixer_honours_a_hook_on_a_projection(cls, name):
+    """A forward hook on a projection (what adapters do) runs and changes the mixer's output; without
+    hooks the same layer takes the fused path again."""
     torch.manual_seed(0)
     layer = cls(64, backend="reference").double()
     x = torch.randn(1, 12, 64, dtype=torch.float64)
     base = layer(x)
-    handle = layer.q_proj.register_forward_hook(lambda m, i, o: o * 0)
+    seen = []
+    handle = layer.get_submodule(name).register_forward_hook(lambda m, i, o: seen.append(1) or o * 0.5)
     try:
         hooked = layer(x)
     finally:
         handle.remove()
+    assert seen == [1]
     assert not torch.allclose(base, hooked)
     torch.testing.assert_close(layer(x), base, rtol=0, atol=0)
