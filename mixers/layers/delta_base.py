@@ -46,9 +46,10 @@ class DeltaMixerBase(DeltaCached, MixerBase):
         return getattr(self.config, "num_householder", 1)
 
     def _project(self, hidden_states: torch.Tensor):
-        """``(q, k, v, beta_logits, gate_in, output_gate_in)``: every projection of ``hidden_states``
-        in one call with one input gradient (:func:`mixers.layers.projections.project`); the last two
-        feed the subclass's ``_gate`` and ``_output_gate``."""
+        """``(q, k, v, beta_logits, gate_in, output_gate)``: every projection of ``hidden_states`` in
+        one call with one input gradient (:func:`mixers.layers.projections.project`); ``gate_in``
+        feeds the subclass's ``_gate``, ``output_gate`` the output norm. The subclass's
+        ``_gate_inputs()`` names the last two projections."""
         return project(hidden_states, (self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self._gate_inputs()))
 
     def forward(self, hidden_states: torch.Tensor, packed_seq_params=None, *, cache=None,
@@ -60,7 +61,7 @@ class DeltaMixerBase(DeltaCached, MixerBase):
         c, nh = self.config, self.householder
         varlen = self.varlen(hidden_states, packed_seq_params)
         b, t, _ = hidden_states.shape
-        q, k, v, beta, gate_in, out_gate_in = self._project(hidden_states)
+        q, k, v, beta, gate_in, out_gate = self._project(hidden_states)
         q = self.q_conv(q, varlen).reshape(b, t, c.num_heads, c.head_dim)
         k = self.k_conv(k, varlen).reshape(b, t * nh, c.num_heads, c.head_dim)
         v = self.v_conv(v, varlen).reshape(b, t * nh, c.num_v_heads, c.head_v_dim)
@@ -68,7 +69,7 @@ class DeltaMixerBase(DeltaCached, MixerBase):
         if c.allow_neg_eigval:
             beta = beta * 2
         o = self._scan(q, k, v.to(q.dtype), self._gate(gate_in), beta.to(q.dtype), varlen)
-        o = self.o_norm(o, self._output_gate(out_gate_in).reshape(b, t, c.num_v_heads, c.head_v_dim))
+        o = self.o_norm(o, out_gate.reshape(b, t, c.num_v_heads, c.head_v_dim))
         return self.o_proj(o.reshape(b, t, c.value_dim))
 
 
@@ -91,6 +92,3 @@ class ScalarGateMixer(DeltaMixerBase):
     def _gate(self, a):
         """The log decay ``[B, T, HV]`` from ``a_proj``'s output."""
         return decay_gate(a, self.dt_bias, self.A_log)
-
-    def _output_gate(self, g):
-        return g

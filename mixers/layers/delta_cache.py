@@ -55,7 +55,7 @@ class DeltaCached(CachedMixin):
     def _cached(self, hidden_states, varlen, cache: LayerCache, batch: SlotBatch) -> torch.Tensor:
         c, nh = self.config, self.householder
         b, t, _ = hidden_states.shape
-        q, k, v, beta, gate_in, out_gate_in = self._project(hidden_states)
+        q, k, v, beta, gate_in, out_gate = self._project(hidden_states)
         q = conv_cached(self.q_conv, q, cache, "q_conv", batch)
         k = conv_cached(self.k_conv, k, cache, "k_conv", batch)
         v = conv_cached(self.v_conv, v, cache, "v_conv", batch)
@@ -66,7 +66,7 @@ class DeltaCached(CachedMixin):
         if c.allow_neg_eigval:
             beta = beta * 2
         o = self._scan_cached(q, k, v.to(q.dtype), self._gate(gate_in), beta.to(q.dtype), cache, batch)
-        o = self.o_norm(o, self._output_gate(out_gate_in).reshape(b, t, c.num_v_heads, c.head_v_dim))
+        o = self.o_norm(o, out_gate.reshape(b, t, c.num_v_heads, c.head_v_dim))
         return self.o_proj(o.reshape(b, t, c.value_dim))
 
     def _scan_cached(self, q, k, v, g, beta, cache: LayerCache, batch: SlotBatch) -> torch.Tensor:

@@ -45,9 +45,6 @@ class KDAMixer(DeltaMixerBase):
         gate = decay_gate(f, self.dt_bias, self.A_log.repeat_interleave(c.head_dim))
         return gate.reshape(*f.shape[:2], c.num_v_heads, c.head_dim)
 
-    def _output_gate(self, g):
-        return g
-
     def _scan(self, q, k, v, g, beta, varlen):
         o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=varlen,
                          chunk_size=self.config.chunk_size, backend=self.backend)
