@@ -15,9 +15,10 @@ from tests.oracles import check_close
 
 pytestmark = shims.lane(("fla", "flash-linear-attention"), ("mamba_ssm", "mamba-ssm"), ("einops", "einops"))
 # (layer, dtype, upstream calls of one forward): Gated DeltaProduct's kernel refuses fp32, and the
-# interpreter cannot do bf16 arithmetic, so it runs in fp16.
+# interpreter cannot do bf16 arithmetic, so it runs in fp16. Mamba2 convolves x, B and C as three
+# calls (ShortConvolution.forward_parts).
 CASES = [
-    pytest.param("mamba2", torch.float32, {"fla_conv": 1, "ssd": 1}, id="mamba2"),
+    pytest.param("mamba2", torch.float32, {"fla_conv": 3, "ssd": 1}, id="mamba2"),
     pytest.param("gdn", torch.float32, {"fla_conv": 3, "gdn": 1}, id="gdn-grouped-values"),
     pytest.param("kda", torch.float32, {"fla_conv": 3, "kda": 1}, id="kda"),
     pytest.param("gdp", torch.float16, {"fla_conv": 3, "gdp": 1}, id="gdp-fp16"),
