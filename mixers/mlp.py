@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops._autocast import autocasting, outside_autocast
+from .ops._autocast import autocast_operands, outside_autocast
 from .ops.chunks import compute_dtype, row_blocks
 
 _BLOCK_ELEMENTS = 1 << 20           # numbers in one block's [rows, 2I] (4 MB fp32)
@@ -90,10 +90,7 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w1, w2 = self.gate_up.weight, self.down.weight
-        if autocasting(x.device.type):            # as autocast casts a linear layer's operands
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, w1, w2 = (t.to(dtype) if t.dtype != torch.float64 else t for t in (x, w1, w2))
+        x, w1, w2 = autocast_operands(x.device.type, x, self.gate_up.weight, self.down.weight)
         return _swiglu(x.reshape(-1, x.shape[-1]), w1, w2).reshape(*x.shape[:-1], w2.shape[0])
 
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..ops._autocast import autocasting, outside_autocast
+from ..ops._autocast import autocast_operands, outside_autocast
 
 
 class _SharedInputLinearFn(torch.autograd.Function):
@@ -85,12 +85,10 @@ def shared_input_linear(x: torch.Tensor, weights: Sequence[torch.Tensor],
     if not weights or len(biases) != len(weights):
         raise ValueError(f"shared_input_linear needs one or more weights and as many biases (or None), "
                          f"got {len(weights)} weights and {len(biases)} biases")
-    lead = x.shape[:-1]
-    if autocasting(x.device.type):             # as autocast casts a linear layer's operands
-        dtype = torch.get_autocast_dtype(x.device.type)
-        cast = lambda t: t if t is None or t.dtype == torch.float64 else t.to(dtype)  # noqa: E731
-        x, weights, biases = cast(x), [cast(w) for w in weights], [cast(b) for b in biases]
-    outs = _apply(x.reshape(-1, x.shape[-1]), len(weights), *weights, *biases)
+    lead, n = x.shape[:-1], len(weights)
+    x, *params = autocast_operands(x.device.type, x, *weights, *biases)
+    weights, biases = params[:n], params[n:]
+    outs = _apply(x.reshape(-1, x.shape[-1]), n, *weights, *biases)
     return [y.reshape(*lead, y.shape[-1]) for y in outs]
 
 

@@ -33,6 +33,16 @@ def autocasting(device: str | None) -> bool:
         return True
 
 
+def autocast_operands(device: str | None, *tensors):
+    """``tensors`` cast as autocast casts a linear layer's operands on ``device``: to the autocast
+    dtype, fp64 tensors and ``None`` left as they are; all unchanged outside autocast. For the
+    blocked functions that replace ``nn.Linear`` calls (they run their body outside autocast)."""
+    if not autocasting(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t if t is None or t.dtype == torch.float64 else t.to(dtype) for t in tensors)
+
+
 def outside_autocast(op):
     """Decorator: run ``op`` with autocast disabled on its tensors' device (a no-op outside autocast)."""
 
