@@ -110,11 +110,18 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"position_ids must hold at least one token, got shape {tuple(position_ids.shape)}")
     starts = position_ids == 0
     starts[:, 0] = True
+    return cu_seqlens_from_starts(starts)
+
+
+def cu_seqlens_from_starts(starts: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` (or ``[T]``) bool map of segment starts -> ``[N+1]`` int32 boundaries over the
+    flattened tokens: the offset of every ``True``, then ``B * S``. The caller marks token 0."""
+    assert starts.dtype == torch.bool, starts.dtype
     if starts.device.type == "cpu" and _np is not None:   # flatnonzero is ~3x torch.nonzero on CPU
         offsets = torch.from_numpy(_np.flatnonzero(starts.numpy()).astype(_np.int32))
     else:
         offsets = torch.nonzero(starts.reshape(-1)).reshape(-1).to(torch.int32)
-    end = torch.tensor([rows * cols], dtype=torch.int32, device=position_ids.device)
+    end = torch.tensor([starts.numel()], dtype=torch.int32, device=starts.device)
     return torch.cat([offsets, end])
 
 

@@ -45,6 +45,30 @@ def test_segments_reconstruct_the_map(rows, cols, data):
     assert all(s % cols == 0 or flat[s] != flat[s - 1] for s in starts.tolist())
 
 
+@given(st.integers(1, 4), st.integers(1, 12), st.data())
+def test_torch_path_equals_numpy_path(rows, cols, data):
+    # CPU compares and finds the starts with numpy; every other device takes the torch ops
+    import ssm_pack.convert as convert
+    import ssm_pack.neat as neat
+    doc_ids = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 3), min_size=cols, max_size=cols),
+                                              min_size=rows, max_size=rows)))
+    fast = sp.packed_seq_params_from_doc_ids(doc_ids)
+    saved = convert._np, neat._np
+    convert._np = neat._np = None
+    try:
+        plain = sp.packed_seq_params_from_doc_ids(doc_ids)
+    finally:
+        convert._np, neat._np = saved
+    assert plain.cu_seqlens_q.dtype == fast.cu_seqlens_q.dtype == torch.int32
+    assert torch.equal(plain.cu_seqlens_q, fast.cu_seqlens_q) and torch.equal(plain.seq_idx, fast.seq_idx)
+
+
+def test_strided_doc_ids():
+    # a transposed (non-contiguous) map is read as its logical rows
+    doc_ids = torch.tensor([[1, 1], [1, 2], [2, 2]]).t()
+    assert sp.packed_seq_params_from_doc_ids(doc_ids).cu_seqlens_q.tolist() == [0, 2, 3, 4, 6]
+
+
 def test_neat_errors():
     with pytest.raises(ValueError, match="doc_ids must be 2-D"):
         sp.packed_seq_params_from_doc_ids(torch.tensor([1, 2]))
