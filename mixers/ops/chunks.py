@@ -68,3 +68,10 @@ def row_blocks(rows: int, width: int, elements: int = ROW_BLOCK_ELEMENTS):
     step = max(1, elements // max(width, 1))
     for r0 in range(0, rows, step):
         yield r0, min(r0 + step, rows)
+
+
+def records_grad(*tensors) -> bool:
+    """Whether autograd records an op on these tensors (grad mode on and one of them requires
+    grad). Inside ``autograd.Function.forward`` neither can be read (it runs under no_grad and
+    ``ctx.needs_input_grad`` ignores the caller's grad mode), so the caller asks this first."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)

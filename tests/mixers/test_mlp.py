@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from mixers import mlp
 from mixers.mlp import SwiGLU
+from tests.dispatch import OutputShapes
 from tests.oracles import check_close
 from tests.tolerances import FP64_ABS
 
@@ -58,10 +59,15 @@ def test_no_grad_keeps_nothing_and_equals(monkeypatch):
     torch.manual_seed(0)
     module = SwiGLU(HIDDEN).double()
     x = torch.randn(2, 21, HIDDEN, dtype=torch.float64)
-    with torch.no_grad():
+    with torch.no_grad(), OutputShapes() as shapes:
         out = module(x)
     assert out.grad_fn is None
     assert (out - plain(module, x)).abs().max() < FP64_ABS
+    # the parameters require grad but no_grad is on: the [N, 2I] projection is not kept whole
+    assert (42, module.gate_up.out_features) not in shapes.seen
+    with OutputShapes() as shapes:
+        module(x)
+    assert (42, module.gate_up.out_features) in shapes.seen      # the control: training keeps it
     frozen = x.clone()                           # inputs that need no gradient: nothing is kept either
     module.requires_grad_(False)
     assert module(frozen).grad_fn is None

@@ -16,6 +16,7 @@ from mixers.ops import (
 )
 from mixers.ops.delta_rule import blocked
 from ssm_pack import lengths_to_cu_seqlens
+from tests.dispatch import OutputShapes
 from tests.oracles import check_close, check_grads, delta_oracle, design_lengths, documents
 
 H, HV, K, V = 2, 4, 4, 3
@@ -153,6 +154,14 @@ def test_forward_without_gradients_matches(kind, monkeypatch):
         rows = {name: t.detach().expand(2, *t.shape[1:]) for name, t in plain.items()}
         o_rows, s_rows = call(kind, rows, None, 8, final=True)
     assert torch.equal(out_ng, out.detach())
+    # leaves that require grad, under no_grad: still no per-chunk WY inverses [C H, L, L] are kept
+    chunks_by_heads = -(-leaves["k"].shape[1] // 8) * leaves["v"].shape[2]
+    with torch.no_grad(), OutputShapes() as shapes:
+        out_leaves, _ = call(kind, leaves, cu, 8, final=False)
+    assert torch.equal(out_leaves, out_ng) and (chunks_by_heads, 8, 8) not in shapes.seen
+    with OutputShapes() as shapes:
+        call(kind, leaves, cu, 8, final=False)
+    assert (chunks_by_heads, 8, 8) in shapes.seen                       # the control: training keeps them
     _, ref_out, _ = oracle(kind, leaves, cu)
     check_close(out_ng, ref_out, torch.float64, what=f"{kind} out (no gradients)")
     assert torch.equal(o_rows[0], o_rows[1]) and torch.equal(s_rows[0], s_rows[1])
