@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..ops.chunks import row_blocks
+from ..ops.chunks import ROW_BLOCK_ELEMENTS, records_grad, row_blocks
 from .norm import upcast
 
 
@@ -61,5 +61,7 @@ def decay_gate(pre: torch.Tensor, bias: torch.Tensor, A: torch.Tensor) -> torch.
     if bias.shape != (width,) or A.shape != (width,):
         raise ValueError(f"decay_gate: bias {tuple(bias.shape)} and A {tuple(A.shape)} must both be "
                          f"[{width}], the last dim of pre {tuple(pre.shape)}")
+    if pre.numel() <= ROW_BLOCK_ELEMENTS and not records_grad(pre, bias, A):   # a decode step: nothing kept
+        return F.softplus(upcast(pre) + upcast(bias)) * -torch.exp(upcast(A))
     out = _DecayGate.apply(pre.reshape(-1, width), upcast(bias), upcast(A))
     return out.reshape(pre.shape)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..chunks import row_blocks
+from ..chunks import ROW_BLOCK_ELEMENTS, records_grad, row_blocks
 
 EPS = 1e-6
 
@@ -48,4 +48,6 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     in ``x``'s dtype."""
     if x.numel() == 0:
         return x.clone()
+    if x.numel() <= ROW_BLOCK_ELEMENTS and not records_grad(x):   # a decode step: one block, nothing kept
+        return x * torch.rsqrt(x.square().sum(-1, keepdim=True).add_(EPS))
     return _L2NormFn.apply(x.reshape(-1, x.shape[-1])).reshape(x.shape)

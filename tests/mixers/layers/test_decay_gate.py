@@ -64,3 +64,18 @@ def test_half_projection_output_gives_fp32_gate():
 def test_shapes_must_match_the_channels(bias_shape, A_shape):
     with pytest.raises(ValueError, match=r"decay_gate: bias .* must both be \[6\]"):
         decay_gate(torch.zeros(1, 3, 6), torch.zeros(bias_shape), torch.zeros(A_shape))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["fp64", "fp32", "bf16"])
+def test_no_grad_decode_path_is_the_training_path(dtype):
+    # a small input without gradients skips the autograd function: bit-identical output
+    torch.manual_seed(0)
+    pre = torch.randn(1, 1, 12).to(dtype)
+    bias, A = torch.randn(12), torch.randn(12)
+    if dtype == torch.float64:
+        bias, A = bias.double(), A.double()
+    with torch.no_grad():
+        fast = decay_gate(pre, bias, A)
+    trained = decay_gate(pre, bias, A.requires_grad_())
+    assert fast.grad_fn is None and trained.grad_fn is not None
+    assert fast.dtype == trained.dtype and torch.equal(fast, trained.detach())

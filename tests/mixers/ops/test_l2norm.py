@@ -57,3 +57,15 @@ def test_non_contiguous_input_and_no_grad():
     torch.testing.assert_close(l2_normalize(x), plain(x), rtol=0, atol=1e-14)
     with torch.no_grad():
         assert l2_normalize(x.requires_grad_()).grad_fn is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["fp64", "fp32", "bf16"])
+def test_no_grad_decode_path_is_the_training_path(dtype):
+    # a small input without gradients skips the autograd function: bit-identical output
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, 3, 64).to(dtype)
+    with torch.no_grad():
+        fast = l2_normalize(x)
+    trained = l2_normalize(x.clone().requires_grad_())
+    assert fast.grad_fn is None and trained.grad_fn is not None
+    assert fast.dtype == dtype and torch.equal(fast, trained.detach())
