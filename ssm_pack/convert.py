@@ -110,10 +110,10 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"position_ids must hold at least one token, got shape {tuple(position_ids.shape)}")
     starts = position_ids == 0
     starts[:, 0] = True
-    return cu_seqlens_from_starts(starts)
+    return _cu_seqlens_from_starts(starts)
 
 
-def cu_seqlens_from_starts(starts: torch.Tensor) -> torch.Tensor:
+def _cu_seqlens_from_starts(starts: torch.Tensor) -> torch.Tensor:
     """``[B, S]`` (or ``[T]``) bool map of segment starts -> ``[N+1]`` int32 boundaries over the
     flattened tokens: the offset of every ``True``, then ``B * S``. The caller marks token 0."""
     assert starts.dtype == torch.bool, starts.dtype

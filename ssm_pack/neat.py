@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .checks import as_boundaries, check_boundaries, check_int, check_tensor, describe
-from .convert import cu_seqlens_from_starts, max_seqlen_from_cu_seqlens
+from .convert import _cu_seqlens_from_starts, max_seqlen_from_cu_seqlens
 from .params import PackedSeqParams
 from .seq_idx import _np
 from .varlen import VarlenBatch
@@ -36,7 +36,7 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
     rows, cols = doc_ids.shape
     if rows * cols == 0:
         raise ValueError(f"doc_ids must hold at least one token, got shape {tuple(doc_ids.shape)}")
-    cu = cu_seqlens_from_starts(_segment_starts(doc_ids))
+    cu = _cu_seqlens_from_starts(_segment_starts(doc_ids))
     lowest = int(torch.take(doc_ids, cu[:-1].to(torch.int64)).min())  # one value per segment, not every token
     if lowest < 0:
         raise ValueError(f"doc_ids must be >= 0 (1-based documents, 0 = padding), got {lowest}")
