@@ -127,7 +127,7 @@ class _BlockAttention(torch.autograd.Function):
         layout = _Layout(total, span, causal, window, block, hq, q.device)
         (qs, bad_q), (ks, bad_k), (vs, bad_v) = _finite(q), _finite(k), _finite(v)
         pad = layout.padded - total
-        qs, seg_q = F.pad(qs, (0, 0, 0, 0, 0, pad)), F.pad(seg, (0, pad), value=-1).view(layout.blocks, block)
+        qs, seg_q = _pad_rows(qs, pad), F.pad(seg, (0, pad), value=-1).view(layout.blocks, block)
         bad_q = F.pad(bad_q, (0, pad)).view(layout.blocks, block)
         k_w, v_w, seg_w = layout.windows(ks, 0.0), layout.windows(vs, 0.0), layout.windows(seg, -1)
         bad_w = layout.windows((bad_k | bad_v).to(q.dtype), 0.0)                 # [n, W]
@@ -149,8 +149,9 @@ class _BlockAttention(torch.autograd.Function):
         poisoned = poisoned.reshape(-1)
         ctx.save_for_backward(qs, ks, vs, seg, out, lse, poisoned)
         ctx.meta = (span, causal, window, scale, block)
-        result = out[:total].masked_fill(poisoned[:total, None, None], float("nan"))
-        return result
+        # a copy even when no row is poisoned: ``out`` is kept for the backward, and the caller may
+        # modify the result in place (a view of it could not be)
+        return out[:total].masked_fill(poisoned[:total, None, None], float("nan"))
 
     @staticmethod
     def backward(ctx, g_out):
@@ -164,7 +165,7 @@ class _BlockAttention(torch.autograd.Function):
         # hot rows: a non-finite cotangent, or a nonzero one on a poisoned output (the loss depends on
         # a NaN); a poisoned output whose cotangent is exactly 0 (a masked loss) contributes nothing
         hot = bad_do | (poisoned[:total] & (do != 0).flatten(1).any(1))
-        do = F.pad(do, (0, 0, 0, 0, 0, pad))
+        do = _pad_rows(do, pad)
         rows_bad = F.pad(hot, (0, pad)).view(layout.blocks, block)
         seg_q = F.pad(seg, (0, pad), value=-1).view(layout.blocks, block)
         k_w, v_w, seg_w = layout.windows(ks, 0.0), layout.windows(vs, 0.0), layout.windows(seg, -1)
@@ -191,10 +192,22 @@ class _BlockAttention(torch.autograd.Function):
             reached[b0:b1] = (rows_bad[b0:b1].to(qs.dtype).unsqueeze(1) @ keep.to(qs.dtype))[:, 0]
         dk, dv = _overlap_add(dk_w, layout, total), _overlap_add(dv_w, layout, total)
         key_bad = _overlap_add(reached[..., None, None], layout, total)[:, 0, 0] > 0
-        nan = float("nan")
-        dq = dq[:total].masked_fill(rows_bad.reshape(-1)[:total, None, None], nan)
-        return (dq, dk.masked_fill(key_bad[:, None, None], nan), dv.masked_fill(key_bad[:, None, None], nan),
+        return (_nan_rows(dq[:total], rows_bad.reshape(-1)[:total]), _nan_rows(dk, key_bad), _nan_rows(dv, key_bad),
                 None, None, None, None, None, None)
+
+
+def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """``[T, H, D]`` with ``pad`` zero rows appended; ``t`` itself when there are none (``F.pad``
+    copies even then: a fresh ``[T, H, D]`` that a long sequence pays a page fault per 4 KB for)."""
+    return t if pad == 0 else F.pad(t, (0, 0, 0, 0, 0, pad))
+
+
+def _nan_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A gradient ``t [T, H, D]`` with the ``rows [T]`` (bool) set to NaN: a copy when a row is set,
+    else ``t`` itself (the common case: nothing non-finite; one host read, like :func:`_finite`'s)."""
+    if torch.compiler.is_compiling() or bool(rows.any()):
+        return t.masked_fill(rows[:, None, None], float("nan"))
+    return t
 
 
 def _overlap_add(windows: torch.Tensor, layout: _Layout, total: int) -> torch.Tensor:
