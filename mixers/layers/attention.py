@@ -15,18 +15,8 @@ from ..ops import varlen_attention
 from .attention_cache import AttentionCached
 from .base import MixerBase
 from .config import AttentionConfig
-from .norm import upcast
-
-
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate ``x [..., T, H, Dh]`` by ``positions [..., T]`` (half-split rotary; fp32 angles at least)."""
-    half = x.shape[-1] // 2
-    wide = upcast(x)
-    freq = theta ** (-torch.arange(half, device=x.device, dtype=wide.dtype) / half)
-    angle = positions.to(wide.dtype).unsqueeze(-1) * freq                        # [..., T, half]
-    cos, sin = angle.cos().unsqueeze(-2), angle.sin().unsqueeze(-2)
-    x1, x2 = wide[..., :half], wide[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+from .projections import project
+from .rotary import rotary
 
 
 class AttentionMixer(AttentionCached, MixerBase):
@@ -55,11 +45,19 @@ class AttentionMixer(AttentionCached, MixerBase):
             varlen = torch.arange(b + 1, device=hidden_states.device, dtype=torch.int32) * t
         else:
             positions = varlen.position_ids
-        q = rotary(self.q_proj(hidden_states).reshape(b, t, c.num_heads, c.head_dim), positions, c.rope_theta)
-        k = rotary(self.k_proj(hidden_states).reshape(b, t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
-        v = self.v_proj(hidden_states).reshape(b, t, c.num_kv_heads, c.head_dim)
+        q, k, v = self._qkv(hidden_states, positions)
         o = varlen_attention(q.reshape(b * t, c.num_heads, c.head_dim), k.reshape(b * t, c.num_kv_heads, c.head_dim),
                              v.reshape(b * t, c.num_kv_heads, c.head_dim), varlen, None, causal=True,
                              window_size=c.window_size, backend=self.backend)
         return self.o_proj(o.reshape(b, t, c.num_heads * c.head_dim))
 
+    def _qkv(self, hidden_states: torch.Tensor, positions: torch.Tensor):
+        """``(q [B, T, Hq, Dh], k, v [B, T, Hk, Dh])``, q and k rotated by ``positions [B, T]``: the
+        three projections in one call with one input gradient
+        (:func:`mixers.layers.projections.project`)."""
+        c = self.config
+        b, t, _ = hidden_states.shape
+        q, k, v = project(hidden_states, (self.q_proj, self.k_proj, self.v_proj))
+        q = rotary(q.reshape(b, t, c.num_heads, c.head_dim), positions, c.rope_theta)
+        k = rotary(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
+        return q, k, v.reshape(b, t, c.num_kv_heads, c.head_dim)

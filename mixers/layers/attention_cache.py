@@ -41,13 +41,9 @@ class AttentionCached(CachedMixin):
                 "value": torch.zeros(shape, dtype=dtype, device=device)}
 
     def _cached(self, hidden_states, varlen, cache: LayerCache, batch: SlotBatch) -> torch.Tensor:
-        from .attention import rotary
         c = self.config
         b, t, _ = hidden_states.shape
-        positions = batch.positions
-        q = rotary(self.q_proj(hidden_states).reshape(b, t, c.num_heads, c.head_dim), positions, c.rope_theta)
-        k = rotary(self.k_proj(hidden_states).reshape(b, t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
-        v = self.v_proj(hidden_states).reshape(b, t, c.num_kv_heads, c.head_dim)
+        q, k, v = self._qkv(hidden_states, batch.positions)
         window = c.window_size if c.window_size is not None else (-1, -1)
         if batch.packed:
             o = self._packed(q[0], k[0], v[0], varlen, cache, batch, window)
