@@ -286,6 +286,8 @@ class Result:
             grade = verdict(self.ratio, self.target, higher_is_better=self.higher_is_better)
             if self.attempts > 1:
                 grade += f", run {self.attempts}"
+            if self.note:
+                grade += f"; {self.note}"
         return [self.measure, times, f"{self.ratio:.2f}{self.ratio_unit}", self.spread(), grade, self.stable_if()]
 
 
