@@ -37,6 +37,7 @@ CASES = [
     pytest.param([300, 260], 0, True, (17, -1), id="sliding-window"),
     pytest.param([40, 0, 90], 3, False, None, id="bidirectional"),
     pytest.param([40, 90], 0, False, (5, 7), id="bidirectional-window"),
+    pytest.param([128, 0, 200, 56], 0, True, None, id="whole-blocks"),      # T = 3 * 128: nothing padded
 ]
 
 
