@@ -63,13 +63,22 @@ def cu_seqlens_from_seq_idx(seq_idx: torch.Tensor, *, num_docs: int | None = Non
     if seq_idx.numel():
         if int(seq_idx[0]) < 0:
             raise ValueError(f"seq_idx must be >= 0, got {int(seq_idx[0])}")
-        if bool((seq_idx[1:] < seq_idx[:-1]).any()):
+        if _decreases(seq_idx):
             raise ValueError("seq_idx must be non-decreasing along the row (one index per document, "
                              "documents in order)")
     seen = int(seq_idx[-1]) + 1 if seq_idx.numel() else 0
     n = seen if num_docs is None else check_int("num_docs", num_docs, minimum=seen)
     probes = torch.arange(n + 1, dtype=seq_idx.dtype, device=seq_idx.device)
     return torch.searchsorted(seq_idx.contiguous(), probes).to(torch.int32)
+
+
+def _decreases(t: torch.Tensor) -> bool:
+    """Whether the 1-D ``t`` ever decreases. On CPU in numpy: its compare into bools is ~3x
+    torch's, the largest part of :func:`cu_seqlens_from_seq_idx` on a long row."""
+    if t.device.type == "cpu" and _np is not None:
+        a = t.numpy()
+        return bool((a[1:] < a[:-1]).any())
+    return bool((t[1:] < t[:-1]).any())
 
 
 def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int | None = None

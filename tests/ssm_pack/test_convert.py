@@ -89,3 +89,18 @@ def test_max_seqlen_is_the_longest_document_and_the_tail_counts(lengths, tail):
     assert sp.max_seqlen_from_cu_seqlens(cu) == max(lengths, default=0)
     total = sum(lengths) + tail
     assert sp.max_seqlen_from_cu_seqlens(cu, total) == max(lengths + [tail])
+
+
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=30))
+def test_decrease_check_torch_path_equals_numpy_path(values):
+    # CPU checks monotonicity in numpy; every other device with torch ops: same verdict
+    import ssm_pack.convert as convert
+    t = torch.tensor(values, dtype=torch.int32)
+    fast = convert._decreases(t)
+    saved, convert._np = convert._np, None
+    try:
+        plain = convert._decreases(t)
+    finally:
+        convert._np = saved
+    assert fast == plain == any(b < a for a, b in zip(values, values[1:]))
+    assert convert._decreases(torch.tensor(values).repeat_interleave(2)[::2]) == fast      # a strided view
