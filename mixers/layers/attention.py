@@ -15,8 +15,9 @@ from ..ops import varlen_attention
 from .attention_cache import AttentionCached
 from .base import MixerBase
 from .config import AttentionConfig
+from .norm import upcast
 from .projections import project
-from .rotary import rotary
+from .rotary import apply_rotary, rotary_tables
 
 
 class AttentionMixer(AttentionCached, MixerBase):
@@ -58,6 +59,9 @@ class AttentionMixer(AttentionCached, MixerBase):
         c = self.config
         b, t, _ = hidden_states.shape
         q, k, v = project(hidden_states, (self.q_proj, self.k_proj, self.v_proj))
-        q = rotary(q.reshape(b, t, c.num_heads, c.head_dim), positions, c.rope_theta)
-        k = rotary(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
+        # one table for q and k (computed in fp32 at least, as each would ask)
+        cos, sin = rotary_tables(positions, c.rope_theta, c.head_dim // 2,
+                                 torch.promote_types(upcast(q).dtype, upcast(k).dtype))
+        q = apply_rotary(q.reshape(b, t, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rotary(k.reshape(b, t, c.num_kv_heads, c.head_dim), cos, sin)
         return q, k, v.reshape(b, t, c.num_kv_heads, c.head_dim)

@@ -46,14 +46,24 @@ class _RotaryFn(torch.autograd.Function):
         return _rotate(grad, cos, -sin).to(grad.dtype), None, None
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate ``x [..., T, H, Dh]`` by ``positions [..., T]`` (module docstring); same shape and
-    dtype as ``x``."""
-    half = x.shape[-1] // 2
-    dtype = upcast(x).dtype
-    freq = theta ** (-torch.arange(half, device=x.device, dtype=dtype) / half)
+def rotary_tables(positions: torch.Tensor, theta: float, half: int, dtype: torch.dtype):
+    """``(cos, sin)`` ``[..., T, 1, half]`` of ``positions [..., T]`` in ``dtype`` (fp32 at least:
+    ``upcast`` of the rotated tensor's dtype). One pair serves every tensor rotated by the same
+    positions (attention's q and k)."""
+    freq = theta ** (-torch.arange(half, device=positions.device, dtype=dtype) / half)
     angle = positions.to(dtype).unsqueeze(-1) * freq                               # [..., T, half]
-    cos, sin = angle.cos().unsqueeze(-2), angle.sin().unsqueeze(-2)
+    return angle.cos().unsqueeze(-2), angle.sin().unsqueeze(-2)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [..., T, H, Dh]`` rotated by :func:`rotary_tables`' ``cos, sin``; same shape and dtype
+    as ``x``."""
     if not records_grad(x):                        # decoding: nothing to keep
         return _rotate(x, cos, sin).to(x.dtype)
     return _RotaryFn.apply(x, cos, sin)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate ``x [..., T, H, Dh]`` by ``positions [..., T]`` (module docstring); same shape and
+    dtype as ``x``."""
+    return apply_rotary(x, *rotary_tables(positions, theta, x.shape[-1] // 2, upcast(x).dtype))
