@@ -35,6 +35,7 @@ from benchmarks.common import (
     Possible,
     Result,
     alternate,
+    matmul_rate,
     ratio_result,
     results_table,
     roofline_matmul,
@@ -69,8 +70,7 @@ def matmul_ceiling(t, peer: str, flops: float) -> float:
     """The speed-up over ``peer`` that running ``flops`` at the yardstick matmul's rate (same
     rounds) would give: what a speed-up target can ask of the algorithm at most. The peers'
     times include their allocator costs (page faults of fresh tensors), so this moves with them."""
-    matmul_rate = 2 * ROOFLINE ** 3 / t.best("matmul")
-    return t.best(peer) / (flops / matmul_rate)
+    return t.best(peer) / (flops / matmul_rate(t))
 
 
 def _fwd_bwd(fn, args, *extra):
