@@ -57,6 +57,10 @@ def test_matches_per_document_sdpa(lengths, tail, causal, window, heads):
     ref_grads = torch.autograd.grad((ref * g_out).sum(), (q, k, v))
     for a, r in zip(grads, ref_grads):
         check_close(a, r, torch.float64, grad=True, what="grad")
+    if sum(1 for n in lengths if n) > 1:            # the negative control: one document over everything
+        whole = torch.tensor([0, total], dtype=torch.int32)
+        blind = varlen_attention(q, k, v, whole, total, causal=causal, window_size=window)
+        assert (blind - ref).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
