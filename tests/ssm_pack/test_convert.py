@@ -91,16 +91,37 @@ def test_max_seqlen_is_the_longest_document_and_the_tail_counts(lengths, tail):
     assert sp.max_seqlen_from_cu_seqlens(cu, total) == max(lengths + [tail])
 
 
-@given(st.lists(st.integers(0, 4), min_size=1, max_size=30))
-def test_decrease_check_torch_path_equals_numpy_path(values):
-    # CPU checks monotonicity in numpy; every other device with torch ops: same verdict
+def _seq_idx_oracle(values, num_docs):
+    """Document ``i`` starts at the first token whose index is ``>= i`` (a loop)."""
+    n = (max(values) + 1 if values else 0) if num_docs is None else num_docs
+    return [next((t for t, x in enumerate(values) if x >= i), len(values)) for i in range(n + 1)]
+
+
+@given(st.lists(st.integers(0, 6), max_size=30), st.integers(0, 3), st.booleans())
+def test_cu_seqlens_from_seq_idx_numpy_path_equals_torch_path_and_oracle(values, extra, sort):
+    # CPU finds the index's change points in numpy; every other device binary-searches with
+    # torch ops: same boundaries, same refusal of a decreasing index (checked at change points
+    # only on CPU: unsorted draws put the decrease anywhere, also right after a skip)
     import ssm_pack.convert as convert
+    values = sorted(values) if sort else values
+    num_docs = None if not extra else (max(values, default=-1) + extra)
     t = torch.tensor(values, dtype=torch.int32)
-    fast = convert._decreases(t)
-    saved, convert._np = convert._np, None
-    try:
-        plain = convert._decreases(t)
-    finally:
-        convert._np = saved
-    assert fast == plain == any(b < a for a, b in zip(values, values[1:]))
-    assert convert._decreases(torch.tensor(values).repeat_interleave(2)[::2]) == fast      # a strided view
+
+    def both(x):
+        outs = []
+        for np_module in (convert._np, None):
+            saved, convert._np = convert._np, np_module
+            try:
+                outs.append(convert.cu_seqlens_from_seq_idx(x, num_docs=num_docs).tolist())
+            except ValueError as e:
+                outs.append(str(e))
+            finally:
+                convert._np = saved
+        return outs
+    fast, plain = both(t)
+    assert fast == plain
+    if any(b < a for a, b in zip(values, values[1:])):
+        assert "non-decreasing" in fast
+    else:
+        assert fast == _seq_idx_oracle(values, num_docs)
+    assert both(torch.tensor(values, dtype=torch.int64).repeat_interleave(2)[::2]) == [fast, fast]   # strided int64
