@@ -113,8 +113,9 @@ class PackedSeqParams:
         if self.qkv_format == "thd" and self.cu_seqlens_q is None:
             raise ValueError("qkv_format='thd' needs cu_seqlens_q; build the params with "
                              "PackedSeqParams.from_lengths(...) or from_cu_seqlens(...)")
-        for side in ("q", "kv"):
-            self._check_side(side)
+        self._check_side("q")
+        if not self._kv_is_q():       # one tensor for both sides (self-attention): checked once
+            self._check_side("kv")
         if self.cu_seqlens_q is not None and self.cu_seqlens_kv is not None:
             if self.cu_seqlens_q.numel() != self.cu_seqlens_kv.numel():
                 raise ValueError(f"cu_seqlens_q and cu_seqlens_kv must describe the same number of "
@@ -146,6 +147,11 @@ class PackedSeqParams:
             raise ValueError(f"seq_idx disagrees with the boundaries at token {bad}: seq_idx says document "
                              f"{int(self.seq_idx[0, bad])}, cu_seqlens say {int(want[0, bad])}. Leave seq_idx "
                              "None (it is derived from the boundaries) or pass the matching one")
+
+    def _kv_is_q(self) -> bool:
+        """The key side's boundaries are the query side's tensors and limit (so are its checks)."""
+        return (self.cu_seqlens_kv is self.cu_seqlens_q and self.cu_seqlens_kv_padded is self.cu_seqlens_q_padded
+                and self.max_seqlen_kv == self.max_seqlen_q and type(self.max_seqlen_kv) is type(self.max_seqlen_q))
 
     def _check_side(self, side: str) -> None:
         real = getattr(self, f"cu_seqlens_{side}")
