@@ -81,6 +81,7 @@ _DECREASING = "seq_idx must be non-decreasing along the row (one index per docum
 
 
 def _num_docs(seen: int, num_docs: int | None) -> int:
+    """How many documents the boundaries describe: those the index shows, or ``num_docs`` (not fewer)."""
     return seen if num_docs is None else check_int("num_docs", num_docs, minimum=seen)
 
 
@@ -92,11 +93,11 @@ def _cu_from_changes(a, first: int, num_docs: int | None) -> torch.Tensor:
     steps = a[change].astype(_np.int64) - a[change - 1]
     if steps.size and steps.min() < 0:
         raise ValueError(_DECREASING)
-    n = _num_docs(int(a[-1]) + 1, num_docs)
-    cu = _np.empty(n + 1, dtype=_np.int32)
+    last = int(a[-1])
+    cu = _np.empty(_num_docs(last + 1, num_docs) + 1, dtype=_np.int32)
     cu[:first + 1] = 0
-    cu[first + 1:int(a[-1]) + 1] = _np.repeat(change.astype(_np.int32), steps)
-    cu[int(a[-1]) + 1:] = a.size
+    cu[first + 1:last + 1] = _np.repeat(change.astype(_np.int32), steps)     # documents first + 1 .. last
+    cu[last + 1:] = a.size
     return torch.from_numpy(cu)
 
 
