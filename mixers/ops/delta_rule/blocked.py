@@ -98,10 +98,10 @@ class _Block:
         kb = _chunks(k, t0, n, length).permute(0, 1, 3, 2, 4).contiguous()
         bb = _chunks(beta, t0, n, length).permute(0, 1, 3, 2).unsqueeze(-1).contiguous()
         into(left[:, :, :, 1], torch.mul, kb, bb)
-        vb = _chunks(v, t0, n, length).permute(0, 1, 3, 2, 4).contiguous()
+        # v is only read elementwise (``beta v``, and ``dbeta`` in the backward): a strided view, no copy
+        vb = _chunks(v, t0, n, length).permute(0, 1, 3, 2, 4)                   # [n, B, H, L, V]
         gb = _chunks(g, t0, n, length).reshape(n * b, length, -1)                  # [X, L, H*Kg]
-        self.args = (left.view(-1, 2 * length, kd), kb.view(-1, length, kd), vb.view(-1, length, vb.shape[-1]),
-                     bb.view(-1, length, 1), gb)
+        self.args = (left.view(-1, 2 * length, kd), kb.view(-1, length, kd), vb, bb.view(-1, length, 1), gb)
         self.masks = masks.rows(c0 * b, c1 * b)
 
     def prep(self, inverse: torch.Tensor | None = None, inverse_out: torch.Tensor | None = None) -> Prep:

@@ -111,7 +111,7 @@ class Prep:
     full_w: bool
     left: torch.Tensor      # [N, 2L, K] = [q; beta k]
     k: torch.Tensor         # [N, L, K]
-    v: torch.Tensor         # [N, L, V]
+    v: torch.Tensor         # [N, L, V], or a view splitting N (read elementwise only)
     beta: torch.Tensor      # [N, L, 1]
     g: torch.Tensor         # [X, L, H*Kg] log-decays as given (not floored)
     gate: torch.Tensor | None  # [N, L, Kg] floored (``full_w`` only)
@@ -158,7 +158,8 @@ def _flat(mask: torch.Tensor, heads: int) -> torch.Tensor:
 def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, inverse: torch.Tensor | None = None,
                  inverse_out: torch.Tensor | None = None) -> Prep:
     """``left [N, 2L, K]`` holding ``q`` (scaled) in rows ``:L`` and ``beta k`` in rows ``L:``;
-    ``k [N, L, K]``, ``v [N, L, V]``, ``beta [N, L, 1]``, ``g [X, L, H*Kg]`` (token-major in the chunk).
+    ``k [N, L, K]``, ``v [N, L, V]`` (or any view splitting ``N``, e.g. ``[n, B, H, L, V]``: only read
+    elementwise), ``beta [N, L, 1]``, ``g [X, L, H*Kg]`` (token-major in the chunk).
     ``inverse``: ``T [N, L, L]`` of these chunks, kept from an earlier call (then, for a scalar gate,
     only ``qk`` of the Grams is formed: ``beta kk`` feeds nothing else); ``inverse_out``: where to
     write ``T`` (a contiguous ``[N, L, L]``, e.g. a slice of what the backward keeps)."""
@@ -194,7 +195,7 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, inverse
     tail_out = _per_head(tail, x).mul(m.last).view(n, length, -1)             # exp(suf) on last rows
     R = k.new_empty(n, length, kd + v.shape[-1])
     into(R[..., :kd], torch.mul, bk, decay_in if full_w else read_in)
-    into(R[..., kd:], torch.mul, v, beta)
+    into(R[..., kd:].view(v.shape), torch.mul, v, beta.view(*v.shape[:-1], 1))   # v may be [n, B, H, L, V]
     wu = torch.bmm(T, R)
     kappa = _per_head(decay_in[:, -1:].transpose(1, 2), x).mul(m.keep_state).view(n, -1, 1)
     return Prep(m=m, heads=heads, full_w=full_w, left=left, k=k, v=v, beta=beta, g=g, gate=gate, step=step, G=G,
@@ -239,7 +240,7 @@ def prep_backward(p: Prep, d_w, d_u, d_q_read, d_qk, d_k_out, d_kappa, d_G=None,
     if not p.full_w:
         _masked(d_dec, m.reads, x)
     dv = dR_u * p.beta
-    dbeta = (dR_u * p.v).sum(-1, keepdim=True)
+    dbeta = (dR_u.view(p.v.shape) * p.v).sum(-1, keepdim=True).view(n, length, 1)
     d_dec += _masked(_reduce(d_q_read * p.q, kg), m.reads, x)
     if d_decay_in is not None:
         d_dec = d_dec + d_decay_in
