@@ -4,9 +4,10 @@
     K, V = head dims, Kg = 1 or K, N = n * B * H (one block's chunk-heads, chunk-major)
 
 The inputs stay token-major (``[B, T, H, ...]``, as the caller has them). Block by block: the
-block's tokens are copied chunk-major (the query scaled on the way), :func:`.prep.prep_forward`
-prepares its chunks, the state recurrence runs chunk by chunk, and the block's outputs are written
-straight into the token-major output. A block's ``[N, L, max(K, V)]`` tensors hold about
+block's q, k and beta are copied chunk-major (the query scaled on the way; v, only ever read
+elementwise, stays a strided view), :func:`.prep.prep_forward` prepares its chunks, the state
+recurrence runs chunk by chunk, and the block's outputs are written straight into the
+token-major output. A block's ``[N, L, max(K, V)]`` tensors hold about
 ``_BLOCK_NUMBERS`` numbers (64 chunk-heads at K = V = 64, 32 at 128), so its working set stays
 small, and the only sequence-sized allocations are the output, what the backward keeps and (in the
 backward) the input gradients: a fresh large allocation costs a page fault per 4 KB on first
@@ -226,13 +227,14 @@ def _block_backward(p: Prep, entering, delta, d_o, d_state, n):
     dd = d_o.new_empty(n, bh, length, vd)                                        # d delta
     d_after = d_o.new_empty(n, bh, kd, vd)                                       # d of each leaving state
     d_after[n - 1] = d_state
-    dd_j, after, from_out_j, from_read_j = dd.unbind(), d_after.unbind(), from_out.unbind(), from_read.unbind()
+    # the per-chunk views taken in one call each, as in :func:`recurrence`
+    dd_j, after_j, from_out_j, from_read_j = dd.unbind(), d_after.unbind(), from_out.unbind(), from_read.unbind()
     k_out_j, w_read_t, kappa_j = k_out.unbind(), w_read.transpose(2, 3).unbind(), kappa.unbind()
     for j in range(n - 1, -1, -1):
-        into(dd_j[j], torch.baddbmm, from_out_j[j], k_out_j[j], after[j])
-        d_enter = after[j - 1] if j else d_state
+        into(dd_j[j], torch.baddbmm, from_out_j[j], k_out_j[j], after_j[j])
+        d_enter = after_j[j - 1] if j else d_state
         into(d_enter, torch.baddbmm, from_read_j[j], w_read_t[j], dd_j[j], alpha=-1)
-        d_enter.addcmul_(kappa_j[j], after[j])
+        d_enter.addcmul_(kappa_j[j], after_j[j])
     d_u = dd.view(N, length, vd)
     d_w = torch.bmm(d_u, S.transpose(1, 2)).neg_()                              # d w_read = -d delta S^T
     d_q_read = torch.bmm(d_o, S.transpose(1, 2))
