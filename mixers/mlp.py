@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ops._autocast import autocast_operands, outside_autocast
-from .ops.chunks import compute_dtype, records_grad, row_blocks
+from .ops.chunks import compute_dtype, row_blocks, untracked
 
 _BLOCK_ELEMENTS = 1 << 20           # numbers in one block's [rows, 2I] (4 MB fp32)
 
@@ -96,6 +96,4 @@ class SwiGLU(nn.Module):
 
 @outside_autocast
 def _swiglu(x, w1, w2):
-    if not records_grad(x, w1, w2):   # ctx.needs_input_grad ignores no_grad: detached, h is not kept
-        x, w1, w2 = x.detach(), w1.detach(), w2.detach()
-    return _SwiGLUFn.apply(x, w1, w2)
+    return _SwiGLUFn.apply(*untracked(x, w1, w2))     # without gradients, h is not kept

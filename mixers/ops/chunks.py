@@ -75,3 +75,10 @@ def records_grad(*tensors) -> bool:
     grad). Inside ``autograd.Function.forward`` neither can be read (it runs under no_grad and
     ``ctx.needs_input_grad`` ignores the caller's grad mode), so the caller asks this first."""
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def untracked(*tensors) -> tuple:
+    """``tensors``, detached when autograd records nothing on them (:func:`records_grad`): an
+    autograd function's ``ctx.needs_input_grad`` ignores no_grad, so it would otherwise keep what
+    its backward needs."""
+    return tensors if records_grad(*tensors) else tuple(t.detach() for t in tensors)

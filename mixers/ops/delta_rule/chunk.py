@@ -38,7 +38,7 @@ from types import SimpleNamespace
 import torch
 
 from .._isolation import Isolation
-from ..chunks import entering_segments, pad_tokens, records_grad
+from ..chunks import entering_segments, pad_tokens, untracked
 from .blocked import DeltaRuleBlocked
 from .prep import chunk_masks, prep_backward, prep_forward
 
@@ -116,10 +116,8 @@ def _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_interme
     enter_seg = entering_segments(seg)                                          # [B, C]
     h0 = k.new_zeros(b, h, kd, v.shape[-1]) if initial_state is None else initial_state.to(k.dtype)
     if extra is None and not keep_intermediates:
-        inputs = (q, k, v, g, beta, seg, enter_seg, h0)
-        if not records_grad(*inputs):   # ctx.needs_input_grad ignores no_grad: detached, nothing is kept
-            inputs = tuple(x.detach() for x in inputs)
-        out, s_final = DeltaRuleBlocked.apply(*inputs, scale, L, q_every)
+        # without gradients nothing is kept for a backward
+        out, s_final = DeltaRuleBlocked.apply(*untracked(q, k, v, g, beta, seg, enter_seg, h0), scale, L, q_every)
         return out, Chunked(s_final=s_final, chunk=L)
     q = q * scale
     q, k, v, g, beta = (pad_tokens(x, pad) for x in (q, k, v, g, beta))
