@@ -106,19 +106,17 @@ def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int | N
     """``[1, T]`` int64 positions restarting at 0 at every document (and at the tail).
 
     One cumulative sum: every step adds 1, except that the end of each document subtracts
-    its length, bringing the next position back to 0.
+    its length, bringing the next position back to 0. The steps get one slot past the last
+    token, where documents ending at the last token subtract theirs (no masking of the ends).
     """
     check_boundaries("cu_seqlens", cu_seqlens)
     last = int(cu_seqlens[-1])
     total = last if total_tokens is None else check_int("total_tokens", total_tokens, minimum=last)
-    steps = torch.ones(total, dtype=torch.int64, device=cu_seqlens.device)
-    if total:
-        steps[0] = 0
-        ends = cu_seqlens[1:].to(torch.int64)
-        inside = ends < total
-        lengths = ends - cu_seqlens[:-1].to(torch.int64)
-        steps.index_put_((ends[inside],), -lengths[inside], accumulate=True)
-    return steps.cumsum_(0).unsqueeze(0)
+    steps = torch.ones(total + 1, dtype=torch.int64, device=cu_seqlens.device)
+    bounds = cu_seqlens.to(torch.int64)
+    steps.scatter_add_(0, bounds[1:], bounds[:-1] - bounds[1:])   # empty documents add 0
+    steps[0] = 0
+    return steps[:total].cumsum_(0).unsqueeze(0)
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
     if rows * cols == 0:
         raise ValueError(f"doc_ids must hold at least one token, got shape {tuple(doc_ids.shape)}")
     cu = _cu_seqlens_from_starts(_segment_starts(doc_ids))
-    lowest = int(torch.take(doc_ids, cu[:-1].to(torch.int64)).min())  # one value per segment, not every token
+    lowest = int(doc_ids.reshape(-1).index_select(0, cu[:-1]).min())  # one value per segment, not every token
     if lowest < 0:
         raise ValueError(f"doc_ids must be >= 0 (1-based documents, 0 = padding), got {lowest}")
     longest = max_seqlen_from_cu_seqlens(cu)

@@ -47,6 +47,17 @@ def test_cu_seqlens_position_ids_round_trip(lengths):
     assert sp.PackedSeqParams.from_position_ids(pos).cu_seqlens_q.tolist() == cu.tolist()
 
 
+@given(lengths_st, st.integers(0, 5))
+def test_position_ids_restart_at_every_document_and_the_tail(lengths, tail):
+    """Empty documents anywhere (leading, repeated, last) and a tail past the last boundary, against
+    one ``arange`` per document."""
+    cu = sp.lengths_to_cu_seqlens(lengths)
+    total = sum(lengths) + tail
+    pos = sp.position_ids_from_cu_seqlens(cu, total if tail else None)
+    want = [i for n in lengths + [tail] for i in range(n)]
+    assert pos.dtype == torch.int64 and pos.tolist() == [want]
+
+
 @given(st.lists(st.integers(0, 9), min_size=1, max_size=8), st.integers(0, 3))
 def test_attention_mask_round_trip(lengths, extra):
     mask = sp.attention_mask_from_lengths(lengths, max(lengths) + extra)
