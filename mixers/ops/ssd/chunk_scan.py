@@ -62,16 +62,11 @@ def _cols_to_heads(t: torch.Tensor, h: int) -> torch.Tensor:
     return t.transpose(1, 2).reshape(k, L, h, rp * g // h)
 
 
-def _state_to_cols(s: torch.Tensor, g: int) -> torch.Tensor:
-    """``[K, H, P, Ns]`` -> ``[K, G, Ns, R*P]``."""
+def _state_rows(s: torch.Tensor, g: int) -> torch.Tensor:
+    """``[K, H, P, Ns]`` -> ``[K, G, R*P, Ns]`` (a view: a group's heads are adjacent). The
+    products take it, or its transpose, as it is: no state-sized copy per block."""
     k, h, p, ns = s.shape
-    return s.reshape(k, g, (h // g), p, ns).permute(0, 1, 4, 2, 3).reshape(k, g, ns, (h // g) * p)
-
-
-def _cols_to_state(t: torch.Tensor, h: int) -> torch.Tensor:
-    """``[K, G, Ns, R*P]`` -> ``[K, H, P, Ns]``."""
-    k, g, ns, rp = t.shape
-    return t.reshape(k, g, ns, h // g, rp * g // h).permute(0, 1, 3, 4, 2).reshape(k, h, rp * g // h, ns)
+    return s.view(k, g, (h // g) * p, ns)
 
 
 def _decay(a_hm: torch.Tensor, keepf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -129,7 +124,7 @@ class SSDChunkScan(torch.autograd.Function):
             out[q0:q1] = (scores @ xdt).transpose(1, 2)
             w_state = state_weights(aq[q0:q1], lastf[q0:q1])
             xw = xq[q0:q1] * (dtq[q0:q1] * w_state).unsqueeze(-1)                  # [K, L, H, P]
-            u[q0:q1] = _cols_to_state(bg.transpose(-1, -2) @ _heads_to_cols(xw, g), h)
+            torch.matmul(_heads_to_cols(xw, g).transpose(-1, -2), bg, out=_state_rows(u[q0:q1], g))
         u = u.reshape(b, c, h, p, ns)
         if extra_u is not None:
             u += extra_u
@@ -139,7 +134,8 @@ class SSDChunkScan(torch.autograd.Function):
         for q0, q1 in _blocks(q, h * L * L):
             cg = _group_major(cq[q0:q1])
             w_off = read_weights(aq[q0:q1], readf[q0:q1])
-            out[q0:q1] += _cols_to_heads(cg @ _state_to_cols(hq[q0:q1], g), h).mul_(w_off.unsqueeze(-1))
+            read = cg @ _state_rows(hq[q0:q1], g).transpose(-1, -2)                  # [K, G, L, R*P]
+            out[q0:q1] += _cols_to_heads(read, h).mul_(w_off.unsqueeze(-1))
         out = out.reshape(b, t, h, p)
         if D is not None:
             out.addcmul_(x, D.unsqueeze(-1) if D.dim() == 1 else D)

@@ -12,12 +12,11 @@ import torch
 from .chunk_scan import (
     _blocks,
     _cols_to_heads,
-    _cols_to_state,
     _decay,
     _floats,
     _group_major,
     _heads_to_cols,
-    _state_to_cols,
+    _state_rows,
     read_weights,
     state_weights,
 )
@@ -68,14 +67,16 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
     g_h = torch.empty_like(hq)
     # 1. the entering-state read y_off = w_off * (C . h_enter), with d y_off / d a = y_off (recomputed)
     for q0, q1 in _blocks(q, h * L * L):
-        cg = _group_major(cq[q0:q1])
+        k = q1 - q0
+        cg = _group_major(cq[q0:q1])                                             # [K, G, L, Ns]
         w_off = read_weights(aq[q0:q1], readf[q0:q1])
-        state_cols = _state_to_cols(hq[q0:q1], g)                              # [K, G, Ns, R*P]
-        gw_cols = _heads_to_cols(gyq[q0:q1] * w_off.unsqueeze(-1), g)            # [K, G, L, R*P]
-        g_h[q0:q1] = _cols_to_state(cg.transpose(-1, -2) @ gw_cols, h)
-        g_C[q0:q1] += (gw_cols @ state_cols.transpose(-1, -2)).transpose(1, 2)
-        read = cg @ state_cols                                                  # [K, G, L, R*P]: C . h_enter
-        g_a[q0:q1] += _cols_to_heads(read.mul_(gw_cols), h).sum(-1)
+        gw = gyq[q0:q1] * w_off.unsqueeze(-1)                                     # [K, L, H, P]
+        torch.matmul(_heads_to_cols(gw, g).transpose(-1, -2), cg, out=_state_rows(g_h[q0:q1], g))
+        # per head m = gw h_enter [L, Ns]: summed over a group's heads it is g_C's term, dotted
+        # with C it is sum_p gy y_off (a's gradient through y_off = w_off C . h_enter): one product
+        m = torch.matmul(gw.transpose(1, 2), hq[q0:q1]).view(k, g, h // g, L, ns)  # [K, G, R, L, Ns]
+        g_C[q0:q1] += m.sum(2).transpose(1, 2)
+        g_a[q0:q1] += (m * cg.unsqueeze(2)).sum(-1).view(k, h, L).transpose(1, 2)
     # 2. the state passing, backwards over chunks
     g_h = g_h.reshape(b, c, h, p, ns)
     if g_enter is not None:
@@ -99,9 +100,9 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
         bg, cg = _group_major(bq[q0:q1]), _group_major(cq[q0:q1])
         w_state = state_weights(aq[q0:q1], lastf[q0:q1])
         dtw = dtq[q0:q1] * w_state                                               # [K, L, H]
-        gu_cols = _state_to_cols(g_uq[q0:q1], g)                                 # [K, G, Ns, R*P]
-        g_xw = _cols_to_heads(bg @ gu_cols, h)                                   # [K, L, H, P]
-        g_B[q0:q1] += (_heads_to_cols(xq[q0:q1] * dtw.unsqueeze(-1), g) @ gu_cols.transpose(-1, -2)).transpose(1, 2)
+        gu_rows = _state_rows(g_uq[q0:q1], g)                                    # [K, G, R*P, Ns]
+        g_xw = _cols_to_heads(bg @ gu_rows.transpose(-1, -2), h)                 # [K, L, H, P]
+        g_B[q0:q1] += (_heads_to_cols(xq[q0:q1] * dtw.unsqueeze(-1), g) @ gu_rows).transpose(1, 2)
         g_xdt = g_xw * w_state.unsqueeze(-1)
         gw = (g_xw * xq[q0:q1]).sum(-1) * dtw                                    # [K, L, H]
         g_a[q0:q1, -1] += gw.sum(1)
