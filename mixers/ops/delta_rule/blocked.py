@@ -236,14 +236,14 @@ def _block_backward(p: Prep, entering, delta, d_o, d_state, n):
         into(d_enter, torch.baddbmm, from_read_j[j], w_read_t[j], dd_j[j], alpha=-1)
         d_enter.addcmul_(kappa_j[j], after_j[j])
     d_u = dd.view(N, length, vd)
-    d_w = torch.bmm(d_u, S.transpose(1, 2)).neg_()                              # d w_read = -d delta S^T
     d_q_read = torch.bmm(d_o, S.transpose(1, 2))
     d_qk = torch.bmm(d_o, delta.view(N, length, vd).transpose(1, 2))
     d_k_out = torch.bmm(delta.view(N, length, vd), d_after.view(N, kd, vd).transpose(1, 2))
     d_kappa = (d_after.view(N, kd, vd) * S).sum(-1, keepdim=True)
     if p.kappa.shape[1] == 1:
         d_kappa = d_kappa.sum(1, keepdim=True)
-    dq, dk, dv, dbeta, dg = prep_backward(p, d_w, d_u, d_q_read, d_qk, d_k_out, d_kappa)
+    # d w_read = -d delta S^T: formed by prep_backward after its product with T^T (one product fewer)
+    dq, dk, dv, dbeta, dg = prep_backward(p, None, d_u, d_q_read, d_qk, d_k_out, d_kappa, read_states=S)
     b = N // (n * p.heads)
     views = [_heads_major(x, n, b) for x in (dq, dk, dv)]
     views.append(dg.view(n, b, length, *dg.shape[2:]).transpose(0, 1).reshape(b, n, length, p.heads, -1))

@@ -222,16 +222,25 @@ def _reduce(t: torch.Tensor, kg: int) -> torch.Tensor:
     return t if kg != 1 else t.sum(-1, keepdim=True)
 
 
-def prep_backward(p: Prep, d_w, d_u, d_q_read, d_qk, d_k_out, d_kappa, d_G=None, d_gate=None, d_decay_in=None):
+def prep_backward(p: Prep, d_w, d_u, d_q_read, d_qk, d_k_out, d_kappa, d_G=None, d_gate=None, d_decay_in=None,
+                  *, read_states=None):
     """Gradients ``(dq, dk, dv, dbeta [N, L, 1], dg [X, L, H*Kg])`` from those of the prep's
     outputs: ``d_w [N, L, K]`` and ``d_u [N, L, V]`` (``d_w``: of ``w_read`` on the fast path, of ``W``
     with ``full_w``), ``d_q_read``, ``d_qk``, ``d_k_out``, ``d_kappa`` and, optionally (``None``:
-    zero), ``d_G``, ``d_gate``, ``d_decay_in``."""
+    zero), ``d_G``, ``d_gate``, ``d_decay_in``.
+
+    ``read_states [N, K, V]``, with ``d_w=None``: ``w_read`` only enters ``delta = U - w_read S``
+    with these states and ``d_u`` is all of ``delta``'s gradient, so ``d_w = -d_u S^T`` and
+    ``T^T d_w = -(T^T d_u) S^T``: one product instead of two."""
     n, length, kd = p.k.shape
     x, m = p.m.X, p.m
     kg = p.step.shape[-1]
     t_t = p.T.transpose(1, 2)
-    dR_w, dR_u = torch.bmm(t_t, d_w), torch.bmm(t_t, d_u)                    # dR = T^T [d_W | d_U]
+    dR_u = torch.bmm(t_t, d_u)                                                 # dR = T^T [d_W | d_U]
+    if d_w is None:
+        dR_w = torch.bmm(dR_u, read_states.transpose(1, 2)).neg_()
+    else:
+        dR_w = torch.bmm(t_t, d_w)
     d_s2 = p.k.new_empty(n, 2, length, length)
     d_s2[:, 0].copy_(d_qk)
     # dA = -dR X^T, into a contiguous buffer (bmm into a strided one runs a matmul per batch entry)
