@@ -17,7 +17,7 @@ With gradients wanted, the forward keeps per chunk what is costly to recompute a
 the entering state (``K * V / L`` numbers per token and head), the corrected values ``delta``
 (``V``), and the WY inverse ``T`` (``L``). The backward walks the blocks in reverse: it recomputes
 the rest of the block's preparation from the inputs (the Grams, only ``qk`` for a scalar gate,
-the scalar decay matrix, ``[W | U]``), runs the recurrence backwards, then the
+the scalar decay matrix, ``W``: ``U`` enters no gradient), runs the recurrence backwards, then the
 preparation's hand-written backward (:func:`.prep.prep_backward`), and writes the block's input
 gradients in place. No autograd inside: ``torch.compile`` traces the forward and the backward.
 
@@ -242,8 +242,9 @@ def _block_backward(p: Prep, entering, delta, d_o, d_state, n):
     d_kappa = (d_after.view(N, kd, vd) * S).sum(-1, keepdim=True)
     if p.kappa.shape[1] == 1:
         d_kappa = d_kappa.sum(1, keepdim=True)
-    # d w_read = -d delta S^T: formed by prep_backward after its product with T^T (one product fewer)
-    dq, dk, dv, dbeta, dg = prep_backward(p, None, d_u, d_q_read, d_qk, d_k_out, d_kappa, read_states=S)
+    # d w_read = -d delta S^T, taken through T^T and the WY system by prep_backward from d_u, S and delta
+    dq, dk, dv, dbeta, dg = prep_backward(p, None, d_u, d_q_read, d_qk, d_k_out, d_kappa, read_states=S,
+                                          deltas=delta.view(N, length, vd))
     b = N // (n * p.heads)
     views = [_heads_major(x, n, b) for x in (dq, dk, dv)]
     views.append(dg.view(n, b, length, *dg.shape[2:]).transpose(0, 1).reshape(b, n, length, p.heads, -1))

@@ -25,8 +25,9 @@ the same reason the fast path needs ``exp(G)`` on the entering segment's tokens 
 start (end): it takes them as running products of ``exp(g)``, with no segmented sum.
 
 The backward is the chain rule through the same steps: the WY system's is one product with the
-transposed inverse (``dR = T^T dX``, ``dA = -dR X^T``), the Grams' is :mod:`.gram`'s, and the
-segmented sums' is one product with the transposed masks.
+transposed inverse (``dR = T^T dX``, ``dA = -dR X^T``; on the fast path, where ``W`` and ``U``
+only enter ``delta``, ``dR_W = -dR_U S^T`` and ``dA = -dR_U delta^T``), the Grams' is
+:mod:`.gram`'s, and the segmented sums' is one product with the transposed masks.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ class Prep:
     s2: torch.Tensor        # [N, 2, L, L] (qk, beta kk) decayed; [N, 1, L, L] (qk) given ``inverse``, scalar gate
     decay: torch.Tensor | None  # [N, L, L] scalar gate: the decay matrix
     T: torch.Tensor         # [N, L, L] (I + strict(beta kk))^-1
-    X: torch.Tensor         # [N, L, K + V] = [W | U] (W masked by reads unless full_w)
+    X: torch.Tensor         # [N, L, K + V] = [W | U] (W masked by reads unless full_w); [N, L, K] = W
+                            # given ``inverse`` (the backward reads no U, see prep_backward's ``deltas``)
     q_read: torch.Tensor    # [N, L, K]
     k_out: torch.Tensor     # [N, L, K]
     kappa: torch.Tensor     # [N, Kg, 1]
@@ -147,6 +149,7 @@ class Prep:
 
     @property
     def U(self):
+        assert self.X.shape[-1] > self.k.shape[-1], "U is not formed given the inverse (the backward's recompute)"
         return self.X[..., self.k.shape[-1]:]
 
 
@@ -160,8 +163,9 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, inverse
     """``left [N, 2L, K]`` holding ``q`` (scaled) in rows ``:L`` and ``beta k`` in rows ``L:``;
     ``k [N, L, K]``, ``v [N, L, V]`` (or any view splitting ``N``, e.g. ``[n, B, H, L, V]``: only read
     elementwise), ``beta [N, L, 1]``, ``g [X, L, H*Kg]`` (token-major in the chunk).
-    ``inverse``: ``T [N, L, L]`` of these chunks, kept from an earlier call (then, for a scalar gate,
-    only ``qk`` of the Grams is formed: ``beta kk`` feeds nothing else); ``inverse_out``: where to
+    ``inverse``: ``T [N, L, L]`` of these chunks, kept from an earlier call, for the backward (then,
+    for a scalar gate, only ``qk`` of the Grams is formed: ``beta kk`` feeds nothing else; and only
+    ``W`` of ``[W | U]``: the backward needs no ``U``); ``inverse_out``: where to
     write ``T`` (a contiguous ``[N, L, L]``, e.g. a slice of what the backward keeps)."""
     n, length, kd = k.shape
     x = m.X
@@ -193,9 +197,10 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, inverse
     # the masks multiply the per-token factors (``[N, L, 1]`` for a scalar gate), not the rows
     read_in = _per_head(decay_in, x).mul(m.reads).view(n, length, -1)         # exp(G) on read rows
     tail_out = _per_head(tail, x).mul(m.last).view(n, length, -1)             # exp(suf) on last rows
-    R = k.new_empty(n, length, kd + v.shape[-1])
+    R = k.new_empty(n, length, kd + (v.shape[-1] if inverse is None else 0))
     into(R[..., :kd], torch.mul, bk, decay_in if full_w else read_in)
-    into(R[..., kd:].view(v.shape), torch.mul, v, beta.view(*v.shape[:-1], 1))   # v may be [n, B, H, L, V]
+    if inverse is None:
+        into(R[..., kd:].view(v.shape), torch.mul, v, beta.view(*v.shape[:-1], 1))   # v may be [n, B, H, L, V]
     wu = torch.bmm(T, R)
     kappa = _per_head(decay_in[:, -1:].transpose(1, 2), x).mul(m.keep_state).view(n, -1, 1)
     return Prep(m=m, heads=heads, full_w=full_w, left=left, k=k, v=v, beta=beta, g=g, gate=gate, step=step, G=G,
@@ -223,28 +228,31 @@ def _reduce(t: torch.Tensor, kg: int) -> torch.Tensor:
 
 
 def prep_backward(p: Prep, d_w, d_u, d_q_read, d_qk, d_k_out, d_kappa, d_G=None, d_gate=None, d_decay_in=None,
-                  *, read_states=None):
+                  *, read_states=None, deltas=None):
     """Gradients ``(dq, dk, dv, dbeta [N, L, 1], dg [X, L, H*Kg])`` from those of the prep's
     outputs: ``d_w [N, L, K]`` and ``d_u [N, L, V]`` (``d_w``: of ``w_read`` on the fast path, of ``W``
     with ``full_w``), ``d_q_read``, ``d_qk``, ``d_k_out``, ``d_kappa`` and, optionally (``None``:
     zero), ``d_G``, ``d_gate``, ``d_decay_in``.
 
-    ``read_states [N, K, V]``, with ``d_w=None``: ``w_read`` only enters ``delta = U - w_read S``
-    with these states and ``d_u`` is all of ``delta``'s gradient, so ``d_w = -d_u S^T`` and
-    ``T^T d_w = -(T^T d_u) S^T``: one product instead of two."""
+    The fast path passes ``d_w=None`` with ``read_states [N, K, V]`` and ``deltas [N, L, V]``:
+    ``W`` and ``U`` enter nothing but ``delta = U - w_read S``, whose whole gradient is ``d_u``, so
+    ``d_w = -d_u S^T``; then ``T^T d_w = -(T^T d_u) S^T`` and
+    ``dA = -(T^T d_w W^T + T^T d_u U^T) = -(T^T d_u) delta^T``: two products instead of four, and
+    no ``U`` (see ``prep_forward``'s ``inverse``)."""
     n, length, kd = p.k.shape
     x, m = p.m.X, p.m
     kg = p.step.shape[-1]
     t_t = p.T.transpose(1, 2)
     dR_u = torch.bmm(t_t, d_u)                                                 # dR = T^T [d_W | d_U]
-    if d_w is None:
-        dR_w = torch.bmm(dR_u, read_states.transpose(1, 2)).neg_()
-    else:
-        dR_w = torch.bmm(t_t, d_w)
     d_s2 = p.k.new_empty(n, 2, length, length)
     d_s2[:, 0].copy_(d_qk)
     # dA = -dR X^T, into a contiguous buffer (bmm into a strided one runs a matmul per batch entry)
-    into(d_s2[:, 1], torch.neg, torch.bmm(dR_w, p.W.transpose(1, 2)).baddbmm_(dR_u, p.U.transpose(1, 2)))
+    if d_w is None:
+        dR_w = torch.bmm(dR_u, read_states.transpose(1, 2)).neg_()
+        into(d_s2[:, 1], torch.neg, torch.bmm(dR_u, deltas.transpose(1, 2)))
+    else:
+        dR_w = torch.bmm(t_t, d_w)
+        into(d_s2[:, 1], torch.neg, torch.bmm(dR_w, p.W.transpose(1, 2)).baddbmm_(dR_u, p.U.transpose(1, 2)))
     d_dec = _reduce(dR_w * p.left[:, length:], kg)                             # d exp(G) from R
     if not p.full_w:
         _masked(d_dec, m.reads, x)
