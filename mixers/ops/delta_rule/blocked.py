@@ -6,7 +6,8 @@
 The inputs stay token-major (``[B, T, H, ...]``, as the caller has them). Block by block: the
 block's q, k and beta are copied chunk-major (the query scaled on the way; v, only ever read
 elementwise, stays a strided view), :func:`.prep.prep_forward` prepares its chunks, the state
-recurrence runs chunk by chunk, and the block's outputs are written straight into the
+recurrence runs chunk by chunk (``delta = T (R_U - R_W S)``: the WY solve applied to the
+corrected right-hand side, no ``[W | U]``), and the block's outputs are written straight into the
 token-major output. A block's ``[N, L, max(K, V)]`` tensors hold about
 ``_BLOCK_NUMBERS`` numbers (64 chunk-heads at K = V = 64, 32 at 128), so its working set stays
 small, and the only sequence-sized allocations are the output, what the backward keeps and (in the
@@ -119,20 +120,24 @@ def _all_masks(seg: torch.Tensor, enter: torch.Tensor, dtype) -> Masks:
 
 
 def recurrence(p: Prep, states: torch.Tensor, n: int, delta: torch.Tensor | None = None) -> torch.Tensor:
-    """Run a block's ``n`` chunks: ``delta = U - w_read S``, ``S' = kappa S + k_out^T delta``.
+    """Run a block's ``n`` chunks: ``delta = T (R_U - R_W S)`` (``= U - w_read S`` without forming
+    ``[W | U] = T R``: one chunk-sized product fewer), ``S' = kappa S + k_out^T delta``.
     ``states [n + 1, B*H, K, V]`` holds the entering state in ``[0]``; the states leaving each chunk
     are written to ``[1:]``. Returns the deltas ``[n, B*H, L, V]`` (written into ``delta`` if given,
     contiguous)."""
     N, length, kd = p.k.shape
     bh, vd = N // n, p.v.shape[-1]
-    w_read, U = p.w_read.view(n, bh, length, kd), p.U.view(n, bh, length, vd)
+    R, T = p.R.view(n, bh, length, kd + vd), p.T.view(n, bh, length, length)
     k_out, kappa = p.k_out.view(n, bh, length, kd), p.kappa.view(n, bh, -1, 1)
     delta = states.new_empty(n, bh, length, vd) if delta is None else delta.view(n, bh, length, vd)
+    corrected = states.new_empty(bh, length, vd)                                # R_U - R_W S of one chunk
     # the per-chunk views taken in one call each (indexing in the loop costs ~1 us a view)
-    U, w_read, S, d, kappa = U.unbind(), w_read.unbind(), states.unbind(), delta.unbind(), kappa.unbind()
+    R_w, R_u, T = R[..., :kd].unbind(), R[..., kd:].unbind(), T.unbind()
+    S, d, kappa = states.unbind(), delta.unbind(), kappa.unbind()
     k_out_t = k_out.transpose(2, 3).unbind()
     for j in range(n):
-        into(d[j], torch.baddbmm, U[j], w_read[j], S[j], alpha=-1)
+        into(corrected, torch.baddbmm, R_u[j], R_w[j], S[j], alpha=-1)
+        into(d[j], torch.bmm, T[j], corrected)
         into(S[j + 1], torch.mul, S[j], kappa[j])
         S[j + 1].baddbmm_(k_out_t[j], d[j])
     return delta

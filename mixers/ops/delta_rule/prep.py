@@ -13,10 +13,13 @@ Forward (``S`` the state entering a chunk)::
     suf = keep_strict^T @ g        log-decay from after t to the chunk end  [N, L, Kg]
     S2  = [qk; beta kk]            decayed Grams (:mod:`.gram`)             [N, 2, L, L]
     T   = (I + strict(beta kk))^-1                          (:mod:`.wy`)   [N, L, L]
-    [W | U] = T @ [beta exp(G) k (* reads) | beta v]                        [N, L, K + V]
+    R   = [R_W | R_U] = [beta exp(G) k (* reads) | beta v]                 [N, L, K + V]
+    [W | U] = T @ R                                                         [N, L, K + V]
     q_read = reads q exp(G),  k_out = last k exp(suf),  kappa = keep_state exp(G_last)
 
 so that ``delta = U - w_read S``, ``o = q_read S + qk delta``, ``S' = kappa S + k_out^T delta``.
+The fast path's forward forms no ``[W | U]``: its recurrence takes ``delta = T (R_U - R_W S)``
+chunk by chunk (one chunk-sized product fewer); its backward's recompute forms ``W`` only.
 Only the entering document's rows of ``W`` are ever read: the fast path masks ``R``'s rows
 before the product (``T`` is block-diagonal per document, so that equals masking ``W``'s rows);
 the composed path (``full_w``) keeps every row (per-document initial states correct them). For
@@ -125,8 +128,11 @@ class Prep:
     s2: torch.Tensor        # [N, 2, L, L] (qk, beta kk) decayed; [N, 1, L, L] (qk) given ``inverse``, scalar gate
     decay: torch.Tensor | None  # [N, L, L] scalar gate: the decay matrix
     T: torch.Tensor         # [N, L, L] (I + strict(beta kk))^-1
-    X: torch.Tensor         # [N, L, K + V] = [W | U] (W masked by reads unless full_w); [N, L, K] = W
-                            # given ``inverse`` (the backward reads no U, see prep_backward's ``deltas``)
+    R: torch.Tensor         # [N, L, K + V] = [beta exp(G) k (* reads unless full_w) | beta v]; [N, L, K] given
+                            # ``inverse``
+    X: torch.Tensor | None  # T @ R: [N, L, K + V] = [W | U] with ``full_w``; [N, L, K] = W given ``inverse``
+                            # (the backward reads no U, see prep_backward's ``deltas``); None on the fast
+                            # forward (its recurrence applies T per chunk: delta = T (R_U - R_W S))
     q_read: torch.Tensor    # [N, L, K]
     k_out: torch.Tensor     # [N, L, K]
     kappa: torch.Tensor     # [N, Kg, 1]
@@ -141,6 +147,7 @@ class Prep:
 
     @property
     def W(self):
+        assert self.X is not None, "[W | U] is not formed on the fast path's forward"
         return self.X[..., :self.k.shape[-1]]
 
     @property
@@ -201,10 +208,10 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, inverse
     into(R[..., :kd], torch.mul, bk, decay_in if full_w else read_in)
     if inverse is None:
         into(R[..., kd:].view(v.shape), torch.mul, v, beta.view(*v.shape[:-1], 1))   # v may be [n, B, H, L, V]
-    wu = torch.bmm(T, R)
+    wu = torch.bmm(T, R) if full_w or inverse is not None else None
     kappa = _per_head(decay_in[:, -1:].transpose(1, 2), x).mul(m.keep_state).view(n, -1, 1)
     return Prep(m=m, heads=heads, full_w=full_w, left=left, k=k, v=v, beta=beta, g=g, gate=gate, step=step, G=G,
-                decay_in=decay_in, read_in=read_in, tail_out=tail_out, s2=s2, decay=decay, T=T, X=wu,
+                decay_in=decay_in, read_in=read_in, tail_out=tail_out, s2=s2, decay=decay, T=T, R=R, X=wu,
                 q_read=q * read_in, k_out=k * tail_out, kappa=kappa)
 
 
