@@ -18,7 +18,7 @@ With gradients wanted, the forward keeps per chunk what is costly to recompute a
 the entering state (``K * V / L`` numbers per token and head), the corrected values ``delta``
 (``V``), and the WY inverse ``T`` (``L``). The backward walks the blocks in reverse: it recomputes
 the rest of the block's preparation from the inputs (the Grams, only ``qk`` for a scalar gate,
-the scalar decay matrix, ``W``: ``U`` enters no gradient), runs the recurrence backwards, then the
+the scalar decay matrix; no ``[W | U]``), runs the recurrence backwards, then the
 preparation's hand-written backward (:func:`.prep.prep_backward`), and writes the block's input
 gradients in place. No autograd inside: ``torch.compile`` traces the forward and the backward.
 
@@ -225,31 +225,35 @@ def _block_backward(p: Prep, entering, delta, d_o, d_state, n):
     S = entering.reshape(N, kd, vd)
     from_out = torch.bmm(p.qk.transpose(1, 2), d_o).view(n, bh, length, vd)    # d delta from o = qk delta
     from_read = torch.bmm(p.q_read.transpose(1, 2), d_o).view(n, bh, kd, vd)    # d S from o = q_read S
-    w_read, k_out = p.w_read.view(n, bh, length, kd), p.k_out.view(n, bh, length, kd)
-    kappa = p.kappa.view(n, bh, -1, 1)
+    k_out, kappa = p.k_out.view(n, bh, length, kd), p.kappa.view(n, bh, -1, 1)
+    # delta = T (R_U - R_W S) (see :func:`recurrence`): S's gradient through it is -R_W^T T^T d_delta,
+    # and T^T d_delta is all that the WY system's backward needs (``prep_backward``'s ``read``)
+    T_t = p.T.view(n, bh, length, length).transpose(2, 3)
+    R_w_t = p.R.view(n, bh, length, kd).transpose(2, 3)
     # every product below writes a contiguous buffer: a strided ``out=`` makes bmm fall back to one
     # matmul per batch entry
-    dd = d_o.new_empty(n, bh, length, vd)                                        # d delta
+    dd = d_o.new_empty(bh, length, vd)                                           # d delta of one chunk
+    dR_u = d_o.new_empty(n, bh, length, vd)                                      # T^T d delta
     d_after = d_o.new_empty(n, bh, kd, vd)                                       # d of each leaving state
     d_after[n - 1] = d_state
     # the per-chunk views taken in one call each, as in :func:`recurrence`
-    dd_j, after_j, from_out_j, from_read_j = dd.unbind(), d_after.unbind(), from_out.unbind(), from_read.unbind()
-    k_out_j, w_read_t, kappa_j = k_out.unbind(), w_read.transpose(2, 3).unbind(), kappa.unbind()
+    dR_u_j, after_j, from_out_j, from_read_j = dR_u.unbind(), d_after.unbind(), from_out.unbind(), from_read.unbind()
+    k_out_j, T_t, R_w_t, kappa_j = k_out.unbind(), T_t.unbind(), R_w_t.unbind(), kappa.unbind()
     for j in range(n - 1, -1, -1):
-        into(dd_j[j], torch.baddbmm, from_out_j[j], k_out_j[j], after_j[j])
+        into(dd, torch.baddbmm, from_out_j[j], k_out_j[j], after_j[j])
+        into(dR_u_j[j], torch.bmm, T_t[j], dd)
         d_enter = after_j[j - 1] if j else d_state
-        into(d_enter, torch.baddbmm, from_read_j[j], w_read_t[j], dd_j[j], alpha=-1)
+        into(d_enter, torch.baddbmm, from_read_j[j], R_w_t[j], dR_u_j[j], alpha=-1)
         d_enter.addcmul_(kappa_j[j], after_j[j])
-    d_u = dd.view(N, length, vd)
+    delta = delta.view(N, length, vd)
     d_q_read = torch.bmm(d_o, S.transpose(1, 2))
-    d_qk = torch.bmm(d_o, delta.view(N, length, vd).transpose(1, 2))
-    d_k_out = torch.bmm(delta.view(N, length, vd), d_after.view(N, kd, vd).transpose(1, 2))
+    d_qk = torch.bmm(d_o, delta.transpose(1, 2))
+    d_k_out = torch.bmm(delta, d_after.view(N, kd, vd).transpose(1, 2))
     d_kappa = (d_after.view(N, kd, vd) * S).sum(-1, keepdim=True)
     if p.kappa.shape[1] == 1:
         d_kappa = d_kappa.sum(1, keepdim=True)
-    # d w_read = -d delta S^T, taken through T^T and the WY system by prep_backward from d_u, S and delta
-    dq, dk, dv, dbeta, dg = prep_backward(p, None, d_u, d_q_read, d_qk, d_k_out, d_kappa, read_states=S,
-                                          deltas=delta.view(N, length, vd))
+    dq, dk, dv, dbeta, dg = prep_backward(p, None, None, d_q_read, d_qk, d_k_out, d_kappa,
+                                          read=(dR_u.view(N, length, vd), S, delta))
     b = N // (n * p.heads)
     views = [_heads_major(x, n, b) for x in (dq, dk, dv)]
     views.append(dg.view(n, b, length, *dg.shape[2:]).transpose(0, 1).reshape(b, n, length, p.heads, -1))

@@ -18,8 +18,8 @@ Forward (``S`` the state entering a chunk)::
     q_read = reads q exp(G),  k_out = last k exp(suf),  kappa = keep_state exp(G_last)
 
 so that ``delta = U - w_read S``, ``o = q_read S + qk delta``, ``S' = kappa S + k_out^T delta``.
-The fast path's forward forms no ``[W | U]``: its recurrence takes ``delta = T (R_U - R_W S)``
-chunk by chunk (one chunk-sized product fewer); its backward's recompute forms ``W`` only.
+The fast path forms no ``[W | U]``: its recurrence takes ``delta = T (R_U - R_W S)`` chunk by
+chunk (one chunk-sized product fewer), and so does its backward (``T^T d_delta`` in the loop).
 Only the entering document's rows of ``W`` are ever read: the fast path masks ``R``'s rows
 before the product (``T`` is block-diagonal per document, so that equals masking ``W``'s rows);
 the composed path (``full_w``) keeps every row (per-document initial states correct them). For
@@ -29,7 +29,7 @@ start (end): it takes them as running products of ``exp(g)``, with no segmented 
 
 The backward is the chain rule through the same steps: the WY system's is one product with the
 transposed inverse (``dR = T^T dX``, ``dA = -dR X^T``; on the fast path, where ``W`` and ``U``
-only enter ``delta``, ``dR_W = -dR_U S^T`` and ``dA = -dR_U delta^T``), the Grams' is
+only enter ``delta``, ``dR_U = T^T d_delta``, ``dR_W = -dR_U S^T`` and ``dA = -dR_U delta^T``), the Grams' is
 :mod:`.gram`'s, and the segmented sums' is one product with the transposed masks.
 """
 
@@ -129,10 +129,9 @@ class Prep:
     decay: torch.Tensor | None  # [N, L, L] scalar gate: the decay matrix
     T: torch.Tensor         # [N, L, L] (I + strict(beta kk))^-1
     R: torch.Tensor         # [N, L, K + V] = [beta exp(G) k (* reads unless full_w) | beta v]; [N, L, K] given
-                            # ``inverse``
-    X: torch.Tensor | None  # T @ R: [N, L, K + V] = [W | U] with ``full_w``; [N, L, K] = W given ``inverse``
-                            # (the backward reads no U, see prep_backward's ``deltas``); None on the fast
-                            # forward (its recurrence applies T per chunk: delta = T (R_U - R_W S))
+                            # ``inverse`` (the backward needs R_W only)
+    X: torch.Tensor | None  # [N, L, K + V] = [W | U] = T @ R with ``full_w``; None on the fast path (its
+                            # recurrence applies T per chunk: delta = T (R_U - R_W S))
     q_read: torch.Tensor    # [N, L, K]
     k_out: torch.Tensor     # [N, L, K]
     kappa: torch.Tensor     # [N, Kg, 1]
@@ -147,7 +146,7 @@ class Prep:
 
     @property
     def W(self):
-        assert self.X is not None, "[W | U] is not formed on the fast path's forward"
+        assert self.X is not None, "[W | U] is not formed on the fast path"
         return self.X[..., :self.k.shape[-1]]
 
     @property
@@ -156,7 +155,7 @@ class Prep:
 
     @property
     def U(self):
-        assert self.X.shape[-1] > self.k.shape[-1], "U is not formed given the inverse (the backward's recompute)"
+        assert self.X is not None, "[W | U] is not formed on the fast path"
         return self.X[..., self.k.shape[-1]:]
 
 
@@ -172,7 +171,7 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, inverse
     elementwise), ``beta [N, L, 1]``, ``g [X, L, H*Kg]`` (token-major in the chunk).
     ``inverse``: ``T [N, L, L]`` of these chunks, kept from an earlier call, for the backward (then,
     for a scalar gate, only ``qk`` of the Grams is formed: ``beta kk`` feeds nothing else; and only
-    ``W`` of ``[W | U]``: the backward needs no ``U``); ``inverse_out``: where to
+    ``R_W`` of ``R``); ``inverse_out``: where to
     write ``T`` (a contiguous ``[N, L, L]``, e.g. a slice of what the backward keeps)."""
     n, length, kd = k.shape
     x = m.X
@@ -208,7 +207,7 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, inverse
     into(R[..., :kd], torch.mul, bk, decay_in if full_w else read_in)
     if inverse is None:
         into(R[..., kd:].view(v.shape), torch.mul, v, beta.view(*v.shape[:-1], 1))   # v may be [n, B, H, L, V]
-    wu = torch.bmm(T, R) if full_w or inverse is not None else None
+    wu = torch.bmm(T, R) if full_w else None
     kappa = _per_head(decay_in[:, -1:].transpose(1, 2), x).mul(m.keep_state).view(n, -1, 1)
     return Prep(m=m, heads=heads, full_w=full_w, left=left, k=k, v=v, beta=beta, g=g, gate=gate, step=step, G=G,
                 decay_in=decay_in, read_in=read_in, tail_out=tail_out, s2=s2, decay=decay, T=T, R=R, X=wu,
@@ -235,30 +234,29 @@ def _reduce(t: torch.Tensor, kg: int) -> torch.Tensor:
 
 
 def prep_backward(p: Prep, d_w, d_u, d_q_read, d_qk, d_k_out, d_kappa, d_G=None, d_gate=None, d_decay_in=None,
-                  *, read_states=None, deltas=None):
+                  *, read=None):
     """Gradients ``(dq, dk, dv, dbeta [N, L, 1], dg [X, L, H*Kg])`` from those of the prep's
-    outputs: ``d_w [N, L, K]`` and ``d_u [N, L, V]`` (``d_w``: of ``w_read`` on the fast path, of ``W``
-    with ``full_w``), ``d_q_read``, ``d_qk``, ``d_k_out``, ``d_kappa`` and, optionally (``None``:
-    zero), ``d_G``, ``d_gate``, ``d_decay_in``.
+    outputs: ``d_w [N, L, K]`` and ``d_u [N, L, V]`` (of ``W`` and ``U``, ``full_w``), ``d_q_read``,
+    ``d_qk``, ``d_k_out``, ``d_kappa`` and, optionally (``None``: zero), ``d_G``, ``d_gate``,
+    ``d_decay_in``.
 
-    The fast path passes ``d_w=None`` with ``read_states [N, K, V]`` and ``deltas [N, L, V]``:
-    ``W`` and ``U`` enter nothing but ``delta = U - w_read S``, whose whole gradient is ``d_u``, so
-    ``d_w = -d_u S^T``; then ``T^T d_w = -(T^T d_u) S^T`` and
-    ``dA = -(T^T d_w W^T + T^T d_u U^T) = -(T^T d_u) delta^T``: two products instead of four, and
-    no ``U`` (see ``prep_forward``'s ``inverse``)."""
+    The fast path passes ``d_w = d_u = None`` and ``read = (dR_u, S, delta)``, ``[N, L, V]``,
+    ``[N, K, V]``, ``[N, L, V]``: ``W`` and ``U`` enter nothing but ``delta = U - w_read S`` (``S``
+    the entering states), so with ``dR_u = T^T d_delta`` (its recurrence's backward forms it),
+    ``dR_W = T^T d_w = -dR_u S^T`` and ``dA = -(dR_W W^T + dR_u U^T) = -dR_u delta^T``."""
     n, length, kd = p.k.shape
     x, m = p.m.X, p.m
     kg = p.step.shape[-1]
-    t_t = p.T.transpose(1, 2)
-    dR_u = torch.bmm(t_t, d_u)                                                 # dR = T^T [d_W | d_U]
     d_s2 = p.k.new_empty(n, 2, length, length)
     d_s2[:, 0].copy_(d_qk)
     # dA = -dR X^T, into a contiguous buffer (bmm into a strided one runs a matmul per batch entry)
-    if d_w is None:
-        dR_w = torch.bmm(dR_u, read_states.transpose(1, 2)).neg_()
-        into(d_s2[:, 1], torch.neg, torch.bmm(dR_u, deltas.transpose(1, 2)))
+    if read is not None:
+        dR_u, states, delta = read
+        dR_w = torch.bmm(dR_u, states.transpose(1, 2)).neg_()
+        into(d_s2[:, 1], torch.neg, torch.bmm(dR_u, delta.transpose(1, 2)))
     else:
-        dR_w = torch.bmm(t_t, d_w)
+        t_t = p.T.transpose(1, 2)
+        dR_w, dR_u = torch.bmm(t_t, d_w), torch.bmm(t_t, d_u)                # dR = T^T [d_W | d_U]
         into(d_s2[:, 1], torch.neg, torch.bmm(dR_w, p.W.transpose(1, 2)).baddbmm_(dR_u, p.U.transpose(1, 2)))
     d_dec = _reduce(dR_w * p.left[:, length:], kg)                             # d exp(G) from R
     if not p.full_w:
