@@ -16,7 +16,8 @@ entering the chunk:
 1. ``A[t, s] = beta_t sum_c k_t k_s exp(G_t - G_s)`` (s < t) and
    ``Aqk[t, s] = sum_c q_t k_s exp(G_t - G_s)`` (s <= t), same-document pairs only;
 2. one triangular solve ``(I + A) [W | U] = [beta exp(G) k | beta v]``, so that the corrected
-   values are ``delta = U - W S0`` (rows of the entering document; the others start from 0);
+   values are ``delta = U - W S0`` (rows of the entering document; the others start from 0;
+   the fast path solves once the right-hand side is corrected, ``T (R_U - R_W S0)``);
 3. chunk by chunk, the state leaving a chunk: ``exp(G_L) S0`` (if its document fills the
    chunk) plus ``(exp(G_L - G) k)^T delta`` over the chunk's last document;
 4. ``o = (exp(G) q) S0 + Aqk delta``.

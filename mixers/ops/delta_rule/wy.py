@@ -3,9 +3,9 @@
     N = chunks x heads (batched), L = chunk length
 
 ``T = (I + A)^-1`` for a strictly lower triangular ``A`` (only the strict lower triangle of the
-argument is read). ``[W | U] = T @ R`` is then one batched matmul, and the backward's transposed
-system is another (``dR = T^T @ dX``); a batched triangular solve with many right-hand sides runs
-at a third of a matmul's speed on a CPU.
+argument is read). Applying it is then a matmul (``[W | U] = T @ R`` on the composed path; the
+fast path's ``T @ (R_U - R_W S)`` per chunk, and ``T^T @ d_delta`` in its backward); a batched
+triangular solve with many right-hand sides runs at a third of a matmul's speed on a CPU.
 
 Blocked: the diagonal ``16 x 16`` blocks by one batched triangular solve, then doubling, with
 ``T21 = -T22 @ A21 @ T11`` for each block's lower-left quadrant. The inverse of a block-diagonal
