@@ -72,10 +72,15 @@ class _Levels:
     <= 1: relative error <= log2(L) ulp, whatever the magnitudes elsewhere; an underflow only where
     the true value is smaller still. The views are updated in place for the next level: use them
     before asking for it.
+
+    With ``ends``, one more doubling after the last level leaves the chunk-wide running products
+    in :attr:`prefix` (``exp(sum_[0, t] g)``) and :attr:`suffix` (``exp(sum_(t, L) g)``, 1 at the
+    last token), ``[N, L, Kg]`` each, as accurate as the levels' factors.
     """
 
-    def __init__(self, step: torch.Tensor):
-        self.step = step
+    def __init__(self, step: torch.Tensor, *, ends: bool = False):
+        self.step, self.ends = step, ends
+        self.prefix = self.suffix = None
 
     def __iter__(self):
         n, length, kg = self.step.shape
@@ -87,10 +92,12 @@ class _Levels:
             f = fwd.view(n, length // block, 2, half, kg)
             r = rev.view(n, length // block, 2, half, kg)
             yield block, f[:, :, 1], r[:, :, 0]
-            if block < length:
+            if block < length or self.ends:
                 r[:, :, 0] *= f[:, :, 1, -1:]            # * the whole upper half
                 f[:, :, 1] *= f[:, :, 0, -1:]            # * the whole lower half
             half = block
+        if self.ends:
+            self.prefix, self.suffix = fwd, rev
 
 
 def scalar_decay(step: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -132,22 +139,26 @@ def _left_factors(left: torch.Tensor, up: torch.Tensor, block: int) -> torch.Ten
     return out.view(n, nb, 2 * half, kd)
 
 
-def channel_grams(left, k, step, keep) -> torch.Tensor:
-    """``S2 [N, 2, L, L]`` for per-channel gates: ``left = [q; beta k] [N, 2L, K]``, ``k [N, L, K]``,
-    ``step [N, L, K]`` the per-token decays ``exp(g)``, ``keep [X, 1, L, L]`` (``N = X * H``) the
-    same-segment causal mask as floats.
+def channel_grams(left, k, step, keep):
+    """``(S2 [N, 2, L, L], prefix, suffix)`` for per-channel gates: ``left = [q; beta k] [N, 2L, K]``,
+    ``k [N, L, K]``, ``step [N, L, K]`` the per-token decays ``exp(g)``, ``keep [X, 1, L, L]``
+    (``N = X * H``) the same-segment causal mask as floats. ``prefix`` and ``suffix`` ``[N, L, K]``
+    are the running products of ``step`` through ``t`` and after ``t`` over the whole chunk
+    (ignoring segments), left by the levels' doubling for two more products (:class:`_Levels`).
 
     The products are taken for every pair of a block (both factors are finite and <= 1 times finite
     values); the pairs of two segments are zeroed by ``keep`` at the end."""
     n, length, _ = k.shape
     s2 = k.new_zeros(n, 2, length, length)
-    for block, up, lo in _Levels(step):
+    levels = _Levels(step, ends=True)
+    for block, up, lo in levels:
         right = _halves(k, block)[1] * lo                                       # [N, nb, half, K]
         both = _left_factors(left, up, block) @ right.transpose(-1, -2)        # [N, nb, 2*half, half]
         half = block // 2
         _pair_quadrant(s2, block).copy_(both.view(n, length // block, 2, half, half))
     s2[:, 0].diagonal(dim1=-2, dim2=-1).copy_((left[:, :length] * k).sum(-1))
-    return s2.view(keep.shape[0], -1, 2, length, length).mul_(keep.unsqueeze(2)).view(n, 2, length, length)
+    s2 = s2.view(keep.shape[0], -1, 2, length, length).mul_(keep.unsqueeze(2)).view(n, 2, length, length)
+    return s2, levels.prefix, levels.suffix
 
 
 def scalar_grams_backward(d_s2, decay, left, k):

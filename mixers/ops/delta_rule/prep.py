@@ -178,6 +178,16 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, inverse
     heads = n // x
     gate_tm = g.clamp(min=LOG_DECAY_FLOOR)
     step = _exp_heads_major(gate_tm, heads)                                     # exp(g) per token
+    q, bk = left[:, :length], left[:, length:]
+    scalar = step.shape[-1] == 1
+    decay = None
+    if scalar:
+        decay = scalar_decay(step, m.keep)
+        rows = q if inverse is not None else left
+        s2 = torch.bmm(rows, k.transpose(1, 2)).view(n, -1, length, length).mul_(decay.unsqueeze(1))
+        running = None
+    else:
+        s2, *running = channel_grams(left, k, step, m.keep)
     G = gate = None
     if full_w:
         sums = torch.bmm(m.sums, gate_tm)                                       # [X, 2L, H*Kg]
@@ -188,17 +198,8 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, inverse
         # read only on the entering segment's tokens (exp(G)) and the last segment's (exp(suf)):
         # no reset lies between those and the chunk's start or end, so both are running products
         # of the per-token decays (no segmented sum: for a per-channel gate that product is as
-        # large as a Gram's)
-        decay_in, tail = step.cumprod(1), _suffix_products(step)
-    q, bk = left[:, :length], left[:, length:]
-    scalar = step.shape[-1] == 1
-    decay = None
-    if scalar:
-        decay = scalar_decay(step, m.keep)
-        rows = q if inverse is not None else left
-        s2 = torch.bmm(rows, k.transpose(1, 2)).view(n, -1, length, length).mul_(decay.unsqueeze(1))
-    else:
-        s2 = channel_grams(left, k, step, m.keep)
+        # large as a Gram's, and the Grams' levels leave both behind)
+        decay_in, tail = running if running is not None else (step.cumprod(1), _suffix_products(step))
     T = unit_lower_inverse(s2[:, 1], out=inverse_out) if inverse is None else inverse
     # the masks multiply the per-token factors (``[N, L, 1]`` for a scalar gate), not the rows
     read_in = _per_head(decay_in, x).mul(m.reads).view(n, length, -1)         # exp(G) on read rows
