@@ -141,6 +141,23 @@ def alternate(fns: dict[str, Callable[[], object]], rounds: int = 3, warmup: int
     return Timings(times, others)
 
 
+def training_step(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> Callable[[], None]:
+    """A timed forward + backward: ``forward()``, then the backward of its output with an output
+    gradient made once (at the first call, outside every later timing: in training an upstream
+    layer hands it over, and a fresh full-size tensor per step would time the allocator's page
+    faults, not the backward), then the inputs' gradients cleared."""
+    grad: list[torch.Tensor] = []
+
+    def run():
+        out = forward()
+        if not grad:
+            grad.append(torch.ones_like(out))
+        out.backward(grad[0])
+        for t in inputs:
+            t.grad = None
+    return run
+
+
 def fill_with_documents(tokens: int, low: int, high: int, seed: int = 0) -> list[int]:
     """Document lengths drawn uniformly from ``[low, high)`` (seeded) until they fill ``tokens``;
     the last one is cut to fit."""

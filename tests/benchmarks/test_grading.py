@@ -121,3 +121,24 @@ def test_scaling_cpu_split_is_not_graded_and_reads_the_fewest_seconds():
     assert r.ours == pytest.approx(1.05) and r.other == pytest.approx(1.0) and r.ratio == pytest.approx(1.05)
     assert "0% of the step at T=8,192" in r.note and "22% at T=65,536" in r.note   # 0.3 / 1.35
     assert "not graded" in r.row()[4]
+
+
+def test_training_step_makes_the_output_gradient_once_and_clears_the_inputs_grads():
+    import torch
+
+    from benchmarks.common import training_step
+
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+
+    def forward():
+        out = x * 2
+        out.register_hook(grads.append)
+        return out
+
+    step = training_step(forward, [x])
+    step()
+    step()
+    assert x.grad is None
+    assert len(grads) == 2 and grads[0] is grads[1]          # the same tensor: made at the first call only
+    assert torch.equal(grads[0], torch.ones(3, 4))
