@@ -29,9 +29,11 @@ of factors <= 1 has a small *relative* error, like the step recurrence's.
   beta k rows stacked, sharing the k factor). A pair from two segments is zeroed at the end by the
   same-segment mask (its product is finite: factors <= 1 times finite inputs).
 
-The per-channel factors of all levels come from one doubling pass (:class:`_Levels`). The backward returns
-the gradient with respect to the cumulative log-decay ``G`` (the interval sums are ``G_t - G_s``
-mathematically); the caller carries it on through ``G``'s own segmented sum.
+The per-channel factors of all levels come from one doubling pass (:class:`_Levels`); one more
+step of it leaves the chunk-wide running products ``exp(G)`` and ``exp(suf)`` that the
+preparation reads (:mod:`.prep`; the chunk's prefix and suffix of ``exp(g)``, segments ignored).
+The backward returns the gradient with respect to the cumulative log-decay ``G`` (the interval
+sums are ``G_t - G_s`` mathematically); the caller carries it on through ``G``'s own segmented sum.
 
 Quadrants are views built from ``view`` and ``torch.diagonal`` (no ``as_strided``), so
 ``torch.compile`` traces all of it.
