@@ -1,12 +1,13 @@
 """The benchmark grading rules (benchmarks.common): a figure whose repeats disagree, that is
 impossible, or that was measured on a busy machine is UNSTABLE and rerun, never PASS or MISS.
-No timing here: the rounds are given."""
+No timing here: the rounds are given (and the timed training step is checked without timing it)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from benchmarks.common import BUSY, Possible, Result, Timings, ratio_result, results_table, settle
+from benchmarks.common import BUSY, Possible, Result, Timings, ratio_result, results_table, settle, training_step
 
 
 def timings(ours, other, others=None):
@@ -124,10 +125,6 @@ def test_scaling_cpu_split_is_not_graded_and_reads_the_fewest_seconds():
 
 
 def test_training_step_makes_the_output_gradient_once_and_clears_the_inputs_grads():
-    import torch
-
-    from benchmarks.common import training_step
-
     x = torch.randn(3, 4, requires_grad=True)
     grads = []
 

@@ -77,7 +77,8 @@ class _Levels:
 
     With ``ends``, one more doubling after the last level leaves the chunk-wide running products
     in :attr:`prefix` (``exp(sum_[0, t] g)``) and :attr:`suffix` (``exp(sum_(t, L) g)``, 1 at the
-    last token), ``[N, L, Kg]`` each, as accurate as the levels' factors.
+    last token), ``[N, L, Kg]`` each, with one rounding more than the levels' factors (<= log2(L) + 1
+    ulp).
     """
 
     def __init__(self, step: torch.Tensor, *, ends: bool = False):
