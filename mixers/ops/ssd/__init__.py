@@ -117,7 +117,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     zc = None if z is None else z.to(compute)
     y, ch = ssd_chunked_reference(xc, dtp, Ac, Bc, Cc, segs.seg_id, chunk_size,
                                   initial_state=None if per_doc else h0, extra_states=extra,
-                                  D=None if per_doc else Dc, z=None if per_doc else zc)
+                                  D=None if per_doc else Dc, z=None if per_doc else zc,
+                                  keep_enter=return_varlen_states)
     a_cs_flat = ch.a_cs.reshape(-1, heads)
     if per_doc:  # the documents' own initial states are read before the skip and the gate
         y = y + initial_outputs(h0, segs, a_cs_flat, Cc[0], chunk_size, heads).unsqueeze(0)

@@ -13,9 +13,12 @@ Math (per chunk, tokens l, s; masks from the segment ids, see :mod:`.reference`)
     out      = (y + D x) * silu(z)
 
 Autograd through these steps allocates many ``[Q, H, L, L]`` and ``[T, H, P]`` tensors; on a
-CPU the page faults of those allocations cost more than the arithmetic. Here every step runs
-over blocks of K chunks in buffers that stay in cache, nothing ``L x L`` is kept for backward
-(it is recomputed), and the state passing runs in place. Masks multiply exact zeros into every
+CPU the page faults of those allocations cost more than the arithmetic. Here all steps run
+block by block, K chunks at a time in buffers that stay in cache, the state carried from block to
+block along each row and passed in place; nothing ``L x L`` is kept for backward (it is
+recomputed), and the entering states are kept whole only when the backward or the caller reads
+them (else one block's at a time: ``H P Ns / L`` numbers per token fewer, 2 KB at H = 16,
+P = Ns = 64, L = 128). Masks multiply exact zeros into every
 cross-document term, so documents stay bitwise independent: exact because every value here is
 finite (the caller sanitizes non-finite inputs and output gradients, see :mod:`.._isolation`).
 """
@@ -33,10 +36,24 @@ def exp_floor(dtype: torch.dtype) -> float:
     return -60.0 if dtype in (torch.float32, torch.float16, torch.bfloat16) else -600.0
 
 
-def _blocks(q: int, per_chunk: int):
+def _blocks(rows: int, chunks: int, per_chunk: int) -> list[tuple[int, int, int, int]]:
+    """Blocks of about ``_BLOCK_ELEMENTS // per_chunk`` chunks as ``(r0, r1, c0, c1)``: rows
+    ``r0 .. r1 - 1``, chunks ``c0 .. c1 - 1`` of each. A block is either whole rows or part of one
+    row, so its chunks are the flat range ``r0 * C + c0 .. (r1 - 1) * C + c1`` and a state
+    carried over its chunks is ``[r1 - r0, ...]``."""
     step = max(1, _BLOCK_ELEMENTS // max(per_chunk, 1))
-    for q0 in range(0, q, step):
-        yield q0, min(q0 + step, q)
+    if not chunks:
+        return []
+    if chunks <= step:
+        per = step // chunks
+        return [(r0, min(r0 + per, rows), 0, chunks) for r0 in range(0, rows, per)]
+    return [(r, r + 1, c0, min(c0 + step, chunks)) for r in range(rows) for c0 in range(0, chunks, step)]
+
+
+def _span(block: tuple[int, int, int, int], chunks: int) -> tuple[int, int]:
+    """The flat chunk range ``(q0, q1)`` of a block of :func:`_blocks`."""
+    r0, r1, c0, c1 = block
+    return r0 * chunks + c0, (r1 - 1) * chunks + c1
 
 
 def _floats(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -92,16 +109,17 @@ def read_weights(a, reads):
 
 
 class SSDChunkScan(torch.autograd.Function):
-    """``(out [B,T,H,P], h_enter [B,C,H,P,Ns], h_final [B,H,P,Ns])``; inputs padded to ``C * L``.
+    """``(out [B,T,H,P], h_enter [B,C,H,P,Ns], h_final [B,H,P,Ns])``; inputs padded to ``C * L``;
+    ``h_enter`` is None unless ``keep_enter`` (which a forward that records gradients needs).
 
     Args (forward): x ``[B,T,H,P]``, dt ``[B,T,H]``, a ``[B,T,H]`` (segmented cumulative
     log-decay), Bm / Cm ``[B,T,G,Ns]``, keep ``[Q,L,L]`` bool, last / reads ``[Q,L]`` bool,
     keep_state ``[B,C]`` bool, h0 ``[B,H,P,Ns]``, extra_u ``[B,C,H,P,Ns]`` or None, D ``[H]`` /
-    ``[H,P]`` or None, z ``[B,T,H,P]`` or None, chunk (int).
+    ``[H,P]`` or None, z ``[B,T,H,P]`` or None, chunk (int), keep_enter (bool).
     """
 
     @staticmethod
-    def forward(ctx, x, dt, a, Bm, Cm, keep, last, reads, keep_state, h0, extra_u, D, z, chunk):
+    def forward(ctx, x, dt, a, Bm, Cm, keep, last, reads, keep_state, h0, extra_u, D, z, chunk, keep_enter):
         b, t, h, p = x.shape
         g, ns = Bm.shape[2:]
         c, L = t // chunk, chunk
@@ -110,12 +128,22 @@ class SSDChunkScan(torch.autograd.Function):
         bq, cq = Bm.reshape(q, L, g, ns), Cm.reshape(q, L, g, ns)
         lastf, readf = last.to(x.dtype).unsqueeze(-1), reads.to(x.dtype).unsqueeze(-1)
         out = torch.empty(q, L, h, p, dtype=x.dtype, device=x.device)
-        u = torch.empty(q, h, p, ns, dtype=x.dtype, device=x.device)
-        buf = xdt_hm = None
-        for q0, q1 in _blocks(q, h * L * L):
+        blocks = _blocks(b, c, h * L * L)
+        # the states entering the chunks: all of them when the backward or the caller reads them
+        # (the caller says so: ``needs_input_grad`` cannot tell a forward under no_grad), else one
+        # block's at a time (a sequence-sized buffer costs a page fault per 4 KB)
+        whole = keep_enter
+        most = max([(r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in blocks] + [0])   # chunks in the largest block
+        h_enter = x.new_empty(q if whole else most, h, p, ns)
+        extra = None if extra_u is None else extra_u.reshape(q, h, p, ns)
+        factor = (torch.exp(a.reshape(b, c, L, h)[:, :, -1]) * keep_state.unsqueeze(-1)).reshape(q, h, 1, 1)
+        h_final = h0.to(x.dtype, copy=True)                 # carried over each row's blocks
+        buf, xdt_hm = x.new_empty(most, h, L, L), x.new_empty(most, h, L, p)
+        for block in blocks:
+            r0, r1, c0, c1 = block
+            q0, q1 = _span(block, c)
             k = q1 - q0
-            if buf is None:
-                buf, xdt_hm = x.new_empty(k, h, L, L), x.new_empty(k, h, L, p)
+            # 2. intra-chunk output and 3. chunk states
             x_hm = xq[q0:q1].transpose(1, 2)
             xdt = torch.mul(x_hm, dtq[q0:q1].transpose(1, 2).unsqueeze(-1), out=xdt_hm[:k])  # [K, H, L, P]
             bg, cg = _group_major(bq[q0:q1]), _group_major(cq[q0:q1])
@@ -124,18 +152,18 @@ class SSDChunkScan(torch.autograd.Function):
             out[q0:q1] = (scores @ xdt).transpose(1, 2)
             w_state = state_weights(aq[q0:q1], lastf[q0:q1])
             xw = xq[q0:q1] * (dtq[q0:q1] * w_state).unsqueeze(-1)                  # [K, L, H, P]
-            torch.matmul(_heads_to_cols(xw, g).transpose(-1, -2), bg, out=_state_rows(u[q0:q1], g))
-        u = u.reshape(b, c, h, p, ns)
-        if extra_u is not None:
-            u += extra_u
-        decay = torch.exp(a.reshape(b, c, L, h)[:, :, -1])                       # [B, C, H]
-        h_enter, h_final = _pass_states(u, decay, keep_state, h0)
-        hq = h_enter.reshape(q, h, p, ns)
-        for q0, q1 in _blocks(q, h * L * L):
-            cg = _group_major(cq[q0:q1])
+            u = h_enter[q0:q1] if whole else h_enter[:k]
+            torch.matmul(_heads_to_cols(xw, g).transpose(-1, -2), bg, out=_state_rows(u, g))
+            if extra is not None:
+                u += extra[q0:q1]
+            # 4. state passing over the block's chunks (u becomes the entering states)
+            _pass_states(u.view(r1 - r0, c1 - c0, h, p, ns), factor[q0:q1].view(r1 - r0, c1 - c0, h, 1, 1),
+                         h_final[r0:r1])
+            # 5. the entering-state read
             w_off = read_weights(aq[q0:q1], readf[q0:q1])
-            read = cg @ _state_rows(hq[q0:q1], g).transpose(-1, -2)                  # [K, G, L, R*P]
+            read = cg @ _state_rows(u, g).transpose(-1, -2)                            # [K, G, L, R*P]
             out[q0:q1] += _cols_to_heads(read, h).mul_(w_off.unsqueeze(-1))
+        h_enter = h_enter.view(b, c, h, p, ns) if whole else None
         out = out.reshape(b, t, h, p)
         if D is not None:
             out.addcmul_(x, D.unsqueeze(-1) if D.dim() == 1 else D)
@@ -156,14 +184,15 @@ class SSDChunkScan(torch.autograd.Function):
         return chunk_scan_backward(ctx, g_out, g_enter, g_final)
 
 
-def _pass_states(u, decay, keep_state, h0):
-    """``h_enter[c+1] = keep * decay * h_enter[c] + u[c]``, written over ``u`` (chunk c's ``u`` is
-    read before its slot takes ``h_enter[c]``): no second ``[B, C, H, P, Ns]`` buffer."""
-    b, c = u.shape[:2]
-    factor = (decay * keep_state.unsqueeze(-1)).reshape(b, c, -1, 1, 1)
-    state, nxt = h0.to(u.dtype, copy=True), torch.empty_like(u[:, 0])
-    for ci in range(c):
-        torch.addcmul(u[:, ci], state, factor[:, ci], out=nxt)
-        u[:, ci] = state
-        state, nxt = nxt, state
-    return u, state
+def _pass_states(u: torch.Tensor, factor: torch.Tensor, state: torch.Tensor) -> None:
+    """``h_enter[c+1] = factor[c] * h_enter[c] + u[c]`` over ``u [R, C', H, P, Ns]``, written over
+    ``u`` (chunk c's ``u`` is read before its slot takes ``h_enter[c]``): no second buffer.
+    ``factor [R, C', H, 1, 1]``; ``state [R, H, P, Ns]`` enters the first chunk and is updated in
+    place to the state leaving the last."""
+    cur, nxt = state, torch.empty_like(state)
+    for ci in range(u.shape[1]):
+        torch.addcmul(u[:, ci], cur, factor[:, ci], out=nxt)
+        u[:, ci] = cur
+        cur, nxt = nxt, cur
+    if cur is not state:
+        state.copy_(cur)

@@ -75,13 +75,14 @@ class Chunked:
     a_cs: torch.Tensor       # [B, C, L, H] segmented cumulative log-decay
     seg: torch.Tensor        # [B, C, L] segment id
     enter_seg: torch.Tensor  # [B, C] segment of each chunk's entering state
-    h_enter: torch.Tensor    # [B, C, H, P, Ns] state entering each chunk (NaN where non-finite, see reference)
+    h_enter: torch.Tensor | None  # [B, C, H, P, Ns] state entering each chunk (NaN where non-finite, see
+                                  # reference); None unless asked for (``keep_enter``)
     h_final: torch.Tensor    # [B, H, P, Ns] state after the last chunk (the row's last segment)
     chunk: int
 
 
 def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_state=None,
-                          extra_states=None, D=None, z=None) -> tuple[torch.Tensor, Chunked]:
+                          extra_states=None, D=None, z=None, keep_enter: bool = False) -> tuple[torch.Tensor, Chunked]:
     """Chunked SSD scan: ``out = (y + D x) * silu(z)`` (``D``, ``z`` optional).
 
     Args:
@@ -93,6 +94,8 @@ def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_sta
             chunk's state before passing (per-document initial states of documents starting
             inside a chunk, see :mod:`.varlen_states`).
         D: ``[H]`` or ``[H, P]`` skip; z: ``[B, T, H, P]`` gate.
+        keep_enter: return every chunk's entering state in :class:`Chunked` (per-document final
+            states read them); otherwise, without gradients, the scan holds one block's at a time.
 
     Returns ``out`` ``[B, T, H, P]`` and the :class:`Chunked` intermediates.
     """
@@ -128,15 +131,15 @@ def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_sta
         extra = extra.states(iso)
     h0 = x.new_zeros(b, h, p, ns) if initial_state is None else initial_state.to(x.dtype)
     # 2.-5. intra-chunk output, chunk states, state passing, entering-state read
-    out, h_enter, h_final = SSDChunkScan.apply(
-        x, dt.contiguous(), a_cs.reshape(b, c * L, h), Bm, Cm,
-        keep.reshape(b * c, L, L), keep[:, :, -1, :].reshape(b * c, L), reads.reshape(b * c, L),
-        keep_state, h0, extra, D, z, L)
-    # a state entering a chunk is non-finite when its segment's state was before the chunk
-    chunk_start = torch.arange(c, device=x.device) * L
-    before = torch.arange(b, device=x.device).unsqueeze(1) * t + chunk_start - 1   # flat token before each chunk
-    bad_enter = iso.state_bad_after(torch.where(chunk_start > 0, before, -1), seg_id[:, :1].expand(b, c))
-    h_enter = iso.poison_where(h_enter, bad_enter, enter_seg)
+    args = (x, dt.contiguous(), a_cs.reshape(b, c * L, h), Bm, Cm, keep.reshape(b * c, L, L),
+            keep[:, :, -1, :].reshape(b * c, L), reads.reshape(b * c, L), keep_state, h0, extra, D, z)
+    records = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args)
+    out, h_enter, h_final = SSDChunkScan.apply(*args, L, keep_enter or records)   # the backward reads h_enter
+    if h_enter is not None:  # a state entering a chunk is non-finite when its segment's state was before the chunk
+        chunk_start = torch.arange(c, device=x.device) * L
+        before = torch.arange(b, device=x.device).unsqueeze(1) * t + chunk_start - 1   # flat token before each chunk
+        bad_enter = iso.state_bad_after(torch.where(chunk_start > 0, before, -1), seg_id[:, :1].expand(b, c))
+        h_enter = iso.poison_where(h_enter, bad_enter, enter_seg)
     h_final = iso.poison_states(h_final, seg_id[:, -1])
     return iso.poison_tokens(out[:, :t]), Chunked(a_cs=a_cs, seg=seg, enter_seg=enter_seg, h_enter=h_enter,
                                                   h_final=h_final, chunk=L)

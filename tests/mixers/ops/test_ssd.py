@@ -107,6 +107,51 @@ def test_many_blocks_fp64(elements, monkeypatch):
         check_close(a, r, torch.float64, grad=True, what=f"grad {name}")
 
 
+@pytest.mark.parametrize("elements", [pytest.param(1, id="one-chunk-blocks"),
+                                      pytest.param(2 * H * 8 * 8, id="2-chunk-blocks"),
+                                      pytest.param(10 * H * 8 * 8, id="two-rows-per-block"),
+                                      pytest.param(1 << 20, id="all-rows-one-block")])
+def test_rows_over_blocks_fp64(elements, monkeypatch):
+    """Several rows (seq_idx resets) over blocks that split a row (the state and its gradient carried
+    from block to block) or hold whole rows: output, final states and every gradient against the
+    token-by-token oracle, row by row."""
+    monkeypatch.setattr(chunk_scan, "_BLOCK_ELEMENTS", elements)      # H * L * L per chunk
+    g = torch.Generator().manual_seed(3)
+    rows, length = 3, 37                                                # 5 chunks of 8 per row
+    layouts = [[5, 20, 12], [37], [0, 30, 7]]                           # documents per row
+    seq_idx = torch.tensor([sum([[i] * n for i, n in enumerate(row)], []) for row in layouts], dtype=torch.int32)
+    f64 = dict(generator=g, dtype=torch.float64)
+    leaves = {"x": torch.randn(rows, length, H, P, **f64), "dt": torch.rand(rows, length, H, **f64),
+              "A": -torch.rand(H, **f64) - 0.2, "B": torch.randn(rows, length, G, N, **f64),
+              "C": torch.randn(rows, length, G, N, **f64), "D": torch.randn(H, **f64),
+              "z": torch.randn(rows, length, H, P, **f64), "h0": torch.randn(rows, H, P, N, **f64)}
+    leaves = {k: v.requires_grad_() for k, v in leaves.items()}
+    w_out, w_final = torch.randn(rows, length, H, P, **f64), torch.randn(rows, H, P, N, **f64)
+    out, final = mamba_chunk_scan_combined(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], 8,
+                                           D=leaves["D"], z=leaves["z"], initial_states=leaves["h0"],
+                                           seq_idx=seq_idx, return_final_states=True)
+    grads = torch.autograd.grad((out * w_out).sum() + (final * w_final).sum(), list(leaves.values()))
+    with torch.no_grad():      # the entering states held one block at a time: the same arithmetic
+        plain = mamba_chunk_scan_combined(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], 8,
+                                          D=leaves["D"], z=leaves["z"], initial_states=leaves["h0"],
+                                          seq_idx=seq_idx, return_final_states=True)
+    assert torch.equal(plain[0], out) and torch.equal(plain[1], final)
+    ref = {k: v.detach().clone().requires_grad_() for k, v in leaves.items()}
+    ref_loss = 0
+    for row, lengths in enumerate(layouts):
+        cu = lengths_to_cu_seqlens([n for n in lengths if n])
+        first = ref["h0"][row:row + 1]
+        init = torch.cat([first, first.new_zeros(cu.numel() - 2, H, P, N)])
+        y, states = ssm_oracle(ref["x"][row:row + 1], ref["dt"][row:row + 1], ref["A"], ref["B"][row:row + 1],
+                               ref["C"][row:row + 1], cu, D=ref["D"], z=ref["z"][row:row + 1], initial_states=init)
+        check_close(out[row:row + 1], y, torch.float64, what=f"out of row {row}")
+        check_close(final[row], states[-1], torch.float64, what=f"final state of row {row}")
+        ref_loss = ref_loss + (y * w_out[row:row + 1]).sum() + (states[-1] * w_final[row]).sum()
+    ref_grads = torch.autograd.grad(ref_loss, list(ref.values()))
+    for name, a, r in zip(leaves, grads, ref_grads):
+        check_close(a, r, torch.float64, grad=True, what=f"grad {name}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_low_precision(dtype):
     cu, leaves = make([0, 15, 100, 300, 3], 4, dtype)
