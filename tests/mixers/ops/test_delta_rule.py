@@ -135,9 +135,26 @@ def test_many_blocks_fp64(kind, numbers, monkeypatch):
     """The fast path over many blocks: the state carried from block to block, forward and
     backward (Gated DeltaProduct's sub-step groups straddle the block ends), against the oracle."""
     monkeypatch.setattr(blocked, "_BLOCK_NUMBERS", numbers)
+    monkeypatch.setattr(blocked, "_MIN_CHUNKS", 1)
     cu, leaves = make(kind, [0, 15, 100, 300, 90], 3, torch.float64)
     assert len(blocked._blocks(1, 2 if kind == "gdp" else HV, 64, 8, max(K, V))) > 8
     compare_training_path(kind, cu, leaves, 8, torch.float64)
+
+
+@pytest.mark.parametrize("rows,heads,chunks,width,step", [
+    pytest.param(1, 8, 128, 64, 8, id="budget-gives-8"),
+    pytest.param(1, 8, 128, 128, 8, id="4-widened-to-8"),
+    pytest.param(1, 16, 128, 128, 4, id="2-widened-to-4-only"),
+    pytest.param(1, 1, 128, 128, 32, id="budget-gives-32"),
+    pytest.param(2, 64, 5, 128, 2, id="1-widened-to-2-few-chunks"),
+])
+def test_blocks_cover_the_chunks_in_order(rows, heads, chunks, width, step):
+    """Blocks hold about _BLOCK_NUMBERS numbers per [N, L, width] tensor, widened towards
+    _MIN_CHUNKS chunks by at most 2x; they tile the chunks in order."""
+    blocks = blocked._blocks(rows, heads, chunks, 64, width)
+    assert blocks[0] == (0, min(step, chunks)) and blocks[-1][1] == chunks
+    assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+    assert all(c1 - c0 == step for c0, c1 in blocks[:-1])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -145,6 +162,7 @@ def test_forward_without_gradients_matches(kind, monkeypatch):
     """Without gradients the forward reuses one block's state buffer (blocks of a few chunks here):
     outputs and final states equal the training forward's bitwise, and the oracle's."""
     monkeypatch.setattr(blocked, "_BLOCK_NUMBERS", FEW_CHUNKS)
+    monkeypatch.setattr(blocked, "_MIN_CHUNKS", 1)
     cu, leaves = make(kind, [0, 15, 100, 300, 90], 3, torch.float64)
     leaves = {name: t for name, t in leaves.items() if name != "initial_state"}
     out, _ = call(kind, leaves, cu, 8, final=False)
