@@ -8,11 +8,11 @@ block's q, k and beta are copied chunk-major (the query scaled on the way; v, on
 elementwise, stays a strided view), :func:`.prep.prep_forward` prepares its chunks, the state
 recurrence runs chunk by chunk (``delta = T (R_U - R_W S)``: the WY solve applied to the
 corrected right-hand side, no ``[W | U]``), and the block's outputs are written straight into the
-token-major output. A block's ``[N, L, max(K, V)]`` tensors hold about
-``_BLOCK_NUMBERS`` numbers (64 chunk-heads at K = V = 64, 32 at 128), so its working set stays
-small, and the only sequence-sized allocations are the output, what the backward keeps and (in the
-backward) the input gradients: a fresh large allocation costs a page fault per 4 KB on first
-touch, which on a CPU costs more than the arithmetic that fills it.
+token-major output. A block's ``[N, L, max(K, V)]`` tensors hold about ``_BLOCK_NUMBERS``
+numbers, or up to twice that to give it 8 chunks (at H = 8: 64 chunk-heads at K = V = 64 and at
+128), so its working set stays small, and the only sequence-sized allocations are the output,
+what the backward keeps and (in the backward) the input gradients: a fresh large allocation costs
+a page fault per 4 KB on first touch, which on a CPU costs more than the arithmetic that fills it.
 
 With gradients wanted, the forward keeps per chunk what is costly to recompute and small to keep:
 the entering state (``K * V / L`` numbers per token and head), the corrected values ``delta``
