@@ -56,6 +56,19 @@ def _span(block: tuple[int, int, int, int], chunks: int) -> tuple[int, int]:
     return r0 * chunks + c0, (r1 - 1) * chunks + c1
 
 
+def _largest(blocks: list[tuple[int, int, int, int]]) -> int:
+    """Chunks in the largest block of :func:`_blocks` (0 if none): the size of the block buffers."""
+    return max([(r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in blocks] + [0])
+
+
+def _pass_factors(a: torch.Tensor, keep_state: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``[B * C, H]`` factor of the state passing, ``exp(a[L-1])`` where the entering state's
+    segment reaches the chunk's end, else 0 (``a [B, T, H]``, ``keep_state [B, C]`` bool)."""
+    b, t, h = a.shape
+    last = a.reshape(b, t // chunk, chunk, h)[:, :, -1]
+    return (torch.exp(last) * keep_state.unsqueeze(-1)).reshape(-1, h)
+
+
 def _floats(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A block's ``[K, L, L]`` bool mask as ``[K, 1, L, L]`` floats (converted per block: the whole
     sequence's would be ``L`` floats per token, a fresh allocation every step)."""
@@ -133,10 +146,10 @@ class SSDChunkScan(torch.autograd.Function):
         # (the caller says so: ``needs_input_grad`` cannot tell a forward under no_grad), else one
         # block's at a time (a sequence-sized buffer costs a page fault per 4 KB)
         whole = keep_enter
-        most = max([(r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in blocks] + [0])   # chunks in the largest block
+        most = _largest(blocks)
         h_enter = x.new_empty(q if whole else most, h, p, ns)
         extra = None if extra_u is None else extra_u.reshape(q, h, p, ns)
-        factor = (torch.exp(a.reshape(b, c, L, h)[:, :, -1]) * keep_state.unsqueeze(-1)).reshape(q, h, 1, 1)
+        factor = _pass_factors(a, keep_state, L).view(q, h, 1, 1)
         h_final = h0.to(x.dtype, copy=True)                 # carried over each row's blocks
         buf, xdt_hm = x.new_empty(most, h, L, L), x.new_empty(most, h, L, p)
         for block in blocks:

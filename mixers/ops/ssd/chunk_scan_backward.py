@@ -18,6 +18,8 @@ from .chunk_scan import (
     _floats,
     _group_major,
     _heads_to_cols,
+    _largest,
+    _pass_factors,
     _span,
     _state_rows,
     read_weights,
@@ -70,13 +72,13 @@ def chunk_scan_backward(ctx, g_out, g_enter, g_final):
     hq = h_enter.reshape(q, h, p, ns)
     g_a = torch.zeros(q, L, h, dtype=x.dtype, device=x.device)
     g_B, g_C = torch.zeros_like(bq), torch.zeros_like(cq)
-    factor = (torch.exp(a.reshape(b, c, L, h)[:, :, -1]) * keep_state.unsqueeze(-1)).reshape(q, h)
+    factor = _pass_factors(a, keep_state, L)
     g_enterq = None if g_enter is None else g_enter.reshape(q, h, p, ns)
     g_state = x.new_zeros(ctx.final_shape) if g_final is None else g_final.to(x.dtype, copy=True)
     blocks = _blocks(b, c, h * L * L)
     # the chunk states' gradients: all of them when the caller's extra_u wants them, else one block's
     whole = ctx.needs_input_grad[10]
-    most = max([(r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in blocks] + [0])   # chunks in the largest block
+    most = _largest(blocks)
     g_u = x.new_empty(q if whole else most, h, p, ns)
     g_x, g_dt = torch.empty_like(xq), torch.empty_like(dtq)
     Dv = None if D is None else (D.unsqueeze(-1) if D.dim() == 1 else D)        # [H, 1] or [H, P]

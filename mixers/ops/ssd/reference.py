@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .._isolation import Isolation
-from ..chunks import entering_segments, pad_tokens, same_segment_causal
+from ..chunks import entering_segments, pad_tokens, records_grad, same_segment_causal
 from .chunk_scan import SSDChunkScan
 from .varlen_states import LeavingStates
 
@@ -133,8 +133,7 @@ def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_sta
     # 2.-5. intra-chunk output, chunk states, state passing, entering-state read
     args = (x, dt.contiguous(), a_cs.reshape(b, c * L, h), Bm, Cm, keep.reshape(b * c, L, L),
             keep[:, :, -1, :].reshape(b * c, L), reads.reshape(b * c, L), keep_state, h0, extra, D, z)
-    records = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args)
-    out, h_enter, h_final = SSDChunkScan.apply(*args, L, keep_enter or records)   # the backward reads h_enter
+    out, h_enter, h_final = SSDChunkScan.apply(*args, L, keep_enter or records_grad(*args))   # a backward reads h_enter
     if h_enter is not None:  # a state entering a chunk is non-finite when its segment's state was before the chunk
         chunk_start = torch.arange(c, device=x.device) * L
         before = torch.arange(b, device=x.device).unsqueeze(1) * t + chunk_start - 1   # flat token before each chunk
