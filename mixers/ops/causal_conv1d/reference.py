@@ -22,8 +22,12 @@ import torch.nn.functional as F
 
 from ssm_pack.segments import Segments
 
-from ..chunks import compute_dtype, row_blocks
+from ..chunks import ROW_BLOCK_ELEMENTS, compute_dtype, row_blocks
 from .depthwise import conv_anticausal, conv_causal, weight_grad
+
+# rows of the backward's blocks: each block recomputes its pre-activation and takes its gradients
+# while they are in cache (no full-size temporary at any T)
+_GRAD_BLOCK_ELEMENTS = ROW_BLOCK_ELEMENTS
 
 
 def edge_layout(segs: Segments, state_len: int):
@@ -105,7 +109,12 @@ class VarlenConv(torch.autograd.Function):
 
     Backward keeps only the input (``x_tok`` as given, a strided view included: no copy of it
     is made) and recomputes the pre-activation, one more depthwise convolution, instead of
-    keeping a second ``[N, D]`` tensor per convolution.
+    keeping a second ``[N, D]`` tensor per convolution. It runs over blocks of rows
+    (``_GRAD_BLOCK_ELEMENTS``): each block recomputes its pre-activation from its rows and the
+    J before them, takes the gradient at its rows and the J after them, and writes its rows of
+    the input gradient, the one ``[N, D]`` tensor it allocates (at T = 65,536 a whole-size
+    pre-activation was one more fresh 32-64 MB mapping per convolution, faulted in page by page).
+    The first J outputs of every segment get their gradient from their recomputed edge outputs.
     """
 
     @staticmethod
@@ -131,30 +140,47 @@ class VarlenConv(torch.autograd.Function):
         x_tok, weight, bias, slots, rows, valid, pad_mask, tokens = ctx.saved_tensors
         n, dim = x_tok.shape
         state_len = weight.shape[1] - 1
-        if ctx.silu:                               # d silu(p) = sig (1 + p (1 - sig)), p recomputed
-            g_pre = _pre_activation(x_tok, weight, bias, slots, rows, valid)[0][:n]
-            for r0, r1 in row_blocks(n, dim):     # in place, block by block: no full-size temporary
-                pre = g_pre[r0:r1]
-                sig = torch.sigmoid(pre)
-                pre.mul_(torch.rsub(sig, 1)).add_(1).mul_(sig).mul_(grad[r0:r1])
-        else:
-            g_pre = grad.clone()
-        if pad_mask is not None:
-            g_pre.masked_fill_(pad_mask.unsqueeze(1), 0.0)
-        g_bias = g_pre.sum(0) if ctx.has_bias else None
-        g_edge = torch.where(valid.unsqueeze(-1), g_pre.index_select(0, rows.reshape(-1)).reshape(*rows.shape, dim),
-                             0.0)
-        overwritten = torch.zeros(n + 1, dtype=torch.bool, device=x_tok.device)
-        overwritten.index_fill_(0, torch.where(valid, rows, n).reshape(-1), True)
-        g_pre.masked_fill_(overwritten[:n].unsqueeze(1), 0.0)   # overwritten: no gradient through the plain conv
-        g_x = conv_anticausal(g_pre, weight)                                      # [N, D]
-        g_w = weight_grad(g_pre, x_tok, state_len + 1, offset=state_len)
+        # rows whose plain-convolution output reaches no loss: the overwritten first J of every
+        # segment (their gradient goes through the edge outputs below) and the padding
+        drop = torch.zeros(n + 1, dtype=torch.bool, device=x_tok.device)
+        drop.index_fill_(0, torch.where(valid, rows, n).reshape(-1), True)
+        drop = drop[:n] if pad_mask is None else drop[:n] | pad_mask
+        g_x = torch.empty_like(x_tok, memory_format=torch.contiguous_format)
+        g_w = weight.new_zeros(weight.shape)
+        g_bias = weight.new_zeros(dim) if ctx.has_bias else None
+        for r0, r1 in row_blocks(n, dim, _GRAD_BLOCK_ELEMENTS):
+            g_pre = _plain_grad(x_tok, grad, weight, bias, drop, r0, min(r1 + state_len, n), ctx.silu)
+            g_x[r0:r1] = conv_anticausal(g_pre, weight)[: r1 - r0]
+            g_pre = g_pre[: r1 - r0]
+            a = max(r0 - state_len, 0)                         # x_tok[a:r1]: the rows the block's taps read
+            g_w += weight_grad(g_pre, x_tok[a:r1], state_len + 1, offset=state_len - (r0 - a))
+            if g_bias is not None:
+                g_bias += g_pre.sum(0)
         g_slots = None
         if state_len:
+            g_edge = grad.index_select(0, rows.reshape(-1)).reshape(*rows.shape, dim)
+            if ctx.silu:                       # the edge outputs' pre-activation recomputed
+                g_edge = torch.ops.aten.silu_backward(g_edge, _edge_outputs(tokens, slots, weight, bias))
+            keep = valid if pad_mask is None else valid & ~pad_mask[rows]
+            g_edge = torch.where(keep.unsqueeze(-1), g_edge, 0.0)
             g_tokens, g_w_edge, g_slots = _edge_backward(g_edge, tokens, slots, weight)
             g_x.index_add_(0, rows.reshape(-1), g_tokens.reshape(-1, dim))
             g_w += g_w_edge
+            if g_bias is not None:
+                g_bias += g_edge.sum((0, 1))
         return g_x, g_w, g_bias, g_slots, None, None, None, None
+
+
+def _plain_grad(x_tok, grad, weight, bias, drop, r0, r1, silu):
+    """``[r1 - r0, D]``: the gradient at the plain convolution's outputs ``r0 .. r1 - 1``, zero at
+    the ``drop`` rows; with SiLU, the pre-activation recomputed from input rows ``r0 - J .. r1 - 1``."""
+    if silu:                                   # grad * sig (1 + p (1 - sig)), one fused kernel
+        a = max(r0 - (weight.shape[1] - 1), 0)
+        pre = conv_causal(x_tok[a:r1], weight, bias)[r0 - a:]
+        g_pre = torch.ops.aten.silu_backward.grad_input(grad[r0:r1], pre, grad_input=pre)
+    else:
+        g_pre = grad[r0:r1].clone()
+    return g_pre.masked_fill_(drop[r0:r1].unsqueeze(1), 0.0)
 
 
 def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

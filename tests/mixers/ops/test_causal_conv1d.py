@@ -67,6 +67,50 @@ def test_matches_per_document_conv_fp64(lengths, tail, width, init):
         check_close(a, r, torch.float64, grad=True, what=f"grad {name}")
 
 
+@pytest.mark.parametrize("rows", [pytest.param(1, id="1-row-blocks"), pytest.param(2, id="2-row-blocks"),
+                                  pytest.param(5, id="5-row-blocks")])
+@pytest.mark.parametrize("lengths,tail,width", [GRID[1], GRID[3], GRID[5]])
+@pytest.mark.parametrize("activation", ["silu", None], ids=["silu", "no-activation"])
+def test_backward_over_blocks_fp64(rows, lengths, tail, width, activation, monkeypatch):
+    """The backward runs over blocks of rows, each reading its next W - 1 rows' gradient and its
+    W - 1 rows of input before it: blocks shorter than that (1, 2 rows at W = 4, 6) and longer."""
+    from mixers.ops.causal_conv1d import reference
+    monkeypatch.setattr(reference, "_GRAD_BLOCK_ELEMENTS", rows * DIM)
+    cu, leaves = make(lengths, tail, width, torch.float64)
+    (out, final, grads), (ref_out, ref_final, ref_grads) = run_both(cu, leaves, activation)
+    check_close(out, ref_out, torch.float64, what="out")
+    for name, a, r in zip(("x", "weight", "bias", "initial_states"), grads, ref_grads):
+        check_close(a, r, torch.float64, grad=True, what=f"grad {name}")
+
+
+def test_backward_over_blocks_with_padding(monkeypatch):
+    """Padding (negative seq_idx) inside and between blocks: zero output, no gradient through it."""
+    from mixers.ops.causal_conv1d import reference
+    g = torch.Generator().manual_seed(4)
+    seq_idx = torch.tensor([[0, 0, 0, 1, 1, -1, -1, 2, 2, 2, -1, 3]], dtype=torch.int32)
+    x = torch.randn(1, DIM, 12, generator=g, dtype=torch.float64)
+    w, b = torch.randn(DIM, 4, generator=g, dtype=torch.float64), torch.randn(DIM, generator=g, dtype=torch.float64)
+    g_out = torch.randn(1, DIM, 12, generator=g, dtype=torch.float64)
+    runs = []
+    for elements in (1 << 18, 3 * DIM):                 # one block; blocks of 3 rows
+        monkeypatch.setattr(reference, "_GRAD_BLOCK_ELEMENTS", elements)
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        out = causal_conv1d_fn(*leaves, seq_idx=seq_idx, activation="silu")
+        runs.append((out, torch.autograd.grad((out * g_out).sum(), leaves)))
+    (out, grads), (out_blocks, grads_blocks) = runs
+    assert torch.equal(out, out_blocks)
+    assert (grads_blocks[0][..., seq_idx[0] < 0] == 0).all()
+    for name, a, r in zip(("x", "weight", "bias"), grads_blocks, grads):
+        check_close(a, r, torch.float64, grad=True, what=f"grad {name}")
+    ref = x.detach().clone().requires_grad_()
+    pieces = [(0, 3), (3, 5), (7, 10), (11, 12)]
+    ref_out = torch.cat([F.silu(F.conv1d(F.pad(ref[..., s:e], (3, 0)), w.unsqueeze(1), b, groups=DIM))
+                         for s, e in pieces], -1)
+    keep = torch.cat([torch.arange(s, e) for s, e in pieces])
+    (ref_g,) = torch.autograd.grad((ref_out * g_out[..., keep]).sum(), ref)
+    check_close(grads_blocks[0], ref_g, torch.float64, grad=True, what="grad x against per-document convs")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("channel_last", [True, False], ids=["channel-last", "channel-first"])
 def test_low_precision(dtype, channel_last):
