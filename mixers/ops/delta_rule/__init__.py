@@ -25,7 +25,6 @@ from ..chunks import compute_dtype
 from ._validate import check_delta_inputs
 from .chunk import delta_rule_chunked
 from .kernel import fla_kernel, unsupported
-from .l2norm import l2_normalize
 from .recurrent import gated_delta_product_step, gated_delta_rule_step, kda_step
 from .varlen_states import DocInitialStates, doc_final_states
 
@@ -46,8 +45,6 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2nor
     """The shared reference path of the three ops (``g`` already ``[B, T, HV, Kg]``)."""
     compute = compute_dtype(v.dtype)
     q, k, v, g, beta = (x.to(compute) for x in (q, k, v, g, beta))
-    if l2norm:
-        q, k = l2_normalize(q), l2_normalize(k)
     groups = v.shape[2] // q.shape[2]
     if groups > 1:                                    # grouped values: key head h serves h*G .. h*G+G-1
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
@@ -71,7 +68,7 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, l2nor
         seg_id = varlen.segments.seg_id if nh == 1 else varlen.segments.seg_id.repeat_interleave(nh, dim=1)
     extra = DocInitialStates(initial_state.to(compute), segs, chunk) if doc_init else None
     o, ch = delta_rule_chunked(q, k, v, g, beta, seg_id, chunk, initial_state=None if doc_init else initial_state,
-                               extra=extra, keep_intermediates=keep, scale=scale, q_every=q_every)
+                               extra=extra, keep_intermediates=keep, scale=scale, q_every=q_every, l2norm=l2norm)
     if nh > 1 and q_every == 1:
         o = o[:, nh - 1::nh]
     final = None

@@ -4,8 +4,9 @@
     K, V = head dims, Kg = 1 or K, N = n * B * H (one block's chunk-heads, chunk-major)
 
 The inputs stay token-major (``[B, T, H, ...]``, as the caller has them). Block by block: the
-block's q, k and beta are copied chunk-major (the query scaled on the way; v, only ever read
-elementwise, stays a strided view), :func:`.prep.prep_forward` prepares its chunks, the state
+block's q, k and beta are copied chunk-major (the query scaled on the way, q and k
+l2-normalized first with ``use_qk_l2norm_in_kernel``; v, only ever read elementwise, stays a
+strided view), :func:`.prep.prep_forward` prepares its chunks, the state
 recurrence runs chunk by chunk (``delta = T (R_U - R_W S)``: the WY solve applied to the
 corrected right-hand side, no ``[W | U]``), and the block's outputs are written straight into the
 token-major output. A block's ``[N, L, max(K, V)]`` tensors hold about ``_BLOCK_NUMBERS``
@@ -32,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from .._inplace import into
+from .l2norm import inverse_norm, normalize_backward
 from .prep import Masks, Prep, chunk_masks, prep_backward, prep_forward
 
 _BLOCK_NUMBERS = 1 << 18
@@ -94,15 +96,24 @@ def _store(dst: torch.Tensor, src: torch.Tensor, t0: int, every: int = 1) -> Non
 
 
 class _Block:
-    """One block's inputs, chunk-major, and its masks."""
+    """One block's inputs, chunk-major, and its masks. ``l2norm``: q and k are normalized here
+    (fla's ``use_qk_l2norm_in_kernel``; ``norms`` keeps ``(q, 1/|q|, k, 1/|k|)`` of the block,
+    chunk-major ``[n, B, H, L, ...]``, for the backward)."""
 
-    def __init__(self, q, k, v, g, beta, masks: Masks, c0, c1, length, scale, every=1):
+    def __init__(self, q, k, v, g, beta, masks: Masks, c0, c1, length, scale, every=1, l2norm=False):
         n, b, h, kd = c1 - c0, q.shape[0], q.shape[2], q.shape[3]
         t0 = c0 * length
         self.n, self.t0 = n, t0
         left = q.new_empty(n, b, h, 2, length, kd)
-        into(left[:, :, :, 0], torch.mul, _chunks(q, t0, n, length, every).permute(0, 1, 3, 2, 4), scale)
-        kb = _chunks(k, t0, n, length).permute(0, 1, 3, 2, 4).contiguous()
+        qb = _chunks(q, t0, n, length, every).permute(0, 1, 3, 2, 4)                # [n, B, H, L, K]
+        kb = _chunks(k, t0, n, length).permute(0, 1, 3, 2, 4)
+        self.norms = None
+        if l2norm:
+            (qb, r_q), (kb, r_k) = _normalized(qb), _normalized(kb)
+            self.norms = (qb, r_q, kb, r_k)
+        else:
+            kb = kb.contiguous()
+        into(left[:, :, :, 0], torch.mul, qb, scale)
         bb = _chunks(beta, t0, n, length).permute(0, 1, 3, 2).unsqueeze(-1).contiguous()
         into(left[:, :, :, 1], torch.mul, kb, bb)
         # v is only read elementwise (``beta v``, and ``dbeta`` in the backward): a strided view, no copy
@@ -113,6 +124,14 @@ class _Block:
 
     def prep(self, inverse: torch.Tensor | None = None, inverse_out: torch.Tensor | None = None) -> Prep:
         return prep_forward(*self.args, self.masks, inverse=inverse, inverse_out=inverse_out)
+
+
+def _normalized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x r, r)``, ``r = 1 / |x|`` over the last dim, on a new contiguous buffer: ``x`` may be a
+    view of the caller's input (with one head, chunk-major is token-major)."""
+    x = x.clone(memory_format=torch.contiguous_format)
+    r = inverse_norm(x)
+    return x.mul_(r), r
 
 
 def _all_masks(seg: torch.Tensor, enter: torch.Tensor, dtype) -> Masks:
@@ -162,7 +181,7 @@ class DeltaRuleBlocked(torch.autograd.Function):
     Gated DeltaProduct's Householder sub-steps), the other steps' queries are zeros."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, seg, enter, h0, scale, chunk, every=1):
+    def forward(ctx, q, k, v, g, beta, seg, enter, h0, scale, chunk, every=1, l2norm=False):
         b, _, h, _ = k.shape
         vd = v.shape[-1]
         out = v.new_empty(b, q.shape[1], h, vd)
@@ -181,7 +200,7 @@ class DeltaRuleBlocked(torch.autograd.Function):
         masks = _all_masks(seg, enter, q.dtype)
         last = 0                                                # the row of the latest state
         for c0, c1 in blocks:
-            blk = _Block(q, k, v, g, beta, masks, c0, c1, chunk, scale, every)
+            blk = _Block(q, k, v, g, beta, masks, c0, c1, chunk, scale, every, l2norm)
             span = slice(c0 * b * h, c1 * b * h)
             p = blk.prep(inverse_out=inverses[span] if keep else None)
             s0 = c0 if keep else 0
@@ -194,7 +213,7 @@ class DeltaRuleBlocked(torch.autograd.Function):
             _store(out, _heads_major(o, blk.n, b), blk.t0, every)
         if keep:
             ctx.save_for_backward(q, k, v, g, beta, seg, enter, states, inverses, deltas)
-        ctx.scale, ctx.chunk, ctx.every = scale, chunk, every
+        ctx.scale, ctx.chunk, ctx.every, ctx.l2norm = scale, chunk, every, l2norm
         return out, states[last].view(b, h, *states.shape[2:]).clone()   # not a view of a saved buffer
 
     @staticmethod
@@ -209,22 +228,23 @@ class DeltaRuleBlocked(torch.autograd.Function):
         masks = _all_masks(seg, enter, q.dtype)
         for index in range(len(blocks) - 1, -1, -1):
             c0, c1 = blocks[index]
-            blk = _Block(q, k, v, g, beta, masks, c0, c1, ctx.chunk, ctx.scale, ctx.every)
+            blk = _Block(q, k, v, g, beta, masks, c0, c1, ctx.chunk, ctx.scale, ctx.every, ctx.l2norm)
             d_o = _chunks(d_out, blk.t0, blk.n, ctx.chunk, ctx.every).permute(0, 1, 3, 2, 4)
             d_o = d_o.reshape(-1, ctx.chunk, vd)
             span = slice(c0 * b * h, c1 * b * h)
             p = blk.prep(inverse=inverses[span])
-            d_state, block_grads = _block_backward(p, states[c0:c1], deltas[span], d_o, d_state, blk.n)
-            block_grads[0].mul_(ctx.scale)
+            d_state, block_grads = _block_backward(p, states[c0:c1], deltas[span], d_o, d_state, blk.n, ctx.scale,
+                                                   blk.norms)
             for i, (full, part) in enumerate(zip(grads, block_grads)):
                 _store(full, part, blk.t0, ctx.every if i == 0 else 1)
-        return (*grads, None, None, d_state.view(b, h, kd, vd), None, None, None)
+        return (*grads, None, None, d_state.view(b, h, kd, vd), None, None, None, None)
 
 
-def _block_backward(p: Prep, entering, delta, d_o, d_state, n):
+def _block_backward(p: Prep, entering, delta, d_o, d_state, n, scale, norms=None):
     """One block backwards from the states entering its chunks ``[n, B*H, K, V]`` and its corrected
     values ``[N, L, V]``: returns (gradient of the state entering the block, the block's input
-    gradients as :func:`_store` views of ``[B, n, L, ...]``)."""
+    gradients as :func:`_store` views of ``[B, n, L, ...]``). ``norms``: the block's normalized q
+    and k with their inverse norms (:class:`_Block`), whose backward is applied here."""
     N, length, kd = p.k.shape
     bh, vd = N // n, p.v.shape[-1]
     S = entering.reshape(N, kd, vd)
@@ -259,6 +279,11 @@ def _block_backward(p: Prep, entering, delta, d_o, d_state, n):
         d_kappa = d_kappa.sum(1, keepdim=True)
     dq, dk, dv, dbeta, dg = prep_backward(p, None, None, d_q_read, d_qk, d_k_out, d_kappa,
                                           read=(dR_u.view(N, length, vd), S, delta))
+    dq.mul_(scale)
+    if norms is not None:                            # chunk-major [N, L, K], like dq and dk
+        y_q, r_q, y_k, r_k = (x.view(N, length, -1) for x in norms)
+        normalize_backward(dq, y_q, r_q)
+        normalize_backward(dk, y_k, r_k)
     b = N // (n * p.heads)
     views = [_heads_major(x, n, b) for x in (dq, dk, dv)]
     views.append(dg.view(n, b, length, *dg.shape[2:]).transpose(0, 1).reshape(b, n, length, p.heads, -1))

@@ -41,6 +41,7 @@ import torch
 from .._isolation import Isolation
 from ..chunks import entering_segments, pad_tokens, untracked
 from .blocked import DeltaRuleBlocked
+from .l2norm import l2_normalize
 from .prep import chunk_masks, prep_backward, prep_forward
 
 
@@ -66,7 +67,8 @@ def _heads_major(t: torch.Tensor, b: int, c: int, L: int) -> torch.Tensor:
 
 
 def delta_rule_chunked(q, k, v, g, beta, seg_id, chunk: int, initial_state=None, extra=None,
-                       keep_intermediates: bool = False, scale: float = 1.0, q_every: int = 1):
+                       keep_intermediates: bool = False, scale: float = 1.0, q_every: int = 1,
+                       l2norm: bool = False):
     """Chunked delta rule (``q`` scaled by ``scale`` here). Returns ``(o [B, T, H, V], Chunked)``.
 
     Args:
@@ -78,6 +80,8 @@ def delta_rule_chunked(q, k, v, g, beta, seg_id, chunk: int, initial_state=None,
         q_every: ``> 1``: only the last step of each group of ``q_every`` reads the state
             (Gated DeltaProduct); ``q`` and the output hold those steps only, ``[B, T/q_every, ...]``
             (fast path only: no ``extra``, no ``keep_intermediates``).
+        l2norm: q and k are l2-normalized over K first (fla's ``use_qk_l2norm_in_kernel``); the
+            fast path does it block by block, so no normalized copy of q or k is ever whole.
     """
     assert q_every == 1 or (extra is None and not keep_intermediates)
     iso = _guard(q, k, v, g, beta, seg_id, initial_state, extra, q_every)
@@ -87,7 +91,8 @@ def delta_rule_chunked(q, k, v, g, beta, seg_id, chunk: int, initial_state=None,
     initial_state = iso.clean_states(initial_state, seg_id[:, 0])
     if extra is not None:
         extra.isolate(iso)
-    o, ch = _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_intermediates, scale, q_every)
+    o, ch = _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_intermediates, scale, q_every,
+                     l2norm)
     ch.iso, ch.s0 = iso, None if extra is None else extra.s0
     ch.s_final = iso.poison_states(ch.s_final, seg_id[:, -1])
     return iso.poison_tokens(o, q_every), ch
@@ -107,7 +112,8 @@ def _guard(q, k, v, g, beta, seg_id, initial_state, extra, q_every=1) -> Isolati
     return iso
 
 
-def _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_intermediates, scale, q_every=1):
+def _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_intermediates, scale, q_every=1,
+             l2norm=False):
     b, t, h, kd = k.shape
     L = chunk
     pad = (-t) % L
@@ -118,8 +124,11 @@ def _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_interme
     h0 = k.new_zeros(b, h, kd, v.shape[-1]) if initial_state is None else initial_state.to(k.dtype)
     if extra is None and not keep_intermediates:
         # without gradients nothing is kept for a backward
-        out, s_final = DeltaRuleBlocked.apply(*untracked(q, k, v, g, beta, seg, enter_seg, h0), scale, L, q_every)
+        out, s_final = DeltaRuleBlocked.apply(*untracked(q, k, v, g, beta, seg, enter_seg, h0), scale, L, q_every,
+                                              l2norm)
         return out, Chunked(s_final=s_final, chunk=L)
+    if l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
     q = q * scale
     q, k, v, g, beta = (pad_tokens(x, pad) for x in (q, k, v, g, beta))
     qc, kc, vc, gc = (_heads_major(x, b, c, L) for x in (q, k, v, g))         # [B, C, H, L, X]

@@ -141,6 +141,24 @@ def test_many_blocks_fp64(kind, numbers, monkeypatch):
     compare_training_path(kind, cu, leaves, 8, torch.float64)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("numbers", [pytest.param(1 << 18, id="one-block"),
+                                     pytest.param(FEW_CHUNKS, id="few-chunk-blocks")])
+def test_one_head_l2norm_in_blocks_fp64(kind, numbers, monkeypatch):
+    """One key and value head (the chunk-major copy of k is then k itself): q and k are
+    normalized block by block on new buffers, the inputs stay untouched, and output and every
+    gradient match the oracle, over one block and over many."""
+    monkeypatch.setattr(blocked, "_BLOCK_NUMBERS", numbers)
+    monkeypatch.setattr(blocked, "_MIN_CHUNKS", 1)
+    monkeypatch.setitem(globals(), "H", 1)
+    monkeypatch.setitem(globals(), "HV", 1)
+    cu, leaves = make(kind, [0, 15, 100, 300, 90], 3, torch.float64)
+    before = {name: t.detach().clone() for name, t in leaves.items()}
+    compare_training_path(kind, cu, leaves, 8, torch.float64)
+    for name, t in leaves.items():
+        assert torch.equal(t.detach(), before[name]), f"{name} was written"
+
+
 @pytest.mark.parametrize("rows,heads,chunks,width,step", [
     pytest.param(1, 8, 128, 64, 8, id="budget-gives-8"),
     pytest.param(1, 8, 128, 128, 8, id="4-widened-to-8"),
