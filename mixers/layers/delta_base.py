@@ -5,8 +5,9 @@
 
 q / k / v projections, each through a short convolution (SiLU) fed the packed ``seq_idx``;
 ``beta = sigmoid(b_proj(x))`` (times 2 with ``allow_neg_eigval``); the subclass's gate and scan;
-a gated RMS norm per value head; out_proj. The kernel and reference paths share all of it:
-only the op call inside ``_scan`` differs, and the op chooses the backend.
+a gated RMS norm per value head and out_proj, as one function (:mod:`.norm_linear`). The kernel
+and reference paths share all of it: only the op call inside ``_scan`` differs, and the op
+chooses the backend.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ._init import decay_gate, inverse_softplus_dt
 from .base import SHORT_CONV, MixerBase
 from .delta_cache import DeltaCached
 from .norm import GatedRMSNorm, upcast
+from .norm_linear import norm_linear
 from .projections import project
 from .short_conv import ShortConvolution
 
@@ -69,8 +71,7 @@ class DeltaMixerBase(DeltaCached, MixerBase):
         if c.allow_neg_eigval:
             beta = beta * 2
         o = self._scan(q, k, v.to(q.dtype), self._gate(gate_in), beta.to(q.dtype), varlen)
-        o = self.o_norm(o, out_gate.reshape(b, t, c.num_v_heads, c.head_v_dim))
-        return self.o_proj(o.reshape(b, t, c.value_dim))
+        return norm_linear(self.o_norm, o.reshape(b, t, c.value_dim), out_gate, self.o_proj)   # per value head
 
 
 class ScalarGateMixer(DeltaMixerBase):

@@ -20,6 +20,7 @@ from .base import SHORT_CONV, MixerBase
 from .config import Mamba2Config
 from .mamba2_cache import Mamba2Cached
 from .norm import GatedRMSNorm, upcast
+from .norm_linear import norm_linear
 from .projections import shared_input_linear
 from .short_conv import ShortConvolution
 
@@ -78,4 +79,4 @@ class Mamba2Mixer(Mamba2Cached, MixerBase):
             B.reshape(b, t, c.num_groups, c.state_size), C.reshape(b, t, c.num_groups, c.state_size), c.chunk_size,
             D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=c.dt_limit, cu_seqlens=varlen,
             backend=self.backend)
-        return self.out_proj(self.norm(y.reshape(b, t, c.d_inner), z))
+        return norm_linear(self.norm, y.reshape(b, t, c.d_inner), z, self.out_proj)

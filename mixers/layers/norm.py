@@ -74,6 +74,43 @@ class _RMSNormFn(torch.autograd.Function):
         return g_x.reshape(x.shape), g_w.to(weight.dtype), None
 
 
+def gated_rows(x, gate, w, eps, size, activation, norm_before_gate):
+    """One block of rows ``x, gate [rows, C]`` through the gated norm over groups of ``size``
+    channels, ``w [C]`` (compute dtype): ``(out [rows, C] in the compute dtype, 1 / rms
+    [rows, C / size, 1])``."""
+    rows, dim = x.shape
+    xf, gf = upcast(x), upcast(gate)
+    act = _ACTIVATIONS[activation](gf)
+    y = (xf if norm_before_gate else xf * act).reshape(rows, -1, size)
+    r = torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)                  # [rows, G, 1]
+    o = (y * r).reshape(rows, dim) * w
+    return (o * act if norm_before_gate else o), r
+
+
+def gated_rows_backward(g, x, gate, w, r, size, activation, norm_before_gate, with_output=False):
+    """``(g_x, g_gate, g_w)`` of one block of :func:`gated_rows` from its output gradient ``g``
+    (compute dtype; ``g_w [C]`` the block's part), and with ``with_output`` the block's output
+    recomputed (the same bits as the forward's) as a fourth."""
+    rows, dim = x.shape
+    xf, gf = upcast(x), upcast(gate)
+    act, d_act = _act_and_grad(gf, activation)
+    y = xf if norm_before_gate else xf * act
+    hat = (y.reshape(rows, -1, size) * r).reshape(rows, dim)
+    out = (hat * w * act if norm_before_gate else hat * w) if with_output else None
+    g_gate = None
+    if norm_before_gate:                   # out = hat * w * act
+        g_gate = g * hat * w * d_act
+        g = g * act
+    g_w = (g * hat).sum(0)                 # out = hat * w, hat = rmsnorm(x * act) (mamba)
+    g_y = _normalize_backward((g * w).reshape(rows, -1, size), hat.reshape(rows, -1, size), r).reshape(rows, dim)
+    if norm_before_gate:
+        g_x = g_y
+    else:
+        g_gate = g_y * xf * d_act
+        g_x = g_y.mul_(act)
+    return (g_x, g_gate, g_w, out) if with_output else (g_x, g_gate, g_w)
+
+
 class _GatedRMSNormFn(torch.autograd.Function):
     """:class:`GatedRMSNorm`'s math; keeps ``x``, ``gate``, ``weight`` and the per-group ``1 / rms``.
 
@@ -87,13 +124,8 @@ class _GatedRMSNormFn(torch.autograd.Function):
         out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         rstd = torch.empty(x2.shape[0], dim // group_size, 1, dtype=w.dtype, device=x.device)
         for r0, r1 in row_blocks(*x2.shape):
-            xf, gf = upcast(x2[r0:r1]), upcast(gate2[r0:r1])
-            act = _ACTIVATIONS[activation](gf)
-            y = (xf if norm_before_gate else xf * act).reshape(r1 - r0, -1, group_size)
-            r = torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)              # [rows, G, 1]
-            rstd[r0:r1] = r
-            o = (y * r).reshape(r1 - r0, dim) * w
-            out[r0:r1] = o * act if norm_before_gate else o
+            out[r0:r1], rstd[r0:r1] = gated_rows(x2[r0:r1], gate2[r0:r1], w, eps, group_size, activation,
+                                                 norm_before_gate)
         ctx.save_for_backward(x, gate, weight, rstd)
         ctx.meta = (group_size, activation, norm_before_gate)
         return out.reshape(x.shape)
@@ -101,30 +133,15 @@ class _GatedRMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, gate, weight, rstd = ctx.saved_tensors
-        group_size, activation, norm_before_gate = ctx.meta
         dim = x.shape[-1]
         x2, gate2, g2, w = x.reshape(-1, dim), gate.reshape(-1, dim), grad.reshape(-1, dim), upcast(weight)
         g_x = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         g_gate = torch.empty(gate2.shape, dtype=gate.dtype, device=x.device)
         g_w = torch.zeros_like(w)
         for r0, r1 in row_blocks(*x2.shape):
-            rows = r1 - r0
-            xf, gf, g = upcast(x2[r0:r1]), upcast(gate2[r0:r1]), upcast(g2[r0:r1])
-            act, d_act = _act_and_grad(gf, activation)
-            y = xf if norm_before_gate else xf * act
-            r = rstd[r0:r1]
-            hat = (y.reshape(rows, -1, group_size) * r).reshape(rows, dim)
-            if norm_before_gate:                   # out = hat * w * act
-                g_gate[r0:r1] = g * hat * w * d_act
-                g = g * act
-            g_w += (g * hat).sum(0)                # out = hat * w, hat = rmsnorm(x * act) (mamba)
-            g_y = _normalize_backward((g * w).reshape(rows, -1, group_size), hat.reshape(rows, -1, group_size),
-                                      r).reshape(rows, dim)
-            if norm_before_gate:
-                g_x[r0:r1] = g_y
-            else:
-                g_gate[r0:r1] = g_y * xf * d_act
-                g_x[r0:r1] = g_y.mul_(act)
+            g_x[r0:r1], g_gate[r0:r1], g_w_part = gated_rows_backward(
+                upcast(g2[r0:r1]), x2[r0:r1], gate2[r0:r1], w, rstd[r0:r1], *ctx.meta)
+            g_w += g_w_part
         return (g_x.reshape(x.shape), g_gate.reshape(gate.shape), g_w.to(weight.dtype), None, None, None,
                 None)
 
