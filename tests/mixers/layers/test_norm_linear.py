@@ -69,6 +69,20 @@ def test_equals_the_two_modules(monkeypatch, spec, bias, dtype, rows):
         check_close(a, b, dtype, grad=True, what=name)
 
 
+def test_frozen_linear():
+    """A frozen projection (no weight gradient wanted): the rest of the gradients as before."""
+    norm, linear, x, gate = build(3, 8, True, torch.float64, activation="swish")
+    linear.requires_grad_(False)
+    got = norm_linear(norm, x, gate, linear)
+    assert fused(got)
+    want = two_modules(norm, linear, x, gate)
+    g_out = torch.randn(want.shape, dtype=torch.float64)
+    leaves = [x, gate, norm.weight]
+    for name, a, b in zip(("x", "gate", "norm weight"), torch.autograd.grad(got, leaves, g_out),
+                          torch.autograd.grad(want, leaves, g_out)):
+        check_close(a, b, torch.float64, grad=True, what=name)
+
+
 def test_no_grad_and_hooks_call_the_modules():
     """Without gradients, or with a hook on either module, the two modules run as they are."""
     norm, linear, x, gate = build(2, 8, False, torch.float32, activation="swish")
