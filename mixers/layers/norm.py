@@ -90,7 +90,8 @@ def gated_rows(x, gate, w, eps, size, activation, norm_before_gate):
 def gated_rows_backward(g, x, gate, w, r, size, activation, norm_before_gate, with_output=False):
     """``(g_x, g_gate, g_w)`` of one block of :func:`gated_rows` from its output gradient ``g``
     (compute dtype; ``g_w [C]`` the block's part), and with ``with_output`` the block's output
-    recomputed (the same bits as the forward's) as a fourth."""
+    recomputed as a fourth (equal to the forward's up to rounding: SiLU is ``gate * sigmoid(gate)``
+    here, ``F.silu`` there)."""
     rows, dim = x.shape
     xf, gf = upcast(x), upcast(gate)
     act, d_act = _act_and_grad(gf, activation)

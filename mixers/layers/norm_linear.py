@@ -11,7 +11,7 @@ block of rows:
 1. forward: ``y = norm(x, gate)`` for the block (:func:`.norm.gated_rows`), ``out = y W^T (+ b)``
    written into the ``[N, O]`` output; kept: ``x``, ``gate`` (the norm keeps them anyway) and the
    per-group ``1 / rms``;
-2. backward: the block's ``y`` recomputed (the same bits) for ``dW += dy^T y``, then the norm's
+2. backward: the block's ``y`` recomputed (up to rounding) for ``dW += dy^T y``, then the norm's
    backward (:func:`.norm.gated_rows_backward`) from ``dy W``, written into ``dx`` and ``dgate``.
 
 :func:`norm_linear` uses it when the linear is a plain ``nn.Linear``, nothing has hooks, autocast
