@@ -22,12 +22,8 @@ import torch.nn.functional as F
 
 from ssm_pack.segments import Segments
 
-from ..chunks import ROW_BLOCK_ELEMENTS, compute_dtype, row_blocks
+from ..chunks import compute_dtype, row_blocks
 from .depthwise import conv_anticausal, conv_causal, weight_grad
-
-# rows of the backward's blocks: each block recomputes its pre-activation and takes its gradients
-# while they are in cache (no full-size temporary at any T)
-_GRAD_BLOCK_ELEMENTS = ROW_BLOCK_ELEMENTS
 
 
 def edge_layout(segs: Segments, state_len: int):
@@ -110,10 +106,11 @@ class VarlenConv(torch.autograd.Function):
     Backward keeps only the input (``x_tok`` as given, a strided view included: no copy of it
     is made) and recomputes the pre-activation, one more depthwise convolution, instead of
     keeping a second ``[N, D]`` tensor per convolution. It runs over blocks of rows
-    (``_GRAD_BLOCK_ELEMENTS``): each block recomputes its pre-activation from its rows and the
-    J before them, takes the gradient at its rows and the J after them, and writes its rows of
-    the input gradient, the one ``[N, D]`` tensor it allocates (at T = 65,536 a whole-size
-    pre-activation was one more fresh 32-64 MB mapping per convolution, faulted in page by page).
+    (:func:`..chunks.row_blocks`, small enough to stay in cache): each block recomputes its
+    pre-activation from its rows and the J before them, takes the gradient at its rows and the J
+    after them, and writes its rows of the input gradient, the one ``[N, D]`` tensor it allocates
+    (at T = 65,536 a whole-size pre-activation was one more fresh 32-64 MB mapping per
+    convolution, faulted in page by page).
     The first J outputs of every segment get their gradient from their recomputed edge outputs.
     """
 
@@ -148,7 +145,7 @@ class VarlenConv(torch.autograd.Function):
         g_x = torch.empty_like(x_tok, memory_format=torch.contiguous_format)
         g_w = weight.new_zeros(weight.shape)
         g_bias = weight.new_zeros(dim) if ctx.has_bias else None
-        for r0, r1 in row_blocks(n, dim, _GRAD_BLOCK_ELEMENTS):
+        for r0, r1 in row_blocks(n, dim):
             g_pre = _plain_grad(x_tok, grad, weight, bias, drop, r0, min(r1 + state_len, n), ctx.silu)
             g_x[r0:r1] = conv_anticausal(g_pre, weight)[: r1 - r0]
             g_pre = g_pre[: r1 - r0]

@@ -1,12 +1,15 @@
 """causal_conv1d_fn against a per-document F.conv1d oracle: outputs, final states, every gradient."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mixers.ops import causal_conv1d_fn
+from mixers.ops import causal_conv1d_fn, chunks
+from mixers.ops.causal_conv1d import reference
 from ssm_pack import lengths_to_cu_seqlens
 from tests.oracles import check_close, conv_oracle, design_lengths
 
@@ -67,6 +70,11 @@ def test_matches_per_document_conv_fp64(lengths, tail, width, init):
         check_close(a, r, torch.float64, grad=True, what=f"grad {name}")
 
 
+def small_blocks(monkeypatch, elements):
+    """The reference's backward over blocks of ``elements`` numbers (``elements / DIM`` rows)."""
+    monkeypatch.setattr(reference, "row_blocks", functools.partial(chunks.row_blocks, elements=elements))
+
+
 @pytest.mark.parametrize("rows", [pytest.param(1, id="1-row-blocks"), pytest.param(2, id="2-row-blocks"),
                                   pytest.param(5, id="5-row-blocks")])
 @pytest.mark.parametrize("lengths,tail,width", [GRID[1], GRID[3], GRID[5]])
@@ -74,8 +82,7 @@ def test_matches_per_document_conv_fp64(lengths, tail, width, init):
 def test_backward_over_blocks_fp64(rows, lengths, tail, width, activation, monkeypatch):
     """The backward runs over blocks of rows, each reading its next W - 1 rows' gradient and its
     W - 1 rows of input before it: blocks shorter than that (1, 2 rows at W = 4, 6) and longer."""
-    from mixers.ops.causal_conv1d import reference
-    monkeypatch.setattr(reference, "_GRAD_BLOCK_ELEMENTS", rows * DIM)
+    small_blocks(monkeypatch, rows * DIM)
     cu, leaves = make(lengths, tail, width, torch.float64)
     (out, final, grads), (ref_out, ref_final, ref_grads) = run_both(cu, leaves, activation)
     check_close(out, ref_out, torch.float64, what="out")
@@ -85,7 +92,6 @@ def test_backward_over_blocks_fp64(rows, lengths, tail, width, activation, monke
 
 def test_backward_over_blocks_with_padding(monkeypatch):
     """Padding (negative seq_idx) inside and between blocks: zero output, no gradient through it."""
-    from mixers.ops.causal_conv1d import reference
     g = torch.Generator().manual_seed(4)
     seq_idx = torch.tensor([[0, 0, 0, 1, 1, -1, -1, 2, 2, 2, -1, 3]], dtype=torch.int32)
     x = torch.randn(1, DIM, 12, generator=g, dtype=torch.float64)
@@ -93,7 +99,7 @@ def test_backward_over_blocks_with_padding(monkeypatch):
     g_out = torch.randn(1, DIM, 12, generator=g, dtype=torch.float64)
     runs = []
     for elements in (1 << 18, 3 * DIM):                 # one block; blocks of 3 rows
-        monkeypatch.setattr(reference, "_GRAD_BLOCK_ELEMENTS", elements)
+        small_blocks(monkeypatch, elements)
         leaves = [t.clone().requires_grad_() for t in (x, w, b)]
         out = causal_conv1d_fn(*leaves, seq_idx=seq_idx, activation="silu")
         runs.append((out, torch.autograd.grad((out * g_out).sum(), leaves)))
