@@ -26,7 +26,7 @@ from torch import nn
 from ..ops._autocast import autocasting
 from ..ops.chunks import records_grad, row_blocks
 from .norm import GatedRMSNorm, gated_rows, gated_rows_backward, upcast
-from .projections import _global_hooks, _hookless
+from .projections import bypassable
 
 
 class _NormLinearFn(torch.autograd.Function):
@@ -79,9 +79,8 @@ def norm_linear(norm: GatedRMSNorm, x: torch.Tensor, gate: torch.Tensor, linear:
     if channels % dim:
         raise ValueError(f"norm_linear: x's last dim {channels} must be a multiple of the norm's {dim}")
     lead = x.shape[:-1]
-    fused = (type(linear) is nn.Linear and _hookless(linear) and _hookless(norm) and not _global_hooks()
-             and not autocasting(x.device.type) and x.dtype == linear.weight.dtype
-             and records_grad(x, gate, norm.weight, linear.weight))
+    fused = (type(linear) is nn.Linear and bypassable(linear, norm) and not autocasting(x.device.type)
+             and x.dtype == linear.weight.dtype and records_grad(x, gate, norm.weight, linear.weight))
     if not fused:
         heads = x.reshape(*lead, channels // dim, dim)
         return linear(norm(heads, gate.reshape(heads.shape)).reshape(*lead, channels))

@@ -111,7 +111,7 @@ def project(x: torch.Tensor, modules: Sequence[nn.Module]) -> list[torch.Tensor]
     them are plain ``nn.Linear`` (not a subclass) and nothing has hooks; otherwise the modules are
     called as they are."""
     heads = [_first_linear(m) for m in modules]
-    if not all(type(h) is nn.Linear and _hookless(h) for h in heads) or _global_hooks():
+    if not (all(type(h) is nn.Linear for h in heads) and bypassable(*heads)):
         return [m(x) for m in modules]
     outs = shared_input_linear(x, [h.weight for h in heads], [h.bias for h in heads])
     for i, (m, h) in enumerate(zip(modules, heads)):
@@ -119,6 +119,12 @@ def project(x: torch.Tensor, modules: Sequence[nn.Module]) -> list[torch.Tensor]
             for layer in list(m)[1:]:
                 outs[i] = layer(outs[i])
     return outs
+
+
+def bypassable(*modules: nn.Module) -> bool:
+    """Whether a function of ``modules``' parameters may stand in for calling them: none of them
+    has hooks and no global module hook is registered (a hook must see its module called)."""
+    return all(_hookless(m) for m in modules) and not _global_hooks()
 
 
 def _global_hooks() -> bool:
