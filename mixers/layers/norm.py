@@ -88,10 +88,10 @@ def gated_rows(x, gate, w, eps, size, activation, norm_before_gate):
 
 
 def gated_rows_backward(g, x, gate, w, r, size, activation, norm_before_gate, with_output=False):
-    """``(g_x, g_gate, g_w)`` of one block of :func:`gated_rows` from its output gradient ``g``
-    (compute dtype; ``g_w [C]`` the block's part), and with ``with_output`` the block's output
-    recomputed as a fourth (equal to the forward's up to rounding: SiLU is ``gate * sigmoid(gate)``
-    here, ``F.silu`` there)."""
+    """``(g_x, g_gate, g_w, out)`` of one block of :func:`gated_rows` from its output gradient
+    ``g`` (compute dtype; ``g_w [C]`` the block's part); ``out`` is the block's output recomputed
+    with ``with_output``, else None (equal to the forward's up to rounding: SiLU is
+    ``gate * sigmoid(gate)`` here, ``F.silu`` there)."""
     rows, dim = x.shape
     xf, gf = upcast(x), upcast(gate)
     act, d_act = _act_and_grad(gf, activation)
@@ -109,7 +109,7 @@ def gated_rows_backward(g, x, gate, w, r, size, activation, norm_before_gate, wi
     else:
         g_gate = g_y * xf * d_act
         g_x = g_y.mul_(act)
-    return (g_x, g_gate, g_w, out) if with_output else (g_x, g_gate, g_w)
+    return g_x, g_gate, g_w, out
 
 
 class _GatedRMSNormFn(torch.autograd.Function):
@@ -140,7 +140,7 @@ class _GatedRMSNormFn(torch.autograd.Function):
         g_gate = torch.empty(gate2.shape, dtype=gate.dtype, device=x.device)
         g_w = torch.zeros_like(w)
         for r0, r1 in row_blocks(*x2.shape):
-            g_x[r0:r1], g_gate[r0:r1], g_w_part = gated_rows_backward(
+            g_x[r0:r1], g_gate[r0:r1], g_w_part, _ = gated_rows_backward(
                 upcast(g2[r0:r1]), x2[r0:r1], gate2[r0:r1], w, rstd[r0:r1], *ctx.meta)
             g_w += g_w_part
         return (g_x.reshape(x.shape), g_gate.reshape(gate.shape), g_w.to(weight.dtype), None, None, None,

@@ -61,12 +61,12 @@ class _NormLinearFn(torch.autograd.Function):
         g_weight = torch.zeros_like(weight) if need[3] else None
         for r0, r1 in row_blocks(*x.shape):
             dy = grad[r0:r1]
-            parts = gated_rows_backward(upcast(dy @ weight), x[r0:r1], gate[r0:r1], w, rstd[r0:r1], *ctx.meta,
-                                        with_output=g_weight is not None)
-            g_x[r0:r1], g_gate[r0:r1] = parts[:2]
-            g_w += parts[2]
-            if g_weight is not None:                    # parts[3]: the block's norm output, recomputed
-                g_weight.addmm_(dy.t(), parts[3].to(weight.dtype))
+            g_x[r0:r1], g_gate[r0:r1], g_w_part, y = gated_rows_backward(
+                upcast(dy @ weight), x[r0:r1], gate[r0:r1], w, rstd[r0:r1], *ctx.meta,
+                with_output=g_weight is not None)
+            g_w += g_w_part
+            if g_weight is not None:                    # y: the block's norm output, recomputed
+                g_weight.addmm_(dy.t(), y.to(weight.dtype))
         g_bias = grad.sum(0) if ctx.has_bias and need[4] else None
         g_norm = g_w.view(reps, -1).sum(0).to(norm_weight.dtype)
         return g_x, g_gate, g_norm, g_weight, g_bias, None, None, None, None
