@@ -73,8 +73,8 @@ def check_lengths(name: str, lengths: torch.Tensor) -> None:
 def check_boundaries(name: str, cu: torch.Tensor, *, values: bool = True) -> None:
     """``cu`` must be a 1-D integer tensor of offsets starting at 0 and non-decreasing.
 
-    Any integer dtype is checked exactly: differences are taken in int64, so unsigned offsets
-    cannot wrap around and narrow offsets that overflowed show up as a decrease.
+    Any integer dtype is checked exactly: neighbours are compared, never subtracted, so unsigned
+    offsets cannot wrap around and narrow offsets that overflowed show up as a decrease.
     ``values=False`` skips the checks that read the tensor's values (they synchronise with
     the device when ``cu`` lives on an accelerator).
     """
@@ -83,14 +83,14 @@ def check_boundaries(name: str, cu: torch.Tensor, *, values: bool = True) -> Non
         raise ValueError(f"{name} must hold at least one offset (the leading 0), got an empty tensor")
     if not values:
         return
-    wide = cu.to(torch.int64)
-    first = int(wide[0])
+    first = int(cu[0])
     if first != 0:
         raise ValueError(f"{name} must start at 0, got {first}")
-    if wide.numel() > 1:
-        steps = wide[1:] - wide[:-1]
-        if bool((steps < 0).any()):
-            i = int(torch.nonzero(steps < 0)[0, 0])
+    if cu.numel() > 1:
+        decrease = cu[1:] < cu[:-1]              # a comparison: no difference that could wrap around
+        if bool(decrease.any()):
+            wide = cu.to(torch.int64)
+            i = int(torch.nonzero(decrease)[0, 0])
             hint = (f" ({cu.dtype} holds at most {torch.iinfo(cu.dtype).max}: use int32)"
                     if cu.dtype in (torch.int8, torch.uint8, torch.int16) else "")
             raise ValueError(f"{name} must be non-decreasing, got {int(wide[i])} then {int(wide[i + 1])} "

@@ -29,7 +29,7 @@ import torch
 
 from .checks import as_boundaries, check_boundaries, check_int, check_tensor, describe
 from .convert import max_seqlen_from_cu_seqlens
-from .seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens
+from .seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens, seq_idx_of_checked
 
 _QKV_FORMATS = (None, "thd", "sbhd", "bshd")
 # Fields Transformer Engine's DotProductAttention.forward accepts; everything else is MCore's.
@@ -80,7 +80,9 @@ class PackedSeqParams:
         if self.validate:
             self._check()
         if self.seq_idx is None and self.total_tokens is not None and self.cu_seqlens_q is not None:
-            self.seq_idx = seq_idx_from_cu_seqlens(get_cu_seqlens(self), self.total_tokens, validate=self.validate)
+            cu = get_cu_seqlens(self)      # checked with total_tokens just above when validating
+            self.seq_idx = (seq_idx_of_checked(cu, self.total_tokens) if self.validate
+                            else seq_idx_from_cu_seqlens(cu, self.total_tokens, validate=False))
         self._versions = self._tensor_versions()
         self._frozen = True
 

@@ -63,6 +63,14 @@ def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int, *, vali
     return marks[:total_tokens].cumsum_(0).unsqueeze(0)
 
 
+def seq_idx_of_checked(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """:func:`seq_idx_from_cu_seqlens` for boundaries the caller has just checked (with their
+    values: a validating :class:`~ssm_pack.PackedSeqParams`), without checking them again."""
+    if cu_seqlens.device.type == "cpu" and _np is not None:
+        return _seq_idx_numpy(cu_seqlens, total_tokens)
+    return seq_idx_from_cu_seqlens(cu_seqlens, total_tokens)
+
+
 def _seq_idx_numpy(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
     """CPU fast path: one ``numpy.repeat`` (a fill per document, no scan over the tokens)."""
     bounds = _np.append(cu_seqlens.numpy().astype(_np.int64), total_tokens)
