@@ -80,11 +80,14 @@ class LoadMeter:
 
 @dataclass
 class Timings:
-    """Seconds of every round, per function (rounds alternate the functions), and the CPU seconds
-    other processes used during each timed run (``others``)."""
+    """Seconds of every round, per function (rounds alternate the functions), the CPU seconds
+    other processes used during each timed run (``others``) and the pages this process touched for
+    the first time during it (``faults``: minor page faults, each a fresh 4 KB page the kernel
+    mapped and zeroed)."""
 
     rounds: dict[str, list[float]]
     others: dict[str, list[float]] = field(default_factory=dict)
+    faults: dict[str, list[int]] = field(default_factory=dict)
 
     def best(self, name: str) -> float:
         return min(self.rounds[name])
@@ -107,11 +110,19 @@ class Timings:
             return None
         return max(0.0, sum(runs)) / wall
 
+    def fresh_mb(self, name: str) -> float | None:
+        """MB of pages first touched during the fastest run of ``name`` (``None``: not counted)."""
+        counts = self.faults.get(name)
+        if not counts:
+            return None
+        fastest = min(range(len(self.rounds[name])), key=self.rounds[name].__getitem__)
+        return counts[fastest] * resource.getpagesize() / 1e6
+
     def scaled(self, factors: dict[str, float]) -> Timings:
         """Every round of ``name`` multiplied by ``factors[name]`` (e.g. 1 / tokens: per token); the
         other processes' seconds scale with them, so :meth:`load` is unchanged."""
         return Timings({k: [t * factors.get(k, 1.0) for t in v] for k, v in self.rounds.items()},
-                       {k: [t * factors.get(k, 1.0) for t in v] for k, v in self.others.items()})
+                       {k: [t * factors.get(k, 1.0) for t in v] for k, v in self.others.items()}, self.faults)
 
 
 def alternate(fns: dict[str, Callable[[], object]], rounds: int = 3, warmup: int = 1, untimed: int = 0) -> Timings:
@@ -126,6 +137,7 @@ def alternate(fns: dict[str, Callable[[], object]], rounds: int = 3, warmup: int
     meter = LoadMeter()
     times: dict[str, list[float]] = {name: [] for name in fns}
     others: dict[str, list[float]] = {name: [] for name in fns}
+    faults: dict[str, list[int]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             for _ in range(untimed):
@@ -133,12 +145,14 @@ def alternate(fns: dict[str, Callable[[], object]], rounds: int = 3, warmup: int
             _sync()
             gc.collect()
             before = meter.snapshot()
+            touched = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             fn()
             _sync()
             times[name].append(time.perf_counter() - start)
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - touched)
             others[name].append(LoadMeter.others(before, meter.snapshot()))
-    return Timings(times, others)
+    return Timings(times, others, faults)
 
 
 def training_step(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor]) -> Callable[[], None]:

@@ -4,10 +4,22 @@ No timing here: the rounds are given (and the timed training step is checked wit
 
 from __future__ import annotations
 
+import resource
+
 import pytest
 import torch
 
-from benchmarks.common import BUSY, Possible, Result, Timings, ratio_result, results_table, settle, training_step
+from benchmarks.common import (
+    BUSY,
+    Possible,
+    Result,
+    Timings,
+    alternate,
+    ratio_result,
+    results_table,
+    settle,
+    training_step,
+)
 
 
 def timings(ours, other, others=None):
@@ -139,3 +151,20 @@ def test_training_step_makes_the_output_gradient_once_and_clears_the_inputs_grad
     assert x.grad is None
     assert len(grads) == 2 and grads[0] is grads[1]          # the same tensor: made at the first call only
     assert torch.equal(grads[0], torch.ones(3, 4))
+
+
+def test_fresh_pages_are_those_of_each_functions_fastest_run():
+    t = Timings({"ours": [2.0, 1.0, 3.0]}, {}, {"ours": [100, 10, 1000]})
+    page = resource.getpagesize()
+    assert t.fresh_mb("ours") == pytest.approx(10 * page / 1e6)           # the fastest round's count
+    assert t.scaled({"ours": 0.5}).fresh_mb("ours") == t.fresh_mb("ours")   # scaling times keeps the pages
+    assert Timings({"ours": [1.0]}).fresh_mb("ours") is None              # not counted: not stated
+
+
+def test_alternate_counts_the_pages_a_function_first_touches():
+    def fresh():                # 64 MB: above glibc's largest mmap threshold, a new mapping every call
+        torch.ones(16 << 20).sum()
+
+    t = alternate({"fresh": fresh, "none": lambda: None}, rounds=2)
+    assert t.fresh_mb("fresh") > 48
+    assert t.fresh_mb("none") < 4
