@@ -170,8 +170,8 @@ class _BlockAttention(torch.autograd.Function):
         seg_q = F.pad(seg, (0, pad), value=-1).view(layout.blocks, block)
         k_w, v_w, seg_w = layout.windows(ks, 0.0), layout.windows(vs, 0.0), layout.windows(seg, -1)
         dq = torch.empty_like(qs)
-        dk_w = qs.new_zeros(layout.blocks, layout.width, hk, qs.shape[-1])
-        dv_w = torch.zeros_like(dk_w)
+        dk_w = qs.new_empty(layout.blocks, layout.width, hk, qs.shape[-1])   # every block writes its rows
+        dv_w = torch.empty_like(dk_w)
         reached = qs.new_zeros(layout.blocks, layout.width)
         for b0 in range(0, layout.blocks, layout.group):
             b1 = min(b0 + layout.group, layout.blocks)
