@@ -112,8 +112,9 @@ def forward_rows(tokens, dim, heads, repeat) -> list[Result]:
     for key, who in (("hf", "HF torch_chunk_gated_delta_rule"), ("naive", "fla naive_chunk_gated_delta_rule")):
         if key in fns:
             rows.append(ratio_result(GROUP, f"GDN fwd speed-up over {who} ({tag})", t, "gdn", key, 2,
-                                     note=f"at the matmul's rate: {matmul_ceiling(t, key, flops):.2f}x; "
-                                          + fresh_pages(t, "gdn", key)))
+                                     note="; ".join(filter(None, (
+                                         f"at the matmul's rate: {matmul_ceiling(t, key, flops):.2f}x",
+                                         fresh_pages(t, "gdn", key))))))
     if "naive_kda" in fns:
         rows.append(ratio_result(GROUP, f"KDA fwd speed-up over fla naive_chunk_kda ({tag})", t, "kda", "naive_kda", 2,
                                  note=fresh_pages(t, "kda", "naive_kda")))
