@@ -90,6 +90,22 @@ def test_backward_over_blocks_fp64(rows, lengths, tail, width, activation, monke
         check_close(a, r, torch.float64, grad=True, what=f"grad {name}")
 
 
+@pytest.mark.parametrize("activation", ["silu", None], ids=["silu", "no-activation"])
+def test_backward_over_blocks_without_metadata_fails(activation, monkeypatch):
+    """Negative control of the test above: 2-row blocks without ``cu_seqlens`` convolve across the
+    document boundaries, so the per-document oracle's output and x gradient cannot match."""
+    small_blocks(monkeypatch, 2 * DIM)
+    cu, (x, weight, bias) = make([0, 15, 100, 300], 0, 4, torch.float64, init=False)
+    out = causal_conv1d_fn(x, weight, bias, activation=activation)
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+    ref_out, _ = conv_oracle(*ref_leaves, cu, None, activation)
+    assert (out - ref_out).abs().max() > 1e-3
+    g_out = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (g_x,) = torch.autograd.grad((out * g_out).sum(), x)
+    (ref_g_x,) = torch.autograd.grad((ref_out * g_out).sum(), ref_leaves[0])
+    assert (g_x - ref_g_x).abs().max() > 1e-3
+
+
 def test_backward_over_blocks_with_padding(monkeypatch):
     """Padding (negative seq_idx) inside and between blocks: zero output, no gradient through it."""
     g = torch.Generator().manual_seed(4)

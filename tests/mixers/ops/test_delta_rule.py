@@ -159,6 +159,25 @@ def test_one_head_l2norm_in_blocks_fp64(kind, numbers, monkeypatch):
         assert torch.equal(t.detach(), before[name]), f"{name} was written"
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_head_l2norm_in_blocks_without_metadata_fails(kind, monkeypatch):
+    """Negative control of the test above: the same blocked run without ``cu_seqlens`` carries the
+    state across documents, so the per-document oracle (output and q's gradient) cannot match."""
+    monkeypatch.setattr(blocked, "_BLOCK_NUMBERS", FEW_CHUNKS)
+    monkeypatch.setattr(blocked, "_MIN_CHUNKS", 1)
+    monkeypatch.setitem(globals(), "H", 1)
+    monkeypatch.setitem(globals(), "HV", 1)
+    cu, leaves = make(kind, [0, 15, 100, 300, 90], 3, torch.float64)
+    leaves = {name: t for name, t in leaves.items() if name != "initial_state"}
+    out, _ = call(kind, leaves, None, 8, final=False)
+    ref, ref_out, _ = oracle(kind, leaves, cu)
+    assert (out - ref_out).abs().max() > 1e-3
+    g_out = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    (dq,) = torch.autograd.grad((out * g_out).sum(), leaves["q"])
+    (ref_dq,) = torch.autograd.grad((ref_out * g_out).sum(), ref["q"])
+    assert (dq - ref_dq).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("rows,heads,chunks,width,step", [
     pytest.param(1, 8, 128, 64, 8, id="budget-gives-8"),
     pytest.param(1, 8, 128, 128, 8, id="4-widened-to-8"),
