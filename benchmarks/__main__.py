@@ -11,30 +11,14 @@ never run in CI.
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 from pathlib import Path
 
-import torch
-
 from benchmarks import bench_conv_ssd, bench_delta_rule, bench_inference, bench_layers, bench_metadata
-from benchmarks.common import Result, results_table
+from benchmarks.common import Result, machine, results_table
 
 QUICK = dict(meta=(2**19, 5000), conv_ssd=(2048, 256), delta=(2048, [64], 1024), layers=(4, 256), repeat=3)
 FULL = dict(meta=(2**21, 20000), conv_ssd=(8192, 1024), delta=(8192, [64, 128], 4096), layers=(8, 512), repeat=5)
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {torch.get_num_threads()} threads, Python {platform.python_version()}, torch {torch.__version__}"
-            + (f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""))
 
 
 def collect(sizes: dict, log) -> list[Result]:

@@ -30,6 +30,7 @@ from benchmarks.common import (
     Possible,
     Result,
     alternate,
+    machine,
     ratio_result,
     results_table,
     roofline_matmul,
@@ -132,7 +133,7 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
     results = run(args.tokens, args.docs, args.repeat, log=print)
     text = (f"conv + SSD references, T={args.tokens}, {args.docs} documents, H=16 P=64 N=64 G=1 chunk=128, "
-            f"fp32, CPU {torch.get_num_threads()} threads\n\n" + results_table(results))
+            f"fp32, {machine()}\n\n" + results_table(results))
     print(text)
     return text
 

@@ -36,6 +36,7 @@ from benchmarks.common import (
     Possible,
     Result,
     alternate,
+    machine,
     matmul_rate,
     ratio_result,
     results_table,
@@ -233,8 +234,8 @@ def main(argv=None) -> str:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args(argv)
     rows = run(args.tokens, args.dims, args.backward_tokens, args.repeat, args.heads, log=print)
-    text = (f"delta rule + varlen attention, T={args.tokens}, H={args.heads}, fp32, CPU {torch.get_num_threads()} "
-            "threads\n\n" + results_table(rows))
+    text = (f"delta rule + varlen attention, T={args.tokens}, H={args.heads}, fp32, "
+            f"{machine()}\n\n" + results_table(rows))
     print(text)
     return text
 

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import Result, alternate, ratio_result, results_table, settle
+from benchmarks.common import Result, alternate, machine, ratio_result, results_table, settle
 from mixers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
 from ssm_pack import PackedSeqParams, pack_padded
 
@@ -79,7 +79,7 @@ def main(argv=None) -> str:
     parser.add_argument("--layers", nargs="*", choices=list(LAYERS))
     args = parser.parse_args(argv)
     rows, meta = run(args.docs, args.hidden, args.repeat, args.layers, log=print)
-    text = (f"layers fwd+bwd, hidden {args.hidden}, fp32, CPU {torch.get_num_threads()} threads: "
+    text = (f"layers fwd+bwd, hidden {args.hidden}, fp32, {machine()}: "
             f"{len(meta['lengths'])} documents, {meta['real_tokens']} real tokens, "
             f"padded form {meta['padded_tokens']} tokens "
             f"({meta['padding']:.0%} padding)\n\n"

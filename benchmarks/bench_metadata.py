@@ -14,7 +14,7 @@ import argparse
 import torch
 
 import ssm_pack as sp
-from benchmarks.common import Result, alternate, ratio_result, results_table, settle
+from benchmarks.common import Result, alternate, machine, ratio_result, results_table, settle
 
 
 def random_lengths(tokens: int, docs: int, seed: int = 0) -> torch.Tensor:
@@ -108,7 +108,7 @@ def main(argv=None) -> str:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args(argv)
     results = run(args.tokens, args.docs, args.repeat, log=print)
-    text = (f"metadata at {args.tokens} tokens, {args.docs} documents (CPU, {torch.get_num_threads()} threads)\n\n"
+    text = (f"metadata at {args.tokens} tokens, {args.docs} documents ({machine()})\n\n"
             + results_table(results))
     print(text)
     return text

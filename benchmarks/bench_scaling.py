@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import Possible, Result, Timings, alternate, fill_with_documents, results_table, table
+from benchmarks.common import Possible, Result, Timings, alternate, fill_with_documents, machine, results_table, table
 
 HIDDEN = 128
 # the second: glibc keeps freed memory in its heap (no mmap, no trim) instead of returning it
@@ -326,7 +326,7 @@ def main(argv=None) -> str:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     png = plot(data, out / "scaling.png")
-    text = (f"scaling, hidden {HIDDEN}, fp32, CPU {torch.get_num_threads()} threads\n\n"
+    text = (f"scaling, hidden {HIDDEN}, fp32, {machine()}\n\n"
             + curve_table(data) + "\n\n" + results_table(results(data)) + f"\n\nwrote {png}")
     print(text)
     return text

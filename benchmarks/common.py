@@ -29,11 +29,13 @@ from __future__ import annotations
 import gc
 import math
 import os
+import platform
 import resource
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -42,6 +44,41 @@ RETRIES = 2           # default: an UNSTABLE group is rerun at most twice
 BUSY = 0.3            # a measurement during which other processes kept > 0.3 cores busy is UNSTABLE
 TICK = 0.01           # seconds per clock tick of /proc/stat (USER_HZ = 100 on Linux)
 LOAD_RESOLUTION = 0.1  # the load is not stated when it cannot be told to 0.1 cores
+
+
+def caches(root: str = "/sys/devices/system/cpu/cpu0/cache") -> str:
+    """The first CPU's data caches as sysfs lists them (``"L1d 48K, L2 2048K, L3 491520K"``; a VM
+    may report its host's L3), or ``""`` where they cannot be read. The same code is memory-bound
+    on one machine and not on another: a block of ~1 MB tensors fits the L3 of one 2-core VM and
+    spills the 2 MB L2 of another, so reports are compared with their caches."""
+    parts = []
+    for index in sorted(Path(root).glob("index*")):
+        try:
+            level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
+        except OSError:
+            continue
+        if kind != "Instruction":
+            parts.append(f"L{level}{'d' if kind == 'Data' else ''} {size}")
+    return ", ".join(parts)
+
+
+def machine() -> str:
+    """One line naming what the figures were measured on: CPU model, the vector ISA torch's CPU
+    kernels dispatch to, the caches, threads, Python, torch (and the GPU, when there is one)."""
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    isa = torch.backends.cpu.get_cpu_capability()
+    cache = caches()
+    return (f"{cpu} ({isa}{', ' + cache if cache else ''}), {torch.get_num_threads()} threads, "
+            f"Python {platform.python_version()}, torch {torch.__version__}"
+            + (f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""))
 
 
 def _sync():
