@@ -17,6 +17,7 @@ from torch import nn
 from ssm_pack import PackedSeqParams, VarlenBatch
 
 from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer, RMSNorm
+from .layers.cached import refuse_context_parallel
 from .layers.norm import upcast
 from .mlp import SwiGLU
 from .model_inference import CachedLM
@@ -114,6 +115,7 @@ class HybridLM(CachedLM, nn.Module):
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"input_ids must be [B, T] integer token ids, got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
+        check_token_ids(input_ids, self.embed.num_embeddings)
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels must match input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
         hf = {name: value for name, value in (("position_ids", position_ids), ("cu_seq_lens_q", cu_seq_lens_q),
@@ -127,6 +129,8 @@ class HybridLM(CachedLM, nn.Module):
             packed_seq_params = _params_from_hf(input_ids, hf)
             input_ids = input_ids.reshape(1, -1)
             labels = None if labels is None else labels.reshape(1, -1)
+        if cache is not None or cache_slots is not None:
+            refuse_context_parallel(packed_seq_params, type(self).__name__)
         varlen = None
         if packed_seq_params is not None:
             varlen = VarlenBatch.build(packed_seq_params, input_ids.shape[1], device=input_ids.device)
@@ -142,6 +146,28 @@ class HybridLM(CachedLM, nn.Module):
             else:
                 loss = F.cross_entropy(*flat, ignore_index=IGNORE_INDEX)
         return {"logits": logits.reshape(*rows, -1), "loss": loss}
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Refuse token ids outside ``0 .. vocab_size - 1`` (before the embedding reads them).
+
+    On the CPU one min/max reduction, and the first bad position is named in a ``ValueError``; on an
+    accelerator a device-side assert (``torch._assert_async``) so a forward costs no host sync: a bad
+    id then fails at the next synchronisation with the same message, without its position."""
+    if input_ids.numel() == 0:
+        return
+    if input_ids.device.type != "cpu":
+        torch._assert_async(((input_ids >= 0) & (input_ids < vocab_size)).all(),
+                            f"input_ids holds a token id outside the vocabulary of {vocab_size} tokens "
+                            f"(0..{vocab_size - 1})")
+        return
+    low, high = (int(v) for v in torch.aminmax(input_ids))
+    if low >= 0 and high < vocab_size:
+        return
+    where = torch.nonzero((input_ids < 0) | (input_ids >= vocab_size))[0].tolist()
+    value = int(input_ids[tuple(where)])
+    raise ValueError(f"input_ids[{', '.join(map(str, where))}]={value} is outside the vocabulary of {vocab_size} "
+                     f"tokens (0..{vocab_size - 1}); map unknown tokens to a valid id or enlarge vocab_size")
 
 
 def _params_from_hf(input_ids: torch.Tensor, hf: dict) -> PackedSeqParams:

@@ -18,6 +18,7 @@ import torch
 from .inference import InferenceCache
 from .inference.generate import generate
 from .inference.slots import SlotBatch
+from .layers.cached import refuse_context_parallel
 
 
 class CachedLM:
@@ -35,6 +36,7 @@ class CachedLM:
         if not isinstance(cache, InferenceCache):
             raise TypeError(f"cache must be the InferenceCache of this model's allocate_inference_cache, got "
                             f"{type(cache).__name__}")
+        refuse_context_parallel(varlen, type(self).__name__)
         cache.check(self, hidden_states.dtype, hidden_states.device)
         rows, steps = hidden_states.shape[:2]
         if varlen is not None and rows != 1:

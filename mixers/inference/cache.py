@@ -55,8 +55,9 @@ class InferenceCache:
         """The slots that hold no token."""
         return torch.nonzero(self.table.lengths == 0).reshape(-1).tolist()
 
-    def check(self, owner, dtype: torch.dtype, device) -> None:
-        """Refuse a cache of another model, dtype or device (nothing is written)."""
+    def check(self, owner, dtype: torch.dtype, device, what: str = "input_ids") -> None:
+        """Refuse a cache of another model, dtype or device (nothing is written); ``what`` names the
+        thing on ``device`` in the message."""
         if self._owner() is not owner:
             raise ValueError(f"this cache was allocated by another {self.owner_name}; allocate one with this "
                              "model's allocate_inference_cache (a cache serves the model that allocated it)")
@@ -64,8 +65,8 @@ class InferenceCache:
             raise ValueError(f"the cache was allocated for {self.dtype} activations but the model now runs "
                              f"{dtype}; allocate a new cache (allocate_inference_cache(..., dtype={dtype}))")
         if torch.device(device) != self.device:
-            raise ValueError(f"the cache lives on {self.device} but input_ids on {device}; allocate it on the "
-                             "input's device")
+            raise ValueError(f"the cache lives on {self.device} but {what} on {device}; allocate it on the "
+                             f"device of {what}")
 
     def resolve(self, cache_slots, rows: int, steps: int, varlen, device) -> SlotBatch:
         """Validate one call's slots (see :meth:`SlotTable.resolve`)."""

@@ -16,6 +16,7 @@ prompt. Works with any model that has ``allocate_inference_cache`` and takes ``c
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ import torch
 
 from ssm_pack import PackedSeqParams
 from ssm_pack.checks import check_int, describe
+
+from .cache import InferenceCache
 
 
 @dataclass
@@ -50,9 +53,19 @@ def _as_prompt(i: int, prompt, vocab: int | None) -> list[int]:
     if not tokens:
         raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
     if vocab is not None and not all(0 <= t < vocab for t in tokens):
-        bad = next(t for t in tokens if not 0 <= t < vocab)
-        raise ValueError(f"prompts[{i}] holds token {bad}, outside the vocabulary 0..{vocab - 1}")
+        j, bad = next((j, t) for j, t in enumerate(tokens) if not 0 <= t < vocab)
+        raise ValueError(f"prompts[{i}][{j}]={bad} is outside the vocabulary of {vocab} tokens (0..{vocab - 1}); "
+                         "map unknown tokens to a valid id")
     return tokens
+
+
+def check_temperature(temperature) -> float:
+    """``temperature`` as a float: finite and >= 0 (``inf``, uniform sampling, is refused too)."""
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+        raise TypeError(f"temperature must be a finite number >= 0 (0 = greedy), got {describe(temperature)}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    return float(temperature)
 
 
 class ContinuousBatcher:
@@ -61,27 +74,39 @@ class ContinuousBatcher:
     with ``record_logits=True``, ``logits[i]`` ``[len(outputs[i]), V]`` holds the logits each
     generated token of prompt i was chosen from."""
 
-    def __init__(self, model, *, max_batch_size: int = 8, prefill_chunk: int | None = None,
+    def __init__(self, model, *, max_batch_size: int | None = None, prefill_chunk: int | None = None,
                  temperature: float = 0.0, eos_token_id: int | None = None, generator: torch.Generator | None = None,
                  record_logits: bool = False, cache=None):
         self.model = model
-        self.max_batch_size = check_int("max_batch_size", max_batch_size, minimum=1)
+        self.max_batch_size = check_int("max_batch_size", max_batch_size, minimum=1, allow_none=True)
         self.prefill_chunk = check_int("prefill_chunk", prefill_chunk, minimum=1, allow_none=True)
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
-        self.temperature = float(temperature)
+        self.temperature = check_temperature(temperature)
         self.eos_token_id = check_int("eos_token_id", eos_token_id, minimum=0, allow_none=True)
         self.generator, self.record_logits, self.cache = generator, record_logits, cache
         self.steps = self.packed_steps = self.decode_steps = self.admitted = self.slots_reused = 0
         self.logits: list[torch.Tensor] = []
 
-    def _cache_for(self, longest: int):
+    def _cache_for(self, longest: int) -> tuple[InferenceCache, int]:
+        """The cache and how many of its slots to use; a given cache is checked whole (model, dtype,
+        device, sizes) before anything touches it."""
         if self.cache is None:
-            return self.model.allocate_inference_cache(self.max_batch_size, longest)
-        if self.cache.max_seqlen < longest:
-            raise ValueError(f"the cache holds {self.cache.max_seqlen} tokens per slot but a prompt plus "
+            slots = 8 if self.max_batch_size is None else self.max_batch_size
+            return self.model.allocate_inference_cache(slots, longest), slots
+        cache = self.cache
+        if not isinstance(cache, InferenceCache):
+            raise TypeError(f"cache must be an InferenceCache of this model's allocate_inference_cache, got "
+                            f"{describe(cache)}")
+        embed = getattr(self.model, "embed", None)
+        reference = embed.weight if isinstance(getattr(embed, "weight", None), torch.Tensor) \
+            else next(self.model.parameters())
+        cache.check(self.model, reference.dtype, reference.device, what="the model")
+        if cache.max_seqlen < longest:
+            raise ValueError(f"the cache holds {cache.max_seqlen} tokens per slot but a prompt plus "
                              f"max_new_tokens needs {longest}; allocate a longer cache")
-        return self.cache
+        if self.max_batch_size is not None and self.max_batch_size > cache.capacity:
+            raise ValueError(f"max_batch_size={self.max_batch_size} but the cache has {cache.capacity} slots; "
+                             "pass max_batch_size <= the cache's slots (or leave it None to use them all)")
+        return cache, cache.capacity if self.max_batch_size is None else self.max_batch_size
 
     def run(self, prompts, max_new_tokens: int) -> list[list[int]]:
         """The generated tokens of every prompt, in the prompts' order."""
@@ -94,10 +119,10 @@ class ContinuousBatcher:
         self.logits = [torch.zeros(0) for _ in prompts]
         if not prompts or max_new_tokens == 0:
             return outputs
-        cache = self._cache_for(max(len(p) for p in prompts) + max_new_tokens)
+        cache, capacity = self._cache_for(max(len(p) for p in prompts) + max_new_tokens)
         cache.reset()
         waiting, active, used = deque(range(len(prompts))), [], set()
-        free = deque(range(cache.capacity))
+        free = deque(range(capacity))
         with torch.no_grad():
             while waiting or active:
                 while waiting and free:
@@ -160,11 +185,12 @@ class ContinuousBatcher:
     def _choose(self, logits: torch.Tensor) -> int:
         if self.temperature == 0.0:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits.double() / self.temperature, dim=-1)
+        logits = logits.double()                    # shifted first: a tiny temperature gives -inf, never nan
+        probs = torch.softmax((logits - logits.max()) / self.temperature, dim=-1)
         return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
 
 
-def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, *, max_batch_size: int = 8,
+def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, *, max_batch_size: int | None = None,
              prefill_chunk: int | None = None, eos_token_id: int | None = None,
              generator: torch.Generator | None = None, cache=None) -> list[list[int]]:
     """Continuations of ``prompts`` (each a sequence of token ids: a list, a 1-D tensor, bytes), by
@@ -172,12 +198,15 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
 
     Args:
         max_new_tokens: tokens to generate per prompt (fewer when ``eos_token_id`` comes first).
-        temperature: 0 = greedy (argmax), else sampling from ``softmax(logits / temperature)``.
+        temperature: 0 = greedy (argmax), else sampling from ``softmax(logits / temperature)``; must
+            be finite (``nan`` and ``inf`` are refused; as it goes to 0 sampling becomes greedy).
+        max_batch_size: slots used at once; ``None``: 8, or every slot of ``cache``.
         prefill_chunk: at most this many prompt tokens per sequence and step (chunked prefill);
             ``None`` reads a prompt in one step.
         generator: the sampler's ``torch.Generator`` (CPU).
-        cache: an :class:`~mixers.inference.InferenceCache` of ``model`` to use (all its slots are
-            reset first); ``None`` allocates one sized to the prompts.
+        cache: an :class:`~mixers.inference.InferenceCache` of ``model`` to use: checked first (its
+            model, dtype, device, ``max_seqlen`` and slots; a refused cache is left bitwise
+            unchanged), then all its slots are reset; ``None`` allocates one sized to the prompts.
 
     Returns:
         The generated token ids of every prompt, in order.

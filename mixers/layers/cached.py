@@ -27,6 +27,24 @@ from ..inference.slots import SlotBatch, SlotTable
 from .base import plan_support
 
 
+def refuse_context_parallel(packed_seq_params, name: str) -> None:
+    """Refuse an inference cache with context-parallel metadata (``cp_group`` set, or a rank's shard
+    from :func:`ssm_pack.shard_for_context_parallel`): each rank would keep a partial state of a
+    document it shares. Reads attributes only, so it runs before anything is built or written."""
+    if packed_seq_params is None:
+        return
+    layout = getattr(packed_seq_params, "cp_layout", None)
+    group = getattr(packed_seq_params, "cp_group", None)
+    run = getattr(packed_seq_params, "cp", None)                  # a resolved VarlenBatch
+    if layout is None and group is None and run is None:
+        return
+    seen = (f"cp_layout splits the row over {layout.size} ranks" if layout is not None
+            else "a CP run" if run is not None else "cp_group is set")
+    raise ValueError(f"{name}: no decoding cache under CP: packed_seq_params describe a context-parallel shard "
+                     f"({seen}) but cache= was given; run the prefill with the whole row's params on one "
+                     "process (no cp_group, no shard), or drop cache= for a context-parallel forward")
+
+
 class CachedMixin:
     """Inference for a mixer: subclasses define ``_cache_states``, ``_cached`` and ``INFERENCE_PLAN``
     (the kernels of its decode and prefill parts, rows of the requirements table like ``PLAN``:
@@ -70,6 +88,7 @@ class CachedMixin:
         if not isinstance(cache, LayerCache):
             raise TypeError(f"{name}: cache must be the LayerCache of this mixer's allocate_inference_cache, got "
                             f"{type(cache).__name__}")
+        refuse_context_parallel(packed_seq_params, name)
         varlen = self.varlen(hidden_states, packed_seq_params)
         cache.check(self, hidden_states)
         rows, steps = hidden_states.shape[:2]

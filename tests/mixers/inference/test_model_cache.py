@@ -191,7 +191,8 @@ def test_reset_errors_and_the_snapshot_sees_a_reset():
 
 @pytest.mark.parametrize("prompt,new,match", [
     pytest.param([[]], 2, "prompts\\[0\\] is empty", id="empty-prompt"),
-    pytest.param([[1, 99]], 2, "outside the vocabulary 0..63", id="out-of-vocabulary"),
+    pytest.param([[1, 99]], 2, r"prompts\[0\]\[1\]=99 is outside the vocabulary of 64 tokens \(0..63\)",
+                 id="out-of-vocabulary"),
     pytest.param([[1]], -1, "max_new_tokens must be >= 0", id="negative-new-tokens"),
 ])
 def test_generate_bad_input(prompt, new, match):
