@@ -41,7 +41,7 @@ class _SwiGLUFn(torch.autograd.Function):
         out = x.new_empty(x.shape[0], w2.shape[0])
         keep = any(ctx.needs_input_grad)
         h_all = x.new_empty(x.shape[0], 2 * inner) if keep else None
-        for r0, r1 in row_blocks(x.shape[0], 2 * inner, _BLOCK_ELEMENTS):
+        for r0, r1 in row_blocks(x.shape[0], 2 * inner, _BLOCK_ELEMENTS, device=x):
             h = torch.mm(x[r0:r1], w1.t(), out=h_all[r0:r1]) if keep else x[r0:r1] @ w1.t()
             a = F.silu(h[:, :inner]).mul_(h[:, inner:])
             torch.mm(a, w2.t(), out=out[r0:r1])
@@ -63,7 +63,7 @@ class _SwiGLUFn(torch.autograd.Function):
         g_w1 = torch.zeros(w1.shape, dtype=acc, device=w1.device)
         g_w2 = torch.zeros(w2.shape, dtype=acc, device=w2.device)
         buf = None                                                     # the first block is the largest
-        for r0, r1 in row_blocks(x.shape[0], 2 * inner, _BLOCK_ELEMENTS):
+        for r0, r1 in row_blocks(x.shape[0], 2 * inner, _BLOCK_ELEMENTS, device=x):
             h, g_out = h_all[r0:r1], grad[r0:r1]
             gate, up = h[:, :inner], h[:, inner:]
             sig = torch.sigmoid(gate)

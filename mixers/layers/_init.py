@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.chunks import ROW_BLOCK_ELEMENTS, records_grad, row_blocks
+from ..ops.device_policy import whole_tensor
 from .norm import upcast
 
 
@@ -30,7 +31,7 @@ class _DecayGate(torch.autograd.Function):
     def forward(ctx, pre, bias, A):
         scale = -torch.exp(A)
         out = torch.empty(pre.shape, dtype=scale.dtype, device=pre.device)
-        for r0, r1 in row_blocks(*pre.shape):
+        for r0, r1 in row_blocks(*pre.shape, device=pre):
             torch.mul(F.softplus(upcast(pre[r0:r1]) + bias), scale, out=out[r0:r1])
         ctx.save_for_backward(pre, bias, A)
         return out
@@ -41,7 +42,7 @@ class _DecayGate(torch.autograd.Function):
         scale = -torch.exp(A)
         g_pre = torch.empty_like(pre)
         g_bias, g_A = torch.zeros_like(scale), torch.zeros_like(scale)
-        for r0, r1 in row_blocks(*pre.shape):
+        for r0, r1 in row_blocks(*pre.shape, device=pre):
             raw = upcast(pre[r0:r1]) + bias
             g = upcast(grad[r0:r1])
             g_A += (g * F.softplus(raw)).sum(0)
@@ -61,7 +62,7 @@ def decay_gate(pre: torch.Tensor, bias: torch.Tensor, A: torch.Tensor) -> torch.
     if bias.shape != (width,) or A.shape != (width,):
         raise ValueError(f"decay_gate: bias {tuple(bias.shape)} and A {tuple(A.shape)} must both be "
                          f"[{width}], the last dim of pre {tuple(pre.shape)}")
-    if pre.numel() <= ROW_BLOCK_ELEMENTS and not records_grad(pre, bias, A):   # a decode step: nothing kept
+    if not records_grad(pre, bias, A) and (pre.numel() <= ROW_BLOCK_ELEMENTS or whole_tensor(pre)):  # nothing kept
         return F.softplus(upcast(pre) + upcast(bias)) * -torch.exp(upcast(A))
     out = _DecayGate.apply(pre.reshape(-1, width), upcast(bias), upcast(A))
     return out.reshape(pre.shape)

@@ -51,7 +51,7 @@ class _RMSNormFn(torch.autograd.Function):
         w = upcast(weight)
         out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         rstd = torch.empty(x2.shape[0], 1, dtype=w.dtype, device=x.device)
-        for r0, r1 in row_blocks(*x2.shape):
+        for r0, r1 in row_blocks(*x2.shape, device=x2):
             xf = upcast(x2[r0:r1])
             r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
             rstd[r0:r1] = r
@@ -66,7 +66,7 @@ class _RMSNormFn(torch.autograd.Function):
         w = upcast(weight)
         g_x = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         g_w = torch.zeros_like(w)
-        for r0, r1 in row_blocks(*x2.shape):
+        for r0, r1 in row_blocks(*x2.shape, device=x2):
             hat = upcast(x2[r0:r1]) * rstd[r0:r1]
             g = upcast(g2[r0:r1])
             g_w += (g * hat).sum(0)
@@ -124,7 +124,7 @@ class _GatedRMSNormFn(torch.autograd.Function):
         x2, gate2, w = x.reshape(-1, dim), gate.reshape(-1, dim), upcast(weight)
         out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         rstd = torch.empty(x2.shape[0], dim // group_size, 1, dtype=w.dtype, device=x.device)
-        for r0, r1 in row_blocks(*x2.shape):
+        for r0, r1 in row_blocks(*x2.shape, device=x2):
             out[r0:r1], rstd[r0:r1] = gated_rows(x2[r0:r1], gate2[r0:r1], w, eps, group_size, activation,
                                                  norm_before_gate)
         ctx.save_for_backward(x, gate, weight, rstd)
@@ -139,7 +139,7 @@ class _GatedRMSNormFn(torch.autograd.Function):
         g_x = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
         g_gate = torch.empty(gate2.shape, dtype=gate.dtype, device=x.device)
         g_w = torch.zeros_like(w)
-        for r0, r1 in row_blocks(*x2.shape):
+        for r0, r1 in row_blocks(*x2.shape, device=x2):
             g_x[r0:r1], g_gate[r0:r1], g_w_part, _ = gated_rows_backward(
                 upcast(g2[r0:r1]), x2[r0:r1], gate2[r0:r1], w, rstd[r0:r1], *ctx.meta)
             g_w += g_w_part
@@ -160,7 +160,7 @@ class RMSNorm(nn.Module):
             return _RMSNormFn.apply(x, self.weight, self.eps)
         x2, w = x.reshape(-1, x.shape[-1]), upcast(self.weight)
         return _joined([F.rms_norm(upcast(x2[r0:r1]), (x2.shape[1],), w, self.eps)
-                        for r0, r1 in row_blocks(*x2.shape)], x)
+                        for r0, r1 in row_blocks(*x2.shape, device=x2)], x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -190,7 +190,7 @@ class GatedRMSNorm(nn.Module):
         dim, size = x.shape[-1], self.group_size
         x2, gate2, w = x.reshape(-1, dim), gate.reshape(-1, dim), upcast(self.weight)
         parts = []
-        for r0, r1 in row_blocks(*x2.shape):
+        for r0, r1 in row_blocks(*x2.shape, device=x2):
             act = _ACTIVATIONS[self.activation](upcast(gate2[r0:r1]))
             y = upcast(x2[r0:r1]) if self.norm_before_gate else upcast(x2[r0:r1]) * act
             o = F.rms_norm(y.reshape(r1 - r0, -1, size), (size,), None, self.eps).reshape(r1 - r0, dim) * w

@@ -38,7 +38,7 @@ class _NormLinearFn(torch.autograd.Function):
         w = upcast(norm_weight).repeat(x.shape[1] // norm_weight.shape[0])            # [C]
         out = x.new_empty(x.shape[0], weight.shape[0])
         rstd = torch.empty(x.shape[0], x.shape[1] // size, 1, dtype=w.dtype, device=x.device)
-        for r0, r1 in row_blocks(*x.shape):
+        for r0, r1 in row_blocks(*x.shape, device=x):
             y, rstd[r0:r1] = gated_rows(x[r0:r1], gate[r0:r1], w, eps, size, activation, norm_before_gate)
             y = y.to(x.dtype)
             if bias is None:
@@ -59,7 +59,7 @@ class _NormLinearFn(torch.autograd.Function):
         g_x, g_gate = torch.empty_like(x), torch.empty_like(gate)
         g_w = torch.zeros_like(w)
         g_weight = torch.zeros_like(weight) if need[3] else None
-        for r0, r1 in row_blocks(*x.shape):
+        for r0, r1 in row_blocks(*x.shape, device=x):
             dy = grad[r0:r1]
             g_x[r0:r1], g_gate[r0:r1], g_w_part, y = gated_rows_backward(
                 upcast(dy @ weight), x[r0:r1], gate[r0:r1], w, rstd[r0:r1], *ctx.meta,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .device_policy import whole_tensor
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The references compute half inputs (fp16, bf16) in fp32 and everything else as given."""
@@ -58,11 +60,13 @@ def suffix_sums(g: torch.Tensor, dim: int) -> torch.Tensor:
 ROW_BLOCK_ELEMENTS = 1 << 18    # ~1 MB of fp32 temporaries per step of a blockwise elementwise pass
 
 
-def row_blocks(rows: int, width: int, elements: int = ROW_BLOCK_ELEMENTS):
+def row_blocks(rows: int, width: int, elements: int = ROW_BLOCK_ELEMENTS, *, device=None):
     """Row ranges ``(r0, r1)`` of about ``elements`` elements of a ``[rows, width]`` tensor, for
-    elementwise passes that must not allocate full-size temporaries; one range while compiling
-    (the compiler fuses the elementwise steps, so there is nothing to bound)."""
-    if torch.compiler.is_compiling():
+    elementwise passes that must not allocate full-size temporaries on a CPU. One range, the
+    whole tensor, while compiling (the compiler fuses the elementwise steps, so there is nothing
+    to bound) and when the device policy of ``device`` (a device or a tensor; see
+    :mod:`.device_policy`) is ``"cuda"``: one GEMM or kernel per step, not a loop of small ones."""
+    if torch.compiler.is_compiling() or (device is not None and whole_tensor(device)):
         yield 0, rows
         return
     step = max(1, elements // max(width, 1))

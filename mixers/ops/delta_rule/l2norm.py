@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..chunks import ROW_BLOCK_ELEMENTS, records_grad, row_blocks
+from ..device_policy import whole_tensor
 
 EPS = 1e-6
 
@@ -43,7 +44,7 @@ class _L2NormFn(torch.autograd.Function):
     def forward(ctx, x):
         out = torch.empty_like(x)
         r = x.new_empty(x.shape[0], 1)
-        for r0, r1 in row_blocks(*x.shape):
+        for r0, r1 in row_blocks(*x.shape, device=x):
             torch.mul(x[r0:r1], inverse_norm(x[r0:r1], out=r[r0:r1]), out=out[r0:r1])
         ctx.save_for_backward(x, r)
         return out
@@ -52,7 +53,7 @@ class _L2NormFn(torch.autograd.Function):
     def backward(ctx, grad):
         x, r = ctx.saved_tensors
         g_x = torch.empty_like(x)
-        for r0, r1 in row_blocks(*x.shape):
+        for r0, r1 in row_blocks(*x.shape, device=x):
             normalize_backward(grad[r0:r1], x[r0:r1] * r[r0:r1], r[r0:r1], out=g_x[r0:r1])
         return g_x
 
@@ -62,6 +63,6 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     in ``x``'s dtype."""
     if x.numel() == 0:
         return x.clone()
-    if x.numel() <= ROW_BLOCK_ELEMENTS and not records_grad(x):   # a decode step: one block, nothing kept
+    if not records_grad(x) and (x.numel() <= ROW_BLOCK_ELEMENTS or whole_tensor(x)):   # one pass, nothing kept
         return x * torch.rsqrt(x.square().sum(-1, keepdim=True).add_(EPS))
     return _L2NormFn.apply(x.reshape(-1, x.shape[-1])).reshape(x.shape)
