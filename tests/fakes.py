@@ -23,14 +23,42 @@ from mixers.ops import (
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _runs_read_apart(seq_idx) -> bool:
+    """Whether causal-conv1d's by-value window compare reads ``seq_idx [B, T]`` as ssm-pack means it:
+    per row the first segment is 0 and every later non-negative run has a larger value than any before
+    (a reused value would join two segments inside the window)."""
+    for row in seq_idx.tolist():
+        seen = -1
+        for i, v in enumerate(row):
+            if i == 0 and v >= 0 and v != 0:
+                return False
+            if v >= 0 and (i == 0 or v != row[i - 1]):
+                if v <= seen:
+                    return False
+                seen = v
+    return True
+
+
 def fake_conv(calls):
-    def conv(x, weight, bias, seq_idx=None, initial_states=None, activation=None):
+    """causal-conv1d's ``causal_conv1d_fn`` with ``seq_idx``: checks of csrc/causal_conv1d.cpp
+    (``causal_conv1d_fwd``) and causal_conv1d/causal_conv1d_interface.py; the by-value compare of
+    csrc/causal_conv1d_fwd.cu."""
+    def conv(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+             final_states_out=None, activation=None):
         b, d, t = x.shape
-        assert x.dtype in KERNEL_DTYPES and x.stride(1) == 1, "causal-conv1d needs channel-last x with seq_idx"
+        width = weight.shape[1]
+        assert x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES
+        assert x.stride(1) == 1, "seq_idx is only supported for channel last layout"
         assert d % 8 == 0 and x.stride(0) % 8 == 0 and x.stride(2) % 8 == 0
-        assert 2 <= weight.shape[1] <= 4 and weight.is_contiguous()
+        assert 2 <= width <= 4 and weight.is_contiguous()
+        assert bias is None or (bias.dtype == weight.dtype and bias.stride(-1) == 1), "bias dtype == weight dtype"
         assert seq_idx is not None and seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
-        assert tuple(seq_idx.shape) == (b, t)
+        assert seq_idx.device == x.device and tuple(seq_idx.shape) == (b, t)
+        assert _runs_read_apart(seq_idx), f"the kernel compares seq_idx by value; got {seq_idx.tolist()}"
+        assert not return_final_states and final_states_out is None, "no final states together with seq_idx"
+        if initial_states is not None:
+            assert initial_states.dtype == x.dtype, "initial_states.scalar_type() == input_type"
+            assert tuple(initial_states.shape) == (b, d, width - 1) and initial_states.stride(1) == 1
         assert activation in (None, "silu", "swish")
         calls.append(("conv", dict(seq_idx=seq_idx, initial_states=initial_states)))
         return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states,
@@ -118,6 +146,10 @@ def fake_fla(calls):
                 empty = lengths == 0
                 # fla < 0.6 shifts every later document's index after an empty one: empties go last
                 assert not bool((empty[:-1] & ~empty[1:]).any()), "empty documents must come after the others"
+            if kind == "kda" and initial_state is not None:   # fla/ops/kda/chunk.py
+                assert initial_state.dtype == torch.float32, "initial_state must be in float32."
+            assert q.shape == k.shape or kind == "gdp", "q and k must have the same shape"
+            assert v.shape[2] % q.shape[2] == 0, "num_v_heads must be divisible by num_qk_heads"
             calls.append((kind, cu_seqlens))
             extra = (num_householder,) if kind == "gdp" else ()
             return ours[kind](q, k, v, g, beta, *extra, scale=scale, initial_state=initial_state,

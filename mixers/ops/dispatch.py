@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import torch
+
 from ssm_pack import kernels, support
 
 BACKENDS = ("auto", "kernel", "reference")
@@ -56,6 +58,21 @@ def select_backend(op: str, backend: str, *, on_cuda: bool,
     if not on_cuda or missing_feature is not None:
         return "reference"
     return "kernel" if support_state()[0] else "reference"
+
+
+def records_grad(*tensors) -> bool:
+    """Whether autograd records through a call with ``tensors`` (``None`` entries are skipped)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def forward_only(kernel: str, *tensors) -> str | None:
+    """The missing feature of a forward-only kernel (the decode kernels) when autograd records through
+    ``tensors``, else ``None``: ``"auto"`` then takes the differentiable reference and ``"kernel"``
+    refuses, so no output ever comes back silently detached."""
+    if not records_grad(*tensors):
+        return None
+    return (f"a backward pass ({kernel} has no backward and autograd is recording: an input requires grad; "
+            "call it under torch.no_grad() or torch.inference_mode() for the kernel)")
 
 
 def is_cuda(t) -> bool:

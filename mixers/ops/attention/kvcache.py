@@ -121,7 +121,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     choice = dispatch.select_backend("attention_with_kvcache", backend, on_cuda=dispatch.is_cuda(q),
                                      support_state=lambda: dispatch.cached_support("flash_attn", ("kvcache",)),
-                                     missing_feature=unsupported(q, k_cache))
+                                     missing_feature=unsupported(q, k_cache, v_cache, k, v))
     if choice == "kernel":
         return kvcache_kernel(q, k_cache, v_cache, k, v, lens, cache_batch_idx, scale, causal, window)
     index = torch.arange(rows, device=q.device) if cache_batch_idx is None else \

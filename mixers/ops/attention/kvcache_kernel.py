@@ -6,21 +6,25 @@ each row, before the new keys), ``cache_batch_idx`` int32 ``[N]``; ``k`` / ``v``
 are written into the caches in place at ``cache_seqlens``; the causal mask is aligned to the
 bottom right (query j of a row sits at ``cache_seqlens + t_new - t + j``). ssm-pack applies the
 rotary embedding itself (its half-split layout), so no ``rotary_cos`` / ``rotary_sin`` is passed.
+It has no backward: a call autograd records takes the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import dispatch
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def unsupported(q, k_cache) -> str | None:
+def unsupported(q, k_cache, *inputs) -> str | None:
+    """Why the kernel cannot take these inputs (``inputs``: the other tensors, for autograd), or ``None``."""
     if q.dtype not in KERNEL_DTYPES:
         return f"dtype {q.dtype} (flash-attn takes fp16 / bf16)"
     if k_cache.dtype != q.dtype:
         return f"a {k_cache.dtype} cache with {q.dtype} queries"
-    return None
+    return dispatch.forward_only("flash_attn_with_kvcache", q, k_cache, *inputs)
 
 
 def load_upstream():

@@ -2,8 +2,15 @@
 
 Upstream contract (``causal_conv1d_fwd``): fp32 / fp16 / bf16; width 2..4; with ``seq_idx``
 the input must be channel-last (``x.stride(1) == 1``) with ``D % 8 == 0`` and ``x.stride(0)``,
-``x.stride(2)`` multiples of 8; ``seq_idx`` int32, contiguous, ``[B, T]``; no
-``return_final_states`` together with ``seq_idx`` (ssm-pack gathers final states itself).
+``x.stride(2)`` multiples of 8; ``seq_idx`` int32, contiguous, ``[B, T]`` on ``x``'s device; no
+``return_final_states`` together with ``seq_idx`` (ssm-pack gathers final states itself);
+``initial_states`` ``[B, D, W-1]`` of ``x``'s dtype with ``stride(1) == 1`` (csrc/causal_conv1d.cpp
+checks ``initial_states.scalar_type() == input_type``); ``bias`` of ``weight``'s dtype.
+
+The kernel (csrc/causal_conv1d_fwd.cu) compares ``seq_idx`` by value inside the window: a value
+used again by a later segment would join the two (a value that skips, as after an empty document,
+is harmless). ssm-pack's semantics are "a boundary at every change of value,
+negative = padding", so the kernel gets the normal form (:func:`normal_seq_idx`).
 """
 
 from __future__ import annotations
@@ -42,15 +49,26 @@ def channel_last(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def normal_seq_idx(seq_idx: torch.Tensor, device) -> torch.Tensor:
+    """``[B, T]`` int32 contiguous on ``device``: per row 0 for the first segment, +1 at every change
+    of value, every negative (padding) token kept at -1."""
+    seq_idx = seq_idx.to(device=device)
+    changed = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int32)
+    normal = torch.cat([torch.zeros_like(changed[:, :1]), changed.cumsum(1, dtype=torch.int32)], dim=1)
+    return torch.where(seq_idx < 0, -1, normal).to(torch.int32).contiguous()
+
+
 def causal_conv1d_kernel(x, weight, bias, seq_idx, initial_states, activation):
-    """Run upstream's ``causal_conv1d_fn`` with ``seq_idx`` resets (no final states)."""
+    """Run upstream's ``causal_conv1d_fn`` with ``seq_idx`` resets (no final states); ``initial_states``
+    ``[B, D, W-1]`` are handed over in ``x``'s dtype (the op returns ``x``'s dtype either way)."""
     conv_fn, _ = load_upstream()
     x = channel_last(x)
-    seq_idx = seq_idx.to(torch.int32).contiguous()
+    seq_idx = normal_seq_idx(seq_idx, x.device)
     if initial_states is not None:
-        initial_states = initial_states.transpose(1, 2).contiguous().transpose(1, 2)
-    return conv_fn(x, weight.contiguous(), None if bias is None else bias.contiguous(), seq_idx=seq_idx,
-                   initial_states=initial_states, activation=activation)
+        initial_states = initial_states.to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.to(weight.dtype).contiguous()
+    return conv_fn(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states, activation=activation)
 
 
 def varlen_states_kernel(x: torch.Tensor, cu_seqlens: torch.Tensor, state_len: int):

@@ -75,12 +75,12 @@ def _reference(x, conv_state, weight, bias, activation, indices):
     return out.to(x.dtype)
 
 
-def _choose(x, conv_state, weight, indices, backend) -> str:
+def _choose(x, conv_state, weight, indices, backend, bias=None) -> str:
     features = ("update_indices",) if indices is not None else ()
     candidates = (
-        ("causal_conv1d", "causal-conv1d", update_kernels.causal_conv1d_unsupported(x, conv_state, weight),
+        ("causal_conv1d", "causal-conv1d", update_kernels.causal_conv1d_unsupported(x, conv_state, weight, bias),
          lambda: dispatch.cached_support("causal_conv1d", features)),
-        ("fla_conv", "fla's Triton conv", update_kernels.fla_unsupported(x, conv_state, weight),
+        ("fla_conv", "fla's Triton conv", update_kernels.fla_unsupported(x, conv_state, weight, bias),
          lambda: dispatch.cached_support("fla_conv", ("update",))),
     )
     return dispatch.choose_kernel("causal_conv1d_update", backend, on_cuda=dispatch.is_cuda(x), candidates=candidates)
@@ -105,7 +105,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     indices = _check(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
     squeeze = x.dim() == 2
     x3 = x.unsqueeze(-1) if squeeze else x
-    choice = _choose(x3, conv_state, weight, indices, backend)
+    choice = _choose(x3, conv_state, weight, indices, backend, bias)
     if choice == "causal_conv1d":
         out = update_kernels.causal_conv1d_update_kernel(x3, conv_state, weight, bias, activation, indices)
     elif choice == "fla_conv":

@@ -8,13 +8,16 @@ with stride 1 naming the rows of the pool it reads and writes in place.
 
 flash-linear-attention's Triton ``causal_conv1d_update`` (0.6.0): one token per sequence
 (``x [N, D]``), a contiguous ``cache [N, D, W]`` (fla's state: the last W inputs, the oldest
-unread), updated in place, no indices. ssm-pack gathers the named rows into that layout (a zero
+unread), updated in place, no indices. Neither has a backward: a call autograd records takes the reference.
+ssm-pack gathers the named rows into that layout (a zero
 column in front of our ``[.., W-1]`` state), and writes the last W-1 columns back.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .. import dispatch
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -29,24 +32,26 @@ def load_fla():
     return causal_conv1d_update
 
 
-def causal_conv1d_unsupported(x, conv_state, weight) -> str | None:
+def causal_conv1d_unsupported(x, conv_state, weight, *inputs) -> str | None:
+    """Why causal-conv1d's update cannot take these inputs (``inputs``: bias, for autograd), or ``None``."""
     if x.dtype not in KERNEL_DTYPES:
         return f"dtype {x.dtype} (it takes float32, float16, bfloat16)"
     if conv_state.dtype != x.dtype:
         return f"a {conv_state.dtype} conv_state with {x.dtype} inputs (it needs one dtype)"
     if not 2 <= weight.shape[1] <= 4:
         return f"kernel width {weight.shape[1]} (it takes 2..4)"
-    return None
+    return dispatch.forward_only("causal-conv1d's causal_conv1d_update", x, conv_state, weight, *inputs)
 
 
-def fla_unsupported(x, conv_state, weight) -> str | None:
+def fla_unsupported(x, conv_state, weight, *inputs) -> str | None:
+    """Why fla's update cannot take these inputs (``inputs``: bias, for autograd), or ``None``."""
     if x.dtype not in KERNEL_DTYPES:
         return f"dtype {x.dtype} (fla's Triton conv takes float32, float16, bfloat16)"
     if x.shape[-1] != 1:
         return f"{x.shape[-1]} tokens per row (fla's update takes one)"
     if conv_state.shape[-1] != weight.shape[1] - 1:
         return f"a state of {conv_state.shape[-1]} inputs for width {weight.shape[1]} (it keeps W-1)"
-    return None
+    return dispatch.forward_only("fla's causal_conv1d_update", x, conv_state, weight, *inputs)
 
 
 def causal_conv1d_update_kernel(x, conv_state, weight, bias, activation, indices):

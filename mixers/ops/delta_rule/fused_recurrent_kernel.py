@@ -3,7 +3,9 @@
 fla's contract (``fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule``,
 ``fla.ops.kda.fused_recurrent_kda``; both with ``initial_state`` / ``output_final_state`` since
 0.4.0): rows ``[B, T, ...]`` with one initial state per row ``[B, HV, K, V]``, fp32 / fp16 / bf16,
-forward only. fla >= 0.4 put ``gk`` and ``gv`` between ``g`` and ``beta`` in the GDN function,
+forward only (``FusedRecurrentFunction.backward`` raises, ``fused_recurrent_kda`` is no autograd
+function at all), so a call autograd records takes the reference (:func:`mixers.ops.dispatch.forward_only`).
+fla >= 0.4 put ``gk`` and ``gv`` between ``g`` and ``beta`` in the GDN function,
 so every argument after ``v`` is passed by keyword. Gated DeltaProduct has no fused recurrent
 kernel of its own: like fla's ``GatedDeltaProduct`` layer in decoding, ssm-pack runs GDN's on the
 sub-step layout (``num_householder`` steps per token, the query on the last, the gate on the first)
@@ -14,11 +16,16 @@ from __future__ import annotations
 
 import torch
 
+from .. import dispatch
+
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def unsupported(q: torch.Tensor) -> str | None:
-    return None if q.dtype in KERNEL_DTYPES else f"dtype {q.dtype}"
+def unsupported(q: torch.Tensor, *inputs) -> str | None:
+    """Why fla's fused recurrent kernel cannot take ``q`` (and the other ``inputs``), or ``None``."""
+    if q.dtype not in KERNEL_DTYPES:
+        return f"dtype {q.dtype}"
+    return dispatch.forward_only("fla's fused_recurrent kernel", q, *inputs)
 
 
 def load_upstream(kind: str):

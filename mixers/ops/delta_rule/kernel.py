@@ -7,11 +7,18 @@ index. So the call gets :attr:`ssm_pack.VarlenBatch.nonempty_layout`: the paddin
 document of its own and every empty document moved to the end (no token moves; nothing is read
 on the host). fla returns an empty document's initial state (zeros without one) as its final
 state; the states are put back in the documents' order after the call.
+
+States: fla keeps them in fp32 and ``chunk_kda`` asserts an fp32 ``initial_state``
+(fla/ops/kda/chunk.py), so every kind gets ``initial_state`` in fp32 (the cast is differentiable) and
+the final state comes back in the reference's state dtype (:func:`mixers.ops.chunks.compute_dtype`
+of ``v``: fp32 for fp32 / fp16 / bf16 inputs).
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..chunks import compute_dtype
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -38,9 +45,12 @@ def load_upstream(kind: str):
 def fla_kernel(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, varlen, nh):
     op = load_upstream(kind)
     extra = {"num_householder": nh} if kind == "gdp" else {}
+    if initial_state is not None:
+        initial_state = initial_state.float()
     if varlen is None:
-        return op(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                  use_qk_l2norm_in_kernel=l2norm, **extra)
+        o, final = op(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=l2norm, **extra)
+        return o, (final.to(compute_dtype(v.dtype)) if final is not None else None)
     bounds, order = varlen.nonempty_layout                       # [N+2] int64, [N+1]: entry N is the tail
     init = None
     if initial_state is not None:
@@ -50,4 +60,4 @@ def fla_kernel(kind, q, k, v, g, beta, scale, initial_state, output_final_state,
     if not output_final_state:
         return o, None
     restored = torch.empty_like(final).index_copy(0, order, final)
-    return o, restored[: varlen.num_docs]
+    return o, restored[: varlen.num_docs].to(compute_dtype(v.dtype))

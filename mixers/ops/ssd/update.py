@@ -114,7 +114,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
             raise
         raise ValueError(f"{err} (a 3-D state is upstream's head-less form: shapes are shown with its one head)") \
             from None
-    missing = unsupported(x, dt_limit)
+    missing = unsupported(x, dt_limit, state4, dt, A, B, C, D, z, dt_bias)
     choice = dispatch.select_backend("selective_state_update", backend, on_cuda=dispatch.is_cuda(x),
                                      support_state=lambda: dispatch.cached_support(
                                          "mamba_decode", ("state_batch_indices",) if indices is not None else ()),

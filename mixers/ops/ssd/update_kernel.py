@@ -4,14 +4,16 @@ Upstream contract (``mamba_ssm.ops.triton.selective_state_update``; ``state_batc
 since 2.2.3): fp32 / fp16 / bf16 inputs on a device, the state updated in place in its own
 dtype (computed in fp32), ``state_batch_indices`` ``[N]`` int naming pool rows (a negative
 index marks a padding row from 2.2.6.post3; ssm-pack never passes one). It reads
-``dt_bias.stride(-1)`` unconditionally, so a missing ``dt_bias`` is passed as zeros. It has no
-``dt_limit``: a clamped ``dt`` takes the reference.
+``dt_bias.stride(-1)`` and ``D.stride()`` unconditionally (``*(D.stride(0), D.stride(1)) if D is
+not None else 0`` unpacks an int), so a missing ``dt_bias`` or ``D`` is passed as zeros. It has no
+``dt_limit``: a clamped ``dt`` takes the reference; nor a backward: a call autograd records too.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import dispatch
 from ._validate import default_limit
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -22,18 +24,21 @@ def load_upstream():
     return selective_state_update
 
 
-def unsupported(x, dt_limit) -> str | None:
+def unsupported(x, dt_limit, *inputs) -> str | None:
+    """Why the kernel cannot take these inputs (``inputs``: the other tensors, for autograd), or ``None``."""
     if x.dtype not in KERNEL_DTYPES:
         return f"dtype {x.dtype}"
     if not default_limit(dt_limit):
         return f"dt_limit={tuple(dt_limit)} (mamba-ssm's decode kernel has no clamp)"
-    return None
+    return dispatch.forward_only("mamba-ssm's selective_state_update", x, *inputs)
 
 
 def selective_state_update_kernel(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, indices):
     update = load_upstream()
     if dt_bias is None:
         dt_bias = torch.zeros(x.shape[1], x.shape[2], dtype=dt.dtype, device=dt.device)
+    if D is None:
+        D = torch.zeros(x.shape[1], x.shape[2], dtype=x.dtype, device=x.device)
     if indices is not None:
         indices = indices.to(torch.int32).contiguous()
     return update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,

@@ -1,6 +1,11 @@
 """Fake upstream decode kernels for CPU tests: each asserts upstream's contract, records the call and
 computes through ssm-pack's reference (in place where upstream is). ``install`` adds them to the
-training kernels' fakes (``tests/fakes.py``)."""
+training kernels' fakes (``tests/fakes.py``).
+
+None of the upstream decode kernels has a backward (fla's ``FusedRecurrentFunction.backward`` raises,
+``fused_recurrent_kda`` is no autograd function, the CUDA C++ and Triton updates are plain calls), so
+every fake computes under ``torch.no_grad()``: an output a wrapper handed back from one is detached,
+as on a GPU."""
 
 from __future__ import annotations
 
@@ -27,12 +32,14 @@ def fake_conv_update(calls):
         assert x.dim() == 3 and x.dtype in KERNEL_DTYPES and conv_state.dtype == x.dtype
         assert 2 <= weight.shape[1] <= 4 and weight.is_contiguous() and conv_state.shape[2] >= weight.shape[1] - 1
         assert cache_seqlens is None and activation in (None, "silu", "swish")
+        assert bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())
         if conv_state_indices is not None:
             assert conv_state_indices.dtype == torch.int32 and conv_state_indices.stride(0) == 1
             assert tuple(conv_state_indices.shape) == (x.shape[0],)
         calls.append(("conv_update", conv_state_indices))
-        return causal_conv1d_update(x, conv_state, weight, bias, activation,
-                                    conv_state_indices=conv_state_indices, backend="reference")
+        with torch.no_grad():
+            return causal_conv1d_update(x, conv_state, weight, bias, activation,
+                                        conv_state_indices=conv_state_indices, backend="reference")
     return update
 
 
@@ -43,7 +50,8 @@ def fake_fla_conv_update(calls):
         assert residual is None and cache.is_contiguous() and tuple(cache.shape) == (n, d, weight.shape[1])
         calls.append(("fla_conv_update", cache.shape))
         state = cache[..., 1:].clone()
-        out = causal_conv1d_update(x, state, weight, bias, activation, backend="reference")
+        with torch.no_grad():
+            out = causal_conv1d_update(x, state, weight, bias, activation, backend="reference")
         cache.copy_(torch.cat([cache[..., 1:2].new_full((n, d, 1), float("nan")), state], dim=2))
         return out, cache
     return update
@@ -51,13 +59,18 @@ def fake_fla_conv_update(calls):
 
 def fake_state_update(calls):
     def update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, state_batch_indices=None):
+        # mamba_ssm/ops/triton/selective_state_update.py: `*(dt_bias.stride(0), ...) if dt_bias is not None
+        # else 0` and the same for D unpack an int when either is None (TypeError upstream)
         assert x.dtype in KERNEL_DTYPES and state.dim() == 4 and dt_bias is not None, "it reads dt_bias.stride(-1)"
+        assert D is not None, "it reads D.stride() unconditionally"
+        assert tuple(D.shape) == tuple(x.shape[1:]) and tuple(dt_bias.shape) == tuple(x.shape[1:])
         if state_batch_indices is not None:
             assert state_batch_indices.dtype == torch.int32 and state_batch_indices.is_contiguous()
             assert bool((state_batch_indices >= 0).all()), "ssm-pack never passes padding rows"
         calls.append(("state_update", state_batch_indices))
-        return selective_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                                      state_batch_indices=state_batch_indices, backend="reference")
+        with torch.no_grad():
+            return selective_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                                          state_batch_indices=state_batch_indices, backend="reference")
     return update
 
 
@@ -71,9 +84,10 @@ def fake_fused_recurrent(calls):
             if initial_state is not None:
                 assert initial_state.shape[0] == q.shape[0], "one initial state per row"
             calls.append((f"fused_recurrent_{'kda' if kind == 'kda' else 'gdn'}", q.shape))
-            return chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                         backend="reference")
+            with torch.no_grad():
+                return chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                             backend="reference")
         return op
     return make
 
@@ -85,9 +99,10 @@ def fake_kvcache(calls):
         assert cache_seqlens.dtype == torch.int32 and cache_seqlens.is_contiguous()
         assert cache_batch_idx is None or (cache_batch_idx.dtype == torch.int32 and cache_batch_idx.is_contiguous())
         calls.append(("kvcache", k is not None))
-        return attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
-                                      cache_batch_idx=cache_batch_idx, softmax_scale=softmax_scale, causal=causal,
-                                      window_size=window_size, backend="reference")
+        with torch.no_grad():
+            return attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                                          cache_batch_idx=cache_batch_idx, softmax_scale=softmax_scale, causal=causal,
+                                          window_size=window_size, backend="reference")
     return attend
 
 

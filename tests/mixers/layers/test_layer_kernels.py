@@ -26,12 +26,12 @@ def test_layer_hands_the_kernels_what_they_need(monkeypatch, name):
     calls = install(monkeypatch)
     out = module(x, packed_seq_params=params)
     assert {kind for kind, _ in calls} == EXPECTED[name]
-    # the conv gets the physical seq_idx; the SSD scan its canonical form (0, then +1 at every change)
+    # the conv and the SSD scan get the physical seq_idx in its canonical form (0, then +1 at every change;
+    # it starts at 1 here, after the empty first document)
     canonical = torch.unique_consecutive(params.seq_idx[0], return_inverse=True)[1]
+    assert params.seq_idx.tolist()[0][0] == 1
     for kind, meta in calls:
-        if kind == "conv":
-            assert meta["seq_idx"].tolist()[0] == params.seq_idx.tolist()[0]
-        if kind == "ssd":
+        if kind in ("conv", "ssd"):
             assert meta["seq_idx"].tolist()[0] == canonical.tolist()
     monkeypatch.undo()
     # fla's fakes run the reference at fla's own chunk size, so compare within bf16 rounding

@@ -57,7 +57,7 @@ def test_conv_hands_upstream_channel_last_int32_seq_idx(fake_cuda, fake_conv):
     out = causal_conv1d_fn(x, w, b, activation="silu", cu_seqlens=cu)
     ref = causal_conv1d_fn(x, w, b, activation="silu", cu_seqlens=cu, backend="reference")
     assert len(of_kind(fake_conv, "conv")) == 1 and torch.allclose(out, ref)
-    assert of_kind(fake_conv, "conv")[0]["seq_idx"].tolist() == [[0] * 3 + [2] * 9 + [3] + [4] * 12]
+    assert of_kind(fake_conv, "conv")[0]["seq_idx"].tolist() == [[0] * 3 + [1] * 9 + [2] + [3] * 12]
 
 
 def test_conv_final_states_use_varlen_states_without_grad(fake_cuda, fake_conv):
