@@ -45,12 +45,14 @@ from .planner import PackPlan, plan_packs
 from .segment_attention import segment_attention
 from .segments import Segments
 from .seq_idx import build_packed_seq_idx, get_cu_seqlens, seq_idx_from_cu_seqlens
+from .stream import PackStream, pack_stream
 from .varlen import VarlenBatch
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ContextParallelLayout", "PackPlan", "PackedSeqParams", "PackingAlignmentWarning", "Segments", "VarlenBatch",
+    "ContextParallelLayout", "PackPlan", "PackStream", "PackedSeqParams", "PackingAlignmentWarning", "Segments",
+    "VarlenBatch",
     "assemble_packed_sequence",
     "attention_mask_from_lengths", "build_packed_seq_idx", "check_block_alignment",
     "check_causal_conv1d_support", "check_fla_conv_support", "check_fla_sequence_packing_support",
@@ -58,7 +60,7 @@ __all__ = [
     "cu_seqlens_from_position_ids", "cu_seqlens_from_seq_idx",
     "cu_seqlens_to_lengths", "dense_segment_keep", "get_cu_seqlens", "hf_batch_from_packed_seq_params",
     "is_packed", "lengths_from_attention_mask", "lengths_to_cu_seqlens", "max_seqlen_from_cu_seqlens",
-    "pack_language_shard", "pack_padded", "packed_masks", "packed_seq_params_from_doc_ids",
+    "pack_language_shard", "pack_padded", "pack_stream", "packed_masks", "packed_seq_params_from_doc_ids",
     "packed_seq_params_from_hf_batch",
     "plan_packs", "position_ids_from_cu_seqlens", "resolve_cp_group", "resolve_tp_cp_group",
     "round_up_lengths", "segment_attention", "segment_ids", "segment_of", "segment_starts",

@@ -1,0 +1,298 @@
+"""``pack_stream``: documents in, fixed-size packs out; streaming, resumable, rank- and worker-aware.
+
+    T = max_tokens, N = documents (pieces) in one pack
+
+Packing is best-fit decreasing over a lookahead buffer of documents (:mod:`ssm_pack.stream_plan`);
+memory is bounded by the buffer. Every rank and DataLoader worker reads the whole stream's
+lengths and plans the same global sequence of packs; pack ``g`` belongs to rank ``g % world`` and,
+within the rank, to worker ``(g // world) % num_workers``, and only its owner converts its tokens.
+So every document is packed exactly once over all ranks and workers, packs dealt round-robin are
+balanced in tokens, and at the end of an epoch the ranks with one pack fewer get one padding pack
+(all padding, labels -100): every rank yields ``ceil(P / world)`` packs per epoch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .checks import check_int, describe
+from .stream_assemble import assemble_pack
+from .stream_plan import Doc, Piece, Planner
+from .stream_source import Source, checksum, document_length, document_tokens, fingerprint, is_indexable
+
+SPLIT_LONG = ("carry", "truncate", "refuse")
+_CONFIG = ("max_tokens", "align_to", "lookahead", "split_long", "world", "rank", "seed")
+_COUNTERS = ("documents", "empty_documents", "truncated_tokens", "split_documents", "packs", "padding_packs",
+             "real_tokens", "padding_tokens", "max_buffered_tokens")
+
+
+class _Pass:
+    """The state of one pass (epoch) over the documents on one shard."""
+
+    def __init__(self, stream: PackStream, worker: int, num_workers: int):
+        self.worker, self.num_workers = worker, num_workers
+        self.source = Source(stream.documents, seed=stream.seed, epoch=stream.epoch)
+        self.planner = Planner(stream.max_tokens, stream.align_to, stream.world)
+        self.source_done = False
+        self.checksum = 0
+        self.g = 0                      # next global pack to plan
+        self.total = None               # packs planned in the epoch, once known
+        self.pad_next = 0               # next rank-local index to consider for padding packs
+        self.done = False
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.cache: dict[int, torch.Tensor] = {}    # converted long documents, by source index
+
+
+class PackStream(IterableDataset):
+    """Iterator over packs of exactly ``max_tokens`` tokens; see :func:`pack_stream`."""
+
+    def __init__(self, documents, max_tokens: int, *, lookahead: int = 4096, align_to: int = 1,
+                 split_long: str = "carry", rank: int = 0, world: int = 1, seed: int | None = None,
+                 pad_token_id: int = 0):
+        max_tokens = check_int("max_tokens", max_tokens, minimum=1)
+        align_to = check_int("align_to", align_to, minimum=1)
+        if max_tokens < align_to:
+            raise ValueError(f"max_tokens={max_tokens} is smaller than align_to={align_to}: no document fits a "
+                             "pack; raise max_tokens to a multiple of align_to")
+        self.lookahead = check_int("lookahead", lookahead, minimum=1)
+        if split_long not in SPLIT_LONG:
+            raise ValueError(f"split_long must be one of {SPLIT_LONG}, got {split_long!r}")
+        self.world = check_int("world", world, minimum=1)
+        self.rank = check_int("rank", rank, minimum=0)
+        if self.rank >= self.world:
+            raise ValueError(f"rank must be in [0, world={self.world}), got {self.rank}")
+        self.seed = check_int("seed", seed, minimum=0, allow_none=True)
+        self.pad_token_id = check_int("pad_token_id", pad_token_id, minimum=0)
+        iterable = hasattr(documents, "__iter__") or is_indexable(documents)
+        if isinstance(documents, (str, bytes, bytearray, dict)) or not iterable:
+            raise TypeError(f"documents must be an iterable of token sequences (list, generator, dataset column), "
+                            f"got {describe(documents)}")
+        if isinstance(documents, torch.Tensor) and documents.dim() != 2:
+            raise ValueError(f"documents as a tensor must be [N, L] (one document per row), got shape "
+                             f"{tuple(documents.shape)}; pass a list of 1-D tensors for documents of any length")
+        if self.seed is not None and not is_indexable(documents):
+            raise ValueError(f"seed={self.seed} shuffles an indexable source (len and __getitem__), but documents is "
+                             f"a {type(documents).__name__}; shuffle the stream itself (e.g. an IterableDataset's "
+                             ".shuffle(seed)) and pass seed=None")
+        self.documents, self.max_tokens, self.align_to, self.split_long = documents, max_tokens, align_to, split_long
+        self.epoch = 0
+        self._pass: _Pass | None = None
+        self._pending: dict | None = None
+
+    # ------------------------------------------------------------------ iteration
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose shuffle the next pass uses (with ``seed``); call it before each epoch, as
+        with ``DistributedSampler`` (DataLoader workers iterate copies of this object)."""
+        self.epoch = check_int("epoch", epoch, minimum=0)
+
+    def __iter__(self):
+        if self._pass is not None and self._pass.done:
+            self._pass = None
+        return self
+
+    def __next__(self) -> dict:
+        p = self._pass if self._pass is not None else self._begin()
+        if p.done:
+            raise StopIteration
+        while p.total is None:
+            self._refill(p)
+            if p.source_done and p.planner.idle():
+                p.total = p.g
+                break
+            g, pieces = p.g, p.planner.plan(p.g)
+            p.g += 1
+            if g % self.world == self.rank and (g // self.world) % p.num_workers == p.worker:
+                return self._build(p, pieces, g)
+        mine = (p.total - self.rank + self.world - 1) // self.world      # this rank's planned packs
+        per_rank = (p.total + self.world - 1) // self.world
+        for k in range(max(p.pad_next, mine), per_rank):
+            if k % p.num_workers == p.worker:
+                p.pad_next = k + 1
+                p.counters["padding_packs"] += 1
+                return self._build(p, [], k * self.world + self.rank)
+        p.done = True
+        raise StopIteration
+
+    def _begin(self) -> _Pass:
+        info = get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        p = _Pass(self, worker, num_workers)
+        if self._pending is not None:
+            self._restore(p, self._pending)
+            self._pending = None
+        self._pass = p
+        return p
+
+    def _refill(self, p: _Pass) -> None:
+        buffer = p.planner.buffer
+        while len(buffer) < self.lookahead and not p.source_done:
+            item = p.source.next()
+            if item is None:
+                p.source_done = True
+                break
+            index, doc = item
+            length = document_length(index, doc)
+            p.checksum = checksum(p.checksum, length)
+            p.counters["documents"] += 1
+            if length == 0:
+                p.counters["empty_documents"] += 1
+                continue
+            self._admit(p, Doc(index, doc, length, p.planner.units(length)), count=True)
+        p.counters["max_buffered_tokens"] = max(p.counters["max_buffered_tokens"], buffer.tokens)
+
+    def _admit(self, p: _Pass, item: Doc, *, count: bool) -> None:
+        """Into the buffer; a document longer than a pack per ``split_long``."""
+        capacity = p.planner.capacity
+        if item.units <= capacity:
+            p.planner.buffer.add(item)
+            return
+        fits = capacity * self.align_to
+        if self.split_long == "refuse":
+            raise ValueError(f"documents[{item.index}] has {item.length} tokens but a pack holds {fits} "
+                             f"(max_tokens={self.max_tokens}, align_to={self.align_to}); pass split_long='carry' "
+                             "(pieces in consecutive packs) or 'truncate', or raise max_tokens")
+        if self.split_long == "truncate":
+            if count:
+                p.counters["truncated_tokens"] += item.length - fits
+            p.planner.buffer.add(Doc(item.index, item.doc, fits, capacity))
+            return
+        if count:
+            p.counters["split_documents"] += 1
+        p.planner.buffer.add(item, long=True)
+
+    def _build(self, p: _Pass, pieces: list[Piece], g: int) -> dict:
+        tokens, next_token = [], None
+        for piece in pieces:
+            whole = self._tokens(p, piece)
+            tokens.append(whole[piece.offset:piece.offset + piece.length])
+            if piece.continued:
+                next_token = int(whole[piece.offset + piece.length])
+        offsets = [piece.offset for piece in pieces]
+        pack = assemble_pack(tokens, offsets, max_tokens=self.max_tokens, align_to=self.align_to,
+                             pad_token_id=self.pad_token_id, next_token=next_token)
+        real = sum(piece.length for piece in pieces)
+        p.counters["packs"] += 1
+        p.counters["real_tokens"] += real
+        p.counters["padding_tokens"] += self.max_tokens - real
+        pack.update(documents=torch.tensor([piece.index for piece in pieces], dtype=torch.int64),
+                    offsets=torch.tensor(offsets, dtype=torch.int64),
+                    continues=bool(pieces) and pieces[0].offset > 0,
+                    continued=bool(pieces) and pieces[-1].continued, pack_index=g)
+        return pack
+
+    def _tokens(self, p: _Pass, piece: Piece) -> torch.Tensor:
+        """The whole document's ids, converted once per split document while its pieces last."""
+        if piece.offset == 0 and not piece.continued:
+            return document_tokens(piece.index, piece.doc)
+        whole = p.cache.get(piece.index)
+        if whole is None:
+            whole = document_tokens(piece.index, piece.doc)
+            while len(p.cache) >= self.world:
+                p.cache.pop(next(iter(p.cache)))
+            p.cache[piece.index] = whole
+        if not piece.continued:
+            p.cache.pop(piece.index, None)
+        return whole
+
+    # ------------------------------------------------------------------ figures and state
+    @property
+    def stats(self) -> dict:
+        """This shard's counters for the current (or last) pass: documents read, empty documents
+        skipped, tokens truncated, documents split, packs and padding packs yielded, real and
+        padding tokens in them, and the most document tokens the buffer held."""
+        return dict(self._pass.counters) if self._pass is not None else dict.fromkeys(_COUNTERS, 0)
+
+    def _config(self) -> dict:
+        return {name: getattr(self, name) for name in _CONFIG}
+
+    def state_dict(self) -> dict:
+        """Where this shard stands: after loading it into a stream built with the same documents and
+        arguments, iteration yields exactly the packs this one would have yielded next."""
+        state = {"config": self._config(), "source": fingerprint(self.documents), "epoch": self.epoch, "pass": None}
+        p = self._pass
+        if p is None or p.done:
+            state["pass"] = self._pending
+            return state
+        lanes = [None if lane is None else [lane.index, lane.offset, lane.length] for lane in p.planner.lanes]
+        state["pass"] = {
+            "worker": p.worker, "num_workers": p.num_workers, "position": p.source.position,
+            "source_done": p.source_done, "checksum": p.checksum, "g": p.g, "total": p.total,
+            "pad_next": p.pad_next, "counters": dict(p.counters), "lanes": lanes,
+            "buffer": [[d.index, d.length, d.units > p.planner.capacity] for d in p.planner.buffer.items()],
+        }
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`; a state from another configuration or source is refused."""
+        if not isinstance(state, dict) or not {"config", "source", "epoch", "pass"} <= set(state):
+            raise TypeError(f"state must be a dict from PackStream.state_dict(), got {describe(state)}")
+        for name, saved in state["config"].items():
+            if getattr(self, name) != saved:
+                raise ValueError(f"load_state_dict: the state was saved with {name}={saved!r} but this stream has "
+                                 f"{name}={getattr(self, name)!r}; build the stream with the same arguments")
+        if state["source"] != fingerprint(self.documents):
+            raise ValueError(f"load_state_dict: the state was saved from documents {state['source']} but these are "
+                             f"{fingerprint(self.documents)}; resume with the same documents")
+        self.epoch = state["epoch"]
+        self._pass, self._pending = None, state["pass"]
+
+    def _restore(self, p: _Pass, saved: dict) -> None:
+        if (saved["worker"], saved["num_workers"]) != (p.worker, p.num_workers):
+            raise ValueError(f"load_state_dict: the state was saved by worker {saved['worker']} of "
+                             f"{saved['num_workers']} but is loaded in worker {p.worker} of {p.num_workers}; "
+                             "resume with the same num_workers")
+        keep = {entry[0] for entry in saved["buffer"]} | {lane[0] for lane in saved["lanes"] if lane is not None}
+        found = p.source.open(saved["position"], keep, None if p.source.indexable else saved["checksum"])
+        for index, length, long in saved["buffer"]:
+            doc = found[index]
+            read = document_length(index, doc)
+            if read != length and not (long is False and self.split_long == "truncate" and read > length):
+                raise ValueError(f"load_state_dict: documents[{index}] has {read} tokens but had {length} when the "
+                                 "state was saved; resume with the same documents")
+            p.planner.buffer.add(Doc(index, doc, length, p.planner.units(length)), long=long)
+        for lane, entry in enumerate(saved["lanes"]):
+            if entry is not None:
+                index, offset, length = entry
+                p.planner.lanes[lane] = Piece(index, found[index], offset, length, True)
+        p.source_done, p.checksum, p.g = saved["source_done"], saved["checksum"], saved["g"]
+        p.total, p.pad_next, p.counters = saved["total"], saved["pad_next"], dict(saved["counters"])
+
+
+def pack_stream(documents, max_tokens: int, *, lookahead: int = 4096, align_to: int = 1, split_long: str = "carry",
+                rank: int = 0, world: int = 1, seed: int | None = None, pad_token_id: int = 0) -> PackStream:
+    """Pack a stream of documents into rows of exactly ``max_tokens`` tokens.
+
+    Args:
+        documents: any iterable of token sequences (lists or tuples of ints, integer tensors or
+            numpy arrays, ``bytes``): a list, a generator, a Hugging Face ``datasets`` column
+            (``dataset["input_ids"]``), an ``[N, L]`` tensor (one document per row). Empty
+            documents are skipped and counted.
+        max_tokens: T, the tokens of every pack (documents, their alignment padding and a tail).
+        lookahead: documents held for best-fit decreasing; padding falls as it grows, memory
+            grows with it.
+        align_to: every document starts at a multiple of this (``2 * cp_size`` for context
+            parallelism, a block size for block-sparse attention); the slot padding counts
+            against ``max_tokens``.
+        split_long: a document longer than a pack: ``"carry"`` (its head fills the room a pack has
+            left, the rest continues at the start of the same rank's next packs; see
+            ``continues`` / ``continued``), ``"truncate"`` (keep the first tokens that fit; the
+            rest is counted in ``stats["truncated_tokens"]``) or ``"refuse"`` (``ValueError``).
+        rank / world: this data-parallel rank's share (every rank passes the same documents).
+        seed: shuffle an indexable source per epoch (see :meth:`PackStream.set_epoch`); ``None``
+            keeps the source's order.
+        pad_token_id: the id written into padding.
+
+    Returns:
+        A :class:`PackStream` (a ``torch.utils.data.IterableDataset``, each DataLoader worker a
+        disjoint share) with ``state_dict()`` / ``load_state_dict()`` for exact resume and
+        ``stats``. Each pack is a dict: ``input_ids``, ``labels``, ``targets``, ``position_ids``
+        (``[1, T]`` int64, see :func:`ssm_pack.stream_assemble.assemble_pack`),
+        ``packed_seq_params`` (real boundaries in ``cu_seqlens_q``, aligned slots in
+        ``cu_seqlens_q_padded``, ``total_tokens == T``), ``documents`` / ``offsets`` (``[N]``
+        int64: each piece's index in the source and first token in its document),
+        ``continues`` (the first piece continues the last piece of this rank's previous pack),
+        ``continued`` (the last piece goes on in this rank's next pack) and ``pack_index``.
+    """
+    return PackStream(documents, max_tokens, lookahead=lookahead, align_to=align_to, split_long=split_long,
+                      rank=rank, world=world, seed=seed, pad_token_id=pad_token_id)
