@@ -49,7 +49,9 @@ def _from_cuts(cuts, total, bounds=None, pad_to=1) -> Layout:
 
 def layout(kind: str, world: int, seed: int = 0) -> Layout:
     """Layouts that together cover: a document across several ranks, one ending exactly at a
-    rank boundary, ranks without a document start, empty documents (also at a boundary),
+    rank boundary, ranks without a document start, empty documents (at the row start, inside a
+    shard, at a boundary, after a crossing document, at T, owned by a rank holding only a
+    continuation),
     documents shorter than the conv window crossing a boundary, a padding tail crossing a
     boundary, uneven shards with a one-token shard, per-document padding."""
     rng = random.Random(seed * 7919 + world)
@@ -74,6 +76,15 @@ def layout(kind: str, world: int, seed: int = 0) -> Layout:
             if crosses(lay, world):
                 return lay
         raise AssertionError("no crossing layout drawn")
+    if kind == "empty_cont":     # ranks holding only a continuation, owning the empty document at their end
+        total = 5 * world        # (at a rank boundary and at T), an empty one inside rank 0's shard
+        return Layout((3, 0, 7, 0) + (10, 0) * ((world - 2) // 2), total, None)
+    if kind == "empties":        # empty documents at the row start, inside a shard, at a rank boundary, right
+        total = 10 * world       # after a crossing document ends inside a shard, and at T
+        cuts = [0, 3, 3]
+        for i in range(1, world):
+            cuts += [10 * i + 2] * 2 if i % 2 else [10 * i] * 2
+        return _from_cuts(cuts + [total, total], total)
     if kind == "padded":         # per-document padding to a multiple of 4 (the physical layout is padded)
         lengths = [rng.randint(0, 9) for _ in range(2 * world)]
         physical = sum(-(-n // 4) * 4 for n in lengths)
@@ -275,7 +286,7 @@ def run_subject(subject, lay: Layout, params, lo, hi, seed, nan_at: int | None =
 def cases(world: int) -> list[tuple[str, str, str, int]]:
     """``(case id, subject, layout kind, seed)`` for one world size."""
     out = []
-    for kind in ("spanning", "boundary", "random", "padded", "tail"):
+    for kind in ("spanning", "boundary", "random", "padded", "tail", "empty_cont", "empties"):
         for subject in OPS:
             out.append((f"{subject}-{kind}-p{world}", subject, kind, 11 * world))
     for kind in ("spanning", "random"):

@@ -104,8 +104,10 @@ def delta_rule_cp(kind, q, k, v, g, beta, scale, initial_state, output_final_sta
     out = run.anchor(torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0].contiguous())
     if not output_final_state:
         return out, None
-    states = rest[1][:n].to(compute) if rest is not None else torch.zeros(n, hv, kd, vd, dtype=compute,
-                                                                             device=v.device)
+    if rest is not None:
+        states = rest[1][:n].to(compute)
+    else:              # the whole shard continues one segment: any other document here is empty, its state h0
+        states = inits[:n] if inits is not None else v.new_zeros(n, hv, kd, vd, dtype=compute)
     if first is not None and f < n:
         entering = first[1][..., :vd] + first[1][..., vd:] @ s_in
         states = torch.cat([states[:f], entering[None], states[f + 1:]])
