@@ -46,8 +46,12 @@ KERNELS = {k.name: k for k in (
     # the release whose varlen and [N, D, W] state semantics the interpreter lane checked
     Kernel("fla_conv", "flash-linear-attention's Triton short convolution", (("fla", "0.6.0"), ("triton", "3.3.0")),
            triton=True),
-    Kernel("mamba_ssd", "mamba-ssm's Triton SSD scan", (("mamba_ssm", "2.0.0"), ("triton", "3.3.0")), triton=True),
-    # decoding: one token per sequence into pooled states (mixers.ops.selective_state_update)
+    # mamba_chunk_scan_combined(..., cu_seqlens=, return_varlen_states=): the keywords ssm-pack passes, from
+    # mamba-ssm 2.2.0 (v2.1.0's signature ends at return_final_states)
+    Kernel("mamba_ssd", "mamba-ssm's Triton SSD scan", (("mamba_ssm", "2.2.0"), ("triton", "3.3.0")), triton=True),
+    # decoding: one token per sequence into pooled states (mixers.ops.selective_state_update); v2.0.0's
+    # selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) is what ssm-pack calls
+    # without state_batch_indices
     Kernel("mamba_decode", "mamba-ssm's Triton selective_state_update (decode step)",
            (("mamba_ssm", "2.0.0"), ("triton", "3.3.0")), triton=True),
     Kernel("fla", "flash-linear-attention's Triton delta-rule kernels", (("fla", "0.4.0"), ("triton", "3.3.0")),
@@ -63,14 +67,18 @@ FEATURES = {(f.kernel, f.name): f for f in (
     Feature("causal_conv1d", "initial_states_with_seq_idx", "causal_conv1d", "1.7.0",
             "initial_states together with seq_idx"),
     # inference (issue 12): each row's first release, read from the upstream repositories' history
+    # every decode call passes causal_conv1d_update's 7 positional arguments (x, conv_state, weight, bias,
+    # activation, cache_seqlens, conv_state_indices): v1.4.0 takes 6, v1.5.0 the 7
     Feature("causal_conv1d", "update_indices", "causal_conv1d", "1.5.0",
-            "decode steps on pooled conv states (causal_conv1d_update with conv_state_indices)"),
+            "decode steps (causal_conv1d_update's 7-argument form with conv_state_indices)"),
     Feature("fla_conv", "update", "fla", "0.6.0", "decode steps (causal_conv1d_update, [N, D, W] cache)"),
     Feature("mamba_decode", "state_batch_indices", "mamba_ssm", "2.2.3",
             "decode steps on pooled SSM states (selective_state_update with state_batch_indices)"),
     Feature("mamba_ssd", "seq_idx", "mamba_ssm", "2.0.0", "document resets in the SSD scan (packed training)"),
     Feature("mamba_ssd", "packed_inference", "mamba_ssm", "2.2.6.post3", "packed inference with the SSD scan"),
     Feature("fla", "varlen", "fla", "0.4.0", "varlen cu_seqlens in every delta-rule op"),
+    # HV > H: fla/ops/gated_delta_rule/chunk.py and fla/ops/kda/chunk.py document GVA from v0.5.0 (not in v0.4.2)
+    Feature("fla", "grouped_values", "fla", "0.5.0", "grouped value heads (HV > H) in GDN and KDA"),
     Feature("fla", "fused_recurrent", "fla", "0.4.0",
             "decode steps (fused_recurrent_gated_delta_rule / fused_recurrent_kda with initial states)"),
     Feature("flash_attn", "varlen", "flash_attn", "2.3.0", "varlen attention with window_size"),
@@ -156,7 +164,8 @@ def check_causal_conv1d_support(features=("seq_idx", "varlen_states"), *,
 def check_mamba_sequence_packing_support(for_inference_not_training: bool = False) -> tuple[bool, str | None]:
     """Megatron's gate for packed Mamba2: causal-conv1d and mamba-ssm new enough.
 
-    Training: causal-conv1d >= 1.4.0 and mamba-ssm >= 2.0.0; inference: causal-conv1d >=
+    Training: causal-conv1d >= 1.4.0 and mamba-ssm >= 2.2.0 (Megatron asks 2.0.0; ssm-pack's scan call
+    passes ``cu_seqlens``, a keyword from 2.2.0); inference: causal-conv1d >=
     1.5.3.post1 (padding through negative ``seq_idx``) and mamba-ssm >= 2.2.6.post3. The SSD
     scan is a Triton kernel, so Triton is checked too, and a CUDA device.
     """
@@ -186,7 +195,7 @@ def conv_support(features=("seq_idx",)) -> tuple[bool, str | None]:
 def check_mamba_ssd_support() -> tuple[bool, str | None]:
     """Can mamba-ssm's Triton SSD scan (``mamba_chunk_scan_combined``) run packed here?
 
-    The scan alone (mamba-ssm >= 2.0.0 with its CUDA extension, which importing ``mamba_ssm``
+    The scan alone (mamba-ssm >= 2.2.0 with its CUDA extension, which importing ``mamba_ssm``
     loads; Triton; a device): unlike :func:`check_mamba_sequence_packing_support` (Megatron's
     gate for the whole layer) it asks nothing of causal-conv1d, whose convolution is its own part.
     """

@@ -81,7 +81,8 @@ def test_version_just_new_enough(fake):
 
 
 @pytest.mark.parametrize("inference,mamba,ok", [
-    pytest.param(False, "2.0.0", True, id="training-2.0.0"),
+    pytest.param(False, "2.0.0", False, id="training-2.0.0-lacks-cu_seqlens"),
+    pytest.param(False, "2.2.0", True, id="training-2.2.0"),
     pytest.param(False, "1.2.2", False, id="training-too-old"),
     pytest.param(True, "2.2.6", False, id="inference-2.2.6"),
     pytest.param(True, "2.2.6.post3", True, id="inference-post3"),
@@ -224,7 +225,7 @@ def test_interpreter_switch(fake, monkeypatch, switch, interpret, on):
     pytest.param("flash-linear-attention", "0.10.0", "fla_conv", (), id="fla-0.10.0>=0.6.0"),
     pytest.param("flash-linear-attention", "0.10.0", "fla", ("varlen",), id="fla-0.10.0>=0.4.0"),
     pytest.param("mamba-ssm", "2.2.10", "mamba_ssd", ("packed_inference",), id="mamba-2.2.10>=2.2.6.post3"),
-    pytest.param("mamba-ssm", "2.10.0", "mamba_ssd", ("seq_idx",), id="mamba-2.10.0>=2.0.0"),
+    pytest.param("mamba-ssm", "2.10.0", "mamba_ssd", ("seq_idx",), id="mamba-2.10.0>=2.2.0"),
     pytest.param("triton", "3.10.0", "fla", ("varlen",), id="triton-3.10.0>=3.3.0"),
     pytest.param("flash-attn", "2.10.1", "flash_attn", ("varlen",), id="flash-attn-2.10.1>=2.3.0"),
 ])
@@ -260,3 +261,36 @@ def test_strictest_minimum_compares_as_numbers(monkeypatch):
                         kernels.Feature("causal_conv1d", "future", "causal_conv1d", "1.10.0", "a future feature"))
     assert kernels.strictest_minimums()["causal_conv1d"] == "1.10.0"
     assert kernels.requirements("causal_conv1d", ("seq_idx", "future"))[0][1] == "1.10.0"
+
+
+# ----------------------------------------------------------------- minimums of the call forms ssm-pack uses
+@pytest.mark.parametrize("dist,version,kernel,features,minimum", [
+    # mamba_chunk_scan_combined(cu_seqlens=): v2.1.0's signature ends at return_final_states
+    pytest.param("mamba-ssm", "2.1.0", "mamba_ssd", ("seq_idx",), "2.2.0", id="ssd-cu_seqlens-2.2.0"),
+    # causal_conv1d_update(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices): v1.4.0 has 6
+    pytest.param("causal-conv1d", "1.4.0", "causal_conv1d", ("update_indices",), "1.5.0", id="conv-update-7-args"),
+    # grouped value heads: fla's GDN / KDA document HV > H from v0.5.0
+    pytest.param("flash-linear-attention", "0.4.2", "fla", ("varlen", "grouped_values"), "0.5.0",
+                 id="fla-grouped-values-0.5.0"),
+])
+def test_call_forms_need_their_first_release(fake, dist, version, kernel, features, minimum):
+    fake(FakeProbe({**ALL_GOOD.versions, dist: version}, ALL_GOOD.modules))
+    ok, reason = kernels.kernel_support(kernel, features)
+    assert not ok and f"{dist} {version} is too old" in reason and f">= {minimum}" in reason
+
+
+def test_pyproject_extras_ask_the_tables_minimums():
+    import pathlib
+    import re
+
+    import tomllib
+    extras = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    names = {"causal-conv1d": "causal_conv1d", "mamba-ssm": "mamba_ssm", "flash-linear-attention": "fla",
+             "triton": "triton"}
+    seen = {}
+    for requirement in extras["fla"] + extras["cuda"]:
+        name, minimum = re.fullmatch(r"([\w-]+)>=([\w.]+)", requirement).groups()
+        seen[names[name]] = minimum
+    wanted = kernels.strictest_minimums()
+    assert seen == {package: wanted[package] for package in seen} and set(seen) == set(names.values())

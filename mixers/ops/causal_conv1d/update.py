@@ -76,7 +76,7 @@ def _reference(x, conv_state, weight, bias, activation, indices):
 
 
 def _choose(x, conv_state, weight, indices, backend, bias=None) -> str:
-    features = ("update_indices",) if indices is not None else ()
+    features = ("update_indices",)          # the 7-argument call, with or without indices
     candidates = (
         ("causal_conv1d", "causal-conv1d", update_kernels.causal_conv1d_unsupported(x, conv_state, weight, bias),
          lambda: dispatch.cached_support("causal_conv1d", features)),

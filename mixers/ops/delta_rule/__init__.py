@@ -102,7 +102,7 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2nor
         return delta_rule_cp(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, varlen,
                              chunk_size, backend, nh)
     name = {"gdn": "chunk_gated_delta_rule", "kda": "chunk_kda", "gdp": "chunk_gated_delta_product"}[kind]
-    features = ("varlen",) if varlen is not None else ()
+    features = (("varlen",) if varlen is not None else ()) + (("grouped_values",) if v.shape[2] != q.shape[2] else ())
     choice = dispatch.select_backend(name, backend, on_cuda=dispatch.is_cuda(q),
                                      support_state=lambda: dispatch.cached_support("fla", features),
                                      missing_feature=unsupported(kind, q))

@@ -63,7 +63,8 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2nor
                         backend, nh)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     choice = dispatch.select_backend(_NAMES[kind], backend, on_cuda=dispatch.is_cuda(q),
-                                     support_state=lambda: dispatch.cached_support("fla", ("fused_recurrent",)),
+                                     support_state=lambda: dispatch.cached_support("fla", ("fused_recurrent",) + (
+                                         ("grouped_values",) if v.shape[2] != q.shape[2] else ())),
                                      missing_feature=unsupported(q, k, v, g, beta, initial_state))
     if choice == "kernel":
         return fused_recurrent_kernel(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, nh)

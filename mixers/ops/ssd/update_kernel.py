@@ -41,5 +41,5 @@ def selective_state_update_kernel(state, x, dt, A, B, C, D, z, dt_bias, dt_softp
         D = torch.zeros(x.shape[1], x.shape[2], dtype=x.dtype, device=x.device)
     if indices is not None:
         indices = indices.to(torch.int32).contiguous()
-    return update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                  state_batch_indices=indices)
+    pooled = {} if indices is None else {"state_batch_indices": indices}     # a keyword from 2.2.3
+    return update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, **pooled)

@@ -5,11 +5,14 @@ never hand back a silently detached output."""
 import pytest
 import torch
 
+import mixers.ops.ssd.update_kernel as ssd_update
 from mixers.ops import (
     attention_with_kvcache,
     causal_conv1d_fn,
     causal_conv1d_update,
+    chunk_gated_delta_rule,
     chunk_kda,
+    dispatch,
     fused_recurrent_gated_delta_rule,
     fused_recurrent_kda,
     selective_state_update,
@@ -141,3 +144,35 @@ def test_decode_kernels_never_return_a_detached_output(monkeypatch, kind, call):
         call(True, "auto")
     call(False, "auto")
     assert len(of_kind(calls, kind)) == 2
+
+
+def test_calls_ask_for_the_release_of_their_call_form(monkeypatch):
+    fakes.install(monkeypatch)
+    asked = []
+    monkeypatch.setattr(dispatch, "cached_support",
+                        lambda name, features=(): asked.append((name, tuple(features))) or (True, None))
+    with torch.no_grad():
+        causal_conv1d_update(torch.randn(2, 16, 1), torch.zeros(2, 16, 3), torch.randn(16, 4))
+        q, k = torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8)
+        v, gate, beta = torch.randn(1, 6, 4, 8), -torch.rand(1, 6, 4), torch.rand(1, 6, 4)
+        chunk_gated_delta_rule(q, k, v, gate, beta, cu_seqlens=torch.tensor([0, 2, 6]))
+        fused_recurrent_gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g=gate[:, :1], beta=beta[:, :1])
+    assert ("causal_conv1d", ("update_indices",)) in asked                      # 7 positional args: 1.5.0
+    assert ("fla", ("varlen", "grouped_values")) in asked                        # HV > H: 0.5.0
+    assert ("fla", ("fused_recurrent", "grouped_values")) in asked
+
+
+def test_selective_state_update_without_indices_runs_on_the_2_0_signature(monkeypatch):
+    """mamba-ssm 2.0.0's selective_state_update has no state_batch_indices: it is passed only when given."""
+    fakes.install(monkeypatch)
+    strict = fakes.fake_state_update([])
+
+    def v2_0(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+        return strict(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+
+    monkeypatch.setattr(ssd_update, "load_upstream", lambda: v2_0)
+    t = ssu_inputs()
+    ref_state = t["state"].clone()
+    out = selective_state_update(**t)
+    ref = selective_state_update(ref_state, *(t[k] for k in "x dt A B C".split()), backend="reference")
+    assert torch.allclose(out, ref) and torch.allclose(t["state"], ref_state)
