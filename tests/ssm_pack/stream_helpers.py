@@ -18,15 +18,19 @@ def corpus(n: int, *, seed: int = 0, longest: int = 40, empty: int = 0, long: tu
     return docs
 
 
+def real_tokens(pack: dict) -> list[torch.Tensor]:
+    """The pieces' tokens of one pack, read from the row at the boundaries its metadata gives."""
+    params = pack["packed_seq_params"]
+    starts, lengths = params.cu_seqlens.tolist()[:-1], params.lengths().tolist()
+    return [pack["input_ids"][0, s:s + n] for s, n in zip(starts, lengths)]
+
+
 def pieces_of(packs: list[dict]) -> dict[int, list[tuple[int, torch.Tensor]]]:
     """``{document: [(offset, tokens), ...]}`` read back from the packs' rows and metadata."""
     found: dict[int, list] = {}
     for pack in packs:
-        params = pack["packed_seq_params"]
-        lengths = params.lengths().tolist()
-        starts = params.cu_seqlens.tolist()[:-1]
-        for i, (doc, offset) in enumerate(zip(pack["documents"].tolist(), pack["offsets"].tolist())):
-            tokens = pack["input_ids"][0, starts[i]:starts[i] + lengths[i]]
+        pieces = zip(pack["documents"].tolist(), pack["offsets"].tolist(), real_tokens(pack), strict=True)
+        for doc, offset, tokens in pieces:
             found.setdefault(doc, []).append((offset, tokens))
     return found
 
