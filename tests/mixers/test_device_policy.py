@@ -213,3 +213,14 @@ def test_hybrid_model_step_is_the_same_under_both_policies(monkeypatch):
     check_close(sw, sc, torch.float64, what="loss")
     for (name, _), a, b in zip(model.named_parameters(), gw, gc):
         check_close(a, b, torch.float64, grad=True, what=name)
+
+
+def test_census_counts_the_same_ops_at_two_lengths_under_the_cuda_policy():
+    from benchmarks.bench_census import census_step
+
+    found = {(policy, t): census_step(t, policy, block_elements=512) for policy in ("cpu", "cuda") for t in (64, 256)}
+    assert found["cuda", 64].ops == found["cuda", 256].ops
+    assert all(found["cuda", t].min_rows >= t for t in (64, 256))
+    # control: the CPU policy's row blocks (shrunk) add ops with T and serve fewer rows than T
+    assert found["cpu", 256].ops > found["cpu", 64].ops
+    assert found["cpu", 256].min_rows < 256
