@@ -1,15 +1,21 @@
-"""What is installed here: package versions, CUDA extensions and the device, read without imports.
+"""What is installed here: package versions, CUDA extensions and the device.
 
 Versions come from package metadata and extension modules are located with
-``importlib.util.find_spec``, so nothing here imports ``causal_conv1d``, ``mamba_ssm``, ``fla``
-or their CUDA extensions (importing a broken build can crash the process). The states tell
-apart: not installed, installed without its CUDA extension, too old for a named feature, and
-no CUDA device, and say what to install. What each kernel feature needs is the table in
-:mod:`ssm_pack.kernels`.
+``importlib.util.find_spec``. Metadata is not enough, though: ``import mamba_ssm`` also needs
+``transformers``, and an extension built against another torch fails only when imported
+(``undefined symbol``). So once a package and its extension are found (and, for the kernel checks,
+a device is there), it is imported for real, once per process (:func:`import_error`, cached), and a failure
+is a blocker like the others: ``"auto"`` takes the reference naming it, ``"kernel"`` raises with it.
+Nothing is imported at ``import ssm_pack`` time, nor on a machine without a device (the device is
+checked first). The states tell apart: not installed, installed without its CUDA extension, too
+old for a named feature, failing to import, and no CUDA device, and say what to install. What
+each kernel feature needs is the table in :mod:`ssm_pack.kernels`.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.metadata
 import importlib.util
 import os
@@ -51,6 +57,22 @@ class Probe:
     def cuda_available(self) -> bool:
         return torch.cuda.is_available()
 
+    def import_error(self, module: str) -> str | None:
+        """Why ``import module`` fails here (``None`` when it imports); tried once per process."""
+        return import_error(module)
+
+
+@functools.cache
+def import_error(module: str) -> str | None:
+    """``None`` when ``module`` imports, else ``"<exception type>: <message>"``; cached, so a package is
+    imported at most once (``import_error.cache_clear()`` resets). Any exception counts: a CUDA
+    extension built against another torch raises ``ImportError`` / ``OSError`` / ``RuntimeError``."""
+    try:
+        importlib.import_module(module)
+    except Exception as err:  # noqa: BLE001 - whatever the import raises is the reason the kernel cannot run
+        return f"{type(err).__name__}: {err}"
+    return None
+
 
 probe = Probe()
 
@@ -86,6 +108,11 @@ def package_present(package: str, minimum: str) -> tuple[bool, str | None]:
     if extension is not None and not probe.has_module(extension):
         return False, (f"{dist} {found} is installed but its CUDA extension '{extension}' is missing "
                        f"(built with *_SKIP_CUDA_BUILD or without nvcc); reinstall on a CUDA machine: "
+                       f"{_install_hint(package, minimum)}")
+    failure = probe.import_error(package)
+    if failure is not None:
+        return False, (f"{dist} {found} is installed but 'import {package}' fails ({failure}); "
+                       f"reinstall it against torch {torch.__version__} with its dependencies: "
                        f"{_install_hint(package, minimum)}")
     return True, None
 

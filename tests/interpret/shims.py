@@ -11,7 +11,8 @@ which the lane's fixtures set.
    the Triton submodules import; nothing else of mamba-ssm is used.
 2. Support probe: for the same reason ssm-pack's check asks for that extension (on a real
    machine the import needs it). Under the shim of 1 it is not needed, so the lane's probe
-   reports it present; every version check still reads the installed metadata, and
+   reports it present and ``import mamba_ssm`` (which the real probe tries) as working; every
+   version check still reads the installed metadata, and
    causal-conv1d's extension is reported as it is (missing: its kernels are CUDA C++).
 3. ``torch.cuda.device(index)`` and ``torch.cuda.get_device_properties``: mamba-ssm's wrappers
    enter the first around every launch, and its SSD backward reads the SM count to split the
@@ -165,6 +166,9 @@ class LaneProbe:
 
     def has_module(self, module):
         return module == "selective_scan_cuda" or self.real.has_module(module)
+
+    def import_error(self, module):
+        return None if module == "mamba_ssm" else self.real.import_error(module)   # shim 1 stands for it
 
     def cuda_available(self):
         return self.real.cuda_available()

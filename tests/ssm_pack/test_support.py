@@ -8,9 +8,14 @@ from ssm_pack.report import support_report
 
 
 class FakeProbe:
-    def __init__(self, versions=None, modules=(), cuda=True):
+    def __init__(self, versions=None, modules=(), cuda=True, import_errors=None):
         self.versions, self.modules, self.cuda = dict(versions or {}), set(modules), cuda
+        self.import_errors = dict(import_errors or {})
         self.imported = []
+
+    def import_error(self, module):
+        self.imported.append(module)
+        return self.import_errors.get(module)
 
     def version(self, dist):
         return self.versions.get(dist)
@@ -294,3 +299,46 @@ def test_pyproject_extras_ask_the_tables_minimums():
         seen[names[name]] = minimum
     wanted = kernels.strictest_minimums()
     assert seen == {package: wanted[package] for package in seen} and set(seen) == set(names.values())
+
+
+# ----------------------------------------------------------------- a real import, once
+def test_a_package_that_fails_to_import_blocks_its_kernel(fake, monkeypatch):
+    import torch
+
+    from mixers.ops import dispatch, mamba_chunk_scan_combined
+    failure = "ModuleNotFoundError: No module named 'transformers'"
+    fake(FakeProbe(ALL_GOOD.versions, ALL_GOOD.modules, import_errors={"mamba_ssm": failure}))
+    ok, reason = sp.check_mamba_ssd_support()
+    assert not ok and "mamba-ssm 2.2.6.post3 is installed but 'import mamba_ssm' fails" in reason and failure in reason
+    monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
+    x, dt = torch.randn(1, 6, 2, 4), torch.rand(1, 6, 2)
+    args = (x, dt, -torch.rand(2), torch.randn(1, 6, 1, 8), torch.randn(1, 6, 1, 8), 4)
+    mamba_chunk_scan_combined(*args)                                  # auto: the reference, no import crash
+    with pytest.raises(RuntimeError, match="No module named 'transformers'"):
+        mamba_chunk_scan_combined(*args, backend="kernel")
+
+
+def test_the_real_probe_imports_once_and_reports_any_failure(monkeypatch):
+    import importlib
+    tried = []
+
+    def fake_import(name):
+        tried.append(name)
+        raise OSError("libc10_cuda.so: undefined symbol")           # an extension built against another torch
+    monkeypatch.setattr(importlib, "import_module", fake_import)
+    support.import_error.cache_clear()
+    try:
+        for _ in range(3):
+            assert support.Probe().import_error("causal_conv1d") == "OSError: libc10_cuda.so: undefined symbol"
+    finally:
+        support.import_error.cache_clear()
+    assert tried == ["causal_conv1d"]
+
+
+def test_import_ssm_pack_imports_no_kernel_package():
+    import subprocess
+    import sys
+    code = ("import sys, ssm_pack, ssm_pack.kernels, ssm_pack.report; "
+            "print(sorted({'fla', 'triton', 'mamba_ssm', 'causal_conv1d', 'flash_attn'} & set(sys.modules)))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr[-2000:]

@@ -22,6 +22,9 @@ class NoCuda(support.Probe):
     def has_module(self, module):
         return module in self.modules
 
+    def import_error(self, module):
+        return None                   # the faked packages import (the real ones need not be installed)
+
     def cuda_available(self):
         return False
 
