@@ -117,9 +117,11 @@ class ContinuousBatcher:
         prompts = [_as_prompt(i, p, vocab) for i, p in enumerate(prompts)]
         outputs: list[list[int]] = [[] for _ in prompts]
         self.logits = [torch.zeros(0) for _ in prompts]
-        if not prompts or max_new_tokens == 0:
+        busy = bool(prompts) and max_new_tokens > 0
+        if busy or self.cache is not None:            # a given cache is checked even when there is nothing to do
+            cache, capacity = self._cache_for(max((len(p) for p in prompts), default=0) + max_new_tokens)
+        if not busy:
             return outputs
-        cache, capacity = self._cache_for(max(len(p) for p in prompts) + max_new_tokens)
         cache.reset()
         waiting, active, used = deque(range(len(prompts))), [], set()
         free = deque(range(capacity))

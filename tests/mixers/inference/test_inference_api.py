@@ -39,6 +39,7 @@ def generate_call(case, m, cache):
         "layer-cache": lambda: m.generate(prompts, 2, cache=cache.layers[0]),
         "bad-prompt": lambda: m.generate([[1, 2], [3, VOCAB]], 2, cache=cache),
         "nan-temperature": lambda: m.generate(prompts, 2, temperature=math.nan, cache=cache),
+        "other-model-no-work": lambda: model().generate([], 2, cache=cache),
     }[case]
 
 
@@ -53,6 +54,7 @@ GENERATE_BAD = [
     pytest.param("layer-cache", TypeError, "cache must be an InferenceCache", id="layer-cache"),
     pytest.param("bad-prompt", ValueError, r"prompts\[1\]\[1\]=64 is outside the vocabulary", id="bad-prompt"),
     pytest.param("nan-temperature", ValueError, "temperature must be a finite number", id="nan-temperature"),
+    pytest.param("other-model-no-work", ValueError, "allocated by another HybridLM", id="other-model-no-work"),
 ]
 
 
