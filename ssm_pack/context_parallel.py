@@ -228,7 +228,8 @@ def _check_group(group, layout: ContextParallelLayout) -> None:
 
 
 def resolve(params, total_tokens: int, device) -> ContextParallelRun | None:
-    """The CP run of one forward (``None``: CP off), checking the group against the layout."""
+    """The CP run of one forward (``None``: CP off), checking the group against the layout and,
+    collectively, that every rank holds the same layout (:mod:`ssm_pack.cp_layout_check`)."""
     layout = getattr(params, "cp_layout", None)
     group = getattr(params, "cp_group", None)
     if layout is None:
@@ -248,7 +249,10 @@ def resolve(params, total_tokens: int, device) -> ContextParallelRun | None:
                          f"tokens[:, {layout.start}:{layout.end}]")
     if layout.size == 1:
         return None
-    return ContextParallelRun(layout, group, torch.device(device) if device is not None else torch.device("cpu"))
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    from .cp_layout_check import check_layout_agreement
+    check_layout_agreement(layout, group, device)       # one all-gather on a layout's first forward (default)
+    return ContextParallelRun(layout, group, device)
 
 
 class ContextParallelRun:
