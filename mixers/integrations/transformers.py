@@ -8,8 +8,11 @@ SSM / linear-attention layer that :mod:`mixers.checkpoints` reads (Mamba2 and th
 Bamba / NemotronH / GraniteMoeHybrid / FalconH1, Qwen3-Next's gated delta net, Kimi-Linear's KDA)
 for our mixer holding the same weights, and reads the boundaries the collator passes to the
 model (``cu_seq_lens_q`` / ``cu_seq_lens_k``, ``seq_idx``, ``position_ids`` restarts) once per
-forward, so every document starts from a zero state. Attention layers stay Hugging Face's: their
-masks already follow the same ``position_ids``.
+forward, so every document starts from a zero state. Attention layers stay Hugging Face's, and the
+model's ``attn_implementation`` is wrapped (:mod:`.hf_attention`): a packed call attends within each
+document whatever ``use_cache`` is; ``eager``, ``sdpa`` and ``flex_attention`` are wrapped, other
+implementations are refused with the fix. A packed batch must not also carry an ``attention_mask``
+with padding (refused before any layer runs); an unpacked padded batch runs as packed rows.
 
 The patched model's ``state_dict`` keeps Hugging Face's names and layout (a ``save_pretrained``
 checkpoint loads into the unpatched model), and ``load_state_dict`` accepts them. Decoding with a
@@ -27,6 +30,7 @@ from ssm_pack import PackedSeqParams, VarlenBatch
 
 from ..checkpoints import SOURCES, from_module, source_of
 from ..checkpoints.convert import to_module
+from .hf_attention import attach, attention_modules, check_implementation, detach, set_packed_call
 
 _BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
 _LENGTH_KEYS = ("input_ids", "inputs_embeds", "labels")
@@ -99,10 +103,7 @@ class PackedMixer(nn.Module):
             self._caches.add(cache)
         params = self._batch.params
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)   # (cache, mask) positionally
-        if mask is not None and mask.dim() == 2 and not bool(mask.all()):
-            if params is not None:
-                raise ValueError("a packed batch (position_ids restarts / cu_seq_lens) must not also carry an "
-                                 "attention_mask with padding; drop one of them")
+        if params is None and _has_padding(mask):       # packed + padding: refused by the model's hook
             return self._padded(hidden_states, mask.bool())
         return self.mixer(hidden_states, packed_seq_params=params)
 
@@ -112,6 +113,10 @@ class PackedMixer(nn.Module):
         full = out.new_zeros(*keep.shape, out.shape[-1])
         full[keep] = out
         return full
+
+
+def _has_padding(mask) -> bool:
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all())
 
 
 def _save_upstream(module: PackedMixer, state_dict, prefix, local_metadata):
@@ -163,17 +168,28 @@ def enable_packing(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     if not found:
         raise ValueError(f"{type(model).__name__} has no layer enable_packing converts; it reads "
                          f"{sorted(c.split(':')[1] for c in _HF_CLASSES)}")
+    attention = attention_modules(model, skip=[child for _, _, child in found])
+    implementation = check_implementation(model, attention)
     converted = [from_module(child, backend=backend) for _, _, child in found]      # all or nothing
     batch = _Batch()
     for (parent, attr, child), mixer in zip(found, converted):
         mixer.train(child.training)
         setattr(parent, attr, PackedMixer(mixer, child, batch))
+    if implementation is not None:
+        attach(model, attention, implementation, batch)
 
     def read_boundaries(module, args, kwargs):
         params = packing_from_model_kwargs(kwargs)
+        if params is not None and _has_padding(kwargs.get("attention_mask")):
+            raise ValueError("a packed batch (position_ids restarts / cu_seq_lens / seq_idx) must not also carry "
+                             "an attention_mask with padding: packing already drops the padding; pass one of "
+                             "them (DataCollatorWithFlattening's batch without attention_mask)")
         batch.params = None if params is None else _resolve(params, kwargs)
+        set_packed_call(params is not None)
 
-    model._ssm_pack_packing = (batch, model.register_forward_pre_hook(read_boundaries, with_kwargs=True))
+    hooks = (model.register_forward_pre_hook(read_boundaries, with_kwargs=True),
+             model.register_forward_hook(lambda *_: set_packed_call(False), always_call=True))
+    model._ssm_pack_packing = (batch, hooks, implementation)
     return model
 
 
@@ -191,6 +207,9 @@ def disable_packing(model: nn.Module) -> nn.Module:
                     for name, value in buffers.items():
                         original.get_buffer(name).copy_(value)
                 setattr(parent, attr, to_module(child.mixer, original).train(child.training))
-    state[1].remove()
+    for hook in state[1]:
+        hook.remove()
+    if state[2] is not None:
+        detach(model, state[2])
     model._ssm_pack_packing = None
     return model
