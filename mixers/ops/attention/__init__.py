@@ -6,8 +6,9 @@
 form one more segment) or the forward's prebuilt :class:`ssm_pack.VarlenBatch`, ``max_seqlen``
 (the longest document, as flash-attn wants it; optional with a ``VarlenBatch``), ``causal``,
 ``window_size=(left, right)`` (-1 = unbounded; flash-attn's sliding window) and
-``softmax_scale`` (default ``D ** -0.5``). Returns ``[T, Hq, D]``. The CUDA kernel is
-flash-attn's varlen function; the reference is :func:`ssm_pack.segment_attention.blockwise_attention`
+``softmax_scale`` (default ``D ** -0.5``). Returns ``[T, Hq, D]``. The CUDA kernels, in order:
+PyTorch's own ``varlen_attn`` (:mod:`.torch_varlen`), flash-attn's varlen function; the reference
+is :func:`ssm_pack.segment_attention.blockwise_attention`
 (the same blockwise core as :func:`ssm_pack.segment_attention`).
 """
 
@@ -22,6 +23,8 @@ from .._autocast import outside_autocast
 from .._checks import varlen_of
 from ..chunks import compute_dtype
 from .kernel import flash_varlen, unsupported
+from .torch_varlen import torch_varlen_attention
+from .torch_varlen import unsupported as torch_varlen_unsupported
 
 __all__ = ["varlen_attention"]
 
@@ -60,6 +63,19 @@ def _check_max_seqlen(max_seqlen, varlen) -> int:
     return varlen.max_seqlen
 
 
+def _choose(q, causal, window, scale, backend) -> str:
+    """``"torch_varlen"`` (PyTorch's own kernel), else ``"flash_attn"``, else ``"reference"``."""
+    if backend == "kernel" and unsupported(q) is not None:      # no attention kernel takes it, on any device
+        raise ValueError(f"varlen_attention: the upstream kernels cannot do {unsupported(q)}; use "
+                         "backend='reference' (or 'auto', which picks it)")
+    candidates = (
+        ("torch_varlen", "PyTorch's varlen_attn", torch_varlen_unsupported(q, causal, window, scale),
+         lambda: dispatch.cached_support("torch_varlen")),
+        ("flash_attn", "flash-attn", unsupported(q), lambda: dispatch.cached_support("flash_attn", ("varlen",))),
+    )
+    return dispatch.choose_kernel("varlen_attention", backend, on_cuda=dispatch.is_cuda(q), candidates=candidates)
+
+
 @outside_autocast
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, causal=True, window_size=None, softmax_scale=None,
                      backend="auto"):
@@ -72,10 +88,10 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, causal=True, windo
     if varlen.cp is not None:                                 # context parallelism: cp.py
         from .cp import varlen_attention_cp
         return varlen_attention_cp(q, k, v, varlen, causal, window, scale, backend)
-    choice = dispatch.select_backend("varlen_attention", backend, on_cuda=dispatch.is_cuda(q),
-                                      support_state=lambda: dispatch.cached_support("flash_attn", ("varlen",)),
-                                      missing_feature=unsupported(q))
-    if choice == "kernel":
+    choice = _choose(q, causal, window, scale, backend)
+    if choice == "torch_varlen":
+        return torch_varlen_attention(q, k, v, varlen.covering_cu_seqlens, longest, causal, window, scale)
+    if choice == "flash_attn":
         return flash_varlen(q, k, v, varlen.covering_cu_seqlens, longest, causal, window, scale)
     compute = compute_dtype(q.dtype)
     out = blockwise_attention(q.to(compute), k.to(compute), v.to(compute), varlen.seq_idx[0], longest,
