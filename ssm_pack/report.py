@@ -41,7 +41,7 @@ def header_lines() -> list[str]:
              f"  torch                    {torch.__version__}",
              f"  CUDA device              {_device_name() if cuda else 'none'}", "",
              "optional packages:"]
-    return lines + [_package_line(p, label) for p, label in _PACKAGES]
+    return lines + [_package_line(p, label) for p, label in _PACKAGES] + ["", support.fla_backend_line()]
 
 
 def kernel_lines() -> list[str]:

@@ -3,8 +3,8 @@
 Versions come from package metadata and extension modules are located with
 ``importlib.util.find_spec``. Metadata is not enough, though: ``import mamba_ssm`` also needs
 ``transformers``, and an extension built against another torch fails only when imported
-(``undefined symbol``). So once a package and its extension are found (and, for the kernel checks,
-a device is there), it is imported for real, once per process (:func:`import_error`, cached), and a failure
+(``undefined symbol``). So once a package and its extension are found and a device (or the
+interpreter lane) is there, it is imported for real, once per process (:func:`import_error`, cached), and a failure
 is a blocker like the others: ``"auto"`` takes the reference naming it, ``"kernel"`` raises with it.
 Nothing is imported at ``import ssm_pack`` time, nor on a machine without a device (the device is
 checked first). The states tell apart: not installed, installed without its CUDA extension, too
@@ -109,12 +109,17 @@ def package_present(package: str, minimum: str) -> tuple[bool, str | None]:
         return False, (f"{dist} {found} is installed but its CUDA extension '{extension}' is missing "
                        f"(built with *_SKIP_CUDA_BUILD or without nvcc); reinstall on a CUDA machine: "
                        f"{_install_hint(package, minimum)}")
-    failure = probe.import_error(package)
+    failure = probe.import_error(package) if _kernels_can_run() else None
     if failure is not None:
         return False, (f"{dist} {found} is installed but 'import {package}' fails ({failure}); "
                        f"reinstall it against torch {torch.__version__} with its dependencies: "
                        f"{_install_hint(package, minimum)}")
     return True, None
+
+
+def _kernels_can_run() -> bool:
+    """A device (or the interpreter lane) is there: only then is a package imported to check it."""
+    return probe.cuda_available() or triton_interpreter()
 
 
 def package_state(package: str, minimum: str, feature: str) -> tuple[bool, str | None]:
@@ -126,6 +131,36 @@ def package_state(package: str, minimum: str, feature: str) -> tuple[bool, str |
     if not _at_least(found, minimum):
         return False, f"{dist} {found} is too old for {feature}: needs >= {minimum}; {_install_hint(package, minimum)}"
     return package_present(package, minimum)
+
+
+# flash-linear-attention 0.6.0 routes its ops through backend registries (fla/backends.py): a registered
+# backend runs instead of fla's Triton code when its package is installed and its switch is not "0"
+# (FlashQLA for GDN and FlashKDA for KDA, on by default once installed; TileLang for KDA's backward, on
+# once tilelang, which mamba-ssm installs, and nvcc are there; Gluon and intra-card CP off by default).
+# ssm-pack's kernel paths are checked against fla's Triton kernels, so they pin them: the whole dispatch
+# off (read when fla is first imported) and every backend's switch "0" (read at every call, so the pin
+# holds when fla was imported first). A value the user set is kept, and the report names it.
+FLA_TRITON_PIN = {"FLA_DISABLE_BACKEND_DISPATCH": "1", "FLA_FLASH_QLA": "0", "FLA_FLASH_KDA": "0",
+                  "FLA_TILELANG": "0", "FLA_GLUON": "0", "FLA_CONV_GLUON": "0", "FLA_INTRACARD_CP": "0"}
+
+
+def pin_fla_triton() -> list[str]:
+    """Pin fla to its Triton kernels (:data:`FLA_TRITON_PIN`, each unless already set); called before
+    every fla kernel is loaded. Returns the switches the user set otherwise, as ``"NAME=value"``."""
+    for name, value in FLA_TRITON_PIN.items():
+        os.environ.setdefault(name, value)
+    return [f"{name}={os.environ[name]}" for name, value in FLA_TRITON_PIN.items() if os.environ[name] != value]
+
+
+def fla_backend_line() -> str:
+    """One line for the support report: which fla backend ssm-pack's fla kernel calls run."""
+    pinned = ", ".join(f"{k}={v}" for k, v in FLA_TRITON_PIN.items())
+    overridden = [f"{name}={os.environ[name]}" for name, value in FLA_TRITON_PIN.items()
+                  if name in os.environ and os.environ[name] != value]
+    if overridden:
+        return (f"fla backends: NOT pinned to Triton, set here: {', '.join(overridden)} (fla may run "
+                f"FlashQLA / FlashKDA / TileLang / Gluon where installed); ssm-pack pins {pinned}")
+    return f"fla backends: Triton only (ssm-pack pins {pinned} before loading fla's kernels)"
 
 
 # The one switch of the interpreter test lane (see triton_interpreter).

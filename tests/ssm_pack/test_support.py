@@ -342,3 +342,35 @@ def test_import_ssm_pack_imports_no_kernel_package():
             "print(sorted({'fla', 'triton', 'mamba_ssm', 'causal_conv1d', 'flash_attn'} & set(sys.modules)))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr[-2000:]
+
+
+# ----------------------------------------------------------------- fla 0.6.0's other backends
+@pytest.fixture
+def fla_switches_unset(monkeypatch):
+    for name in support.FLA_TRITON_PIN:            # recorded, so the test's pins are undone after it
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
+
+
+def test_loading_an_fla_kernel_pins_fla_to_triton(fla_switches_unset):
+    import os
+    pytest.importorskip("fla")
+    # fla imported first, unpinned: its registries (fla/backends.py) switch FlashQLA on by default
+    import fla.ops.gated_delta_rule.backends  # noqa: F401
+    import fla.ops.kda.backends  # noqa: F401
+    from fla.backends import _function_registries, _operation_registries
+    registries = [*_operation_registries.values(), *_function_registries.values()]
+    switched = [b for r in registries for b in r._backends.values() if b.env_var is not None]
+    assert {b.backend_type for b in switched} >= {"flash_qla", "tilelang"}
+    assert "flash_qla" in [b.backend_type for b in switched if b.is_enabled()]      # negative control
+    import mixers.ops.delta_rule.kernel as delta
+    delta.load_upstream("kda")
+    assert {name: os.environ[name] for name in support.FLA_TRITON_PIN} == support.FLA_TRITON_PIN
+    assert [b.backend_type for b in switched if b.is_enabled()] == []       # whatever is installed
+
+
+def test_report_names_an_fla_backend_the_user_switched_on(fla_switches_unset, monkeypatch):
+    assert "fla backends: Triton only" in support_report()
+    monkeypatch.setenv("FLA_TILELANG", "1")
+    assert support.pin_fla_triton() == ["FLA_TILELANG=1"]
+    assert "NOT pinned to Triton, set here: FLA_TILELANG=1" in support_report()

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ssm_pack import support
+
 from .. import dispatch
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -28,6 +30,7 @@ def load_causal_conv1d():
 
 
 def load_fla():
+    support.pin_fla_triton()
     from fla.modules.causal_conv1d import causal_conv1d_update
     return causal_conv1d_update
 

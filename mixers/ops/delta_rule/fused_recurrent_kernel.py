@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ssm_pack import support
+
 from .. import dispatch
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -29,6 +31,7 @@ def unsupported(q: torch.Tensor, *inputs) -> str | None:
 
 
 def load_upstream(kind: str):
+    support.pin_fla_triton()
     if kind == "kda":
         from fla.ops.kda import fused_recurrent_kda as op
     else:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ssm_pack import support
+
 from ..chunks import compute_dtype
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -33,6 +35,7 @@ def unsupported(kind: str, q: torch.Tensor) -> str | None:
 
 
 def load_upstream(kind: str):
+    support.pin_fla_triton()
     if kind == "gdn":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as op
     elif kind == "kda":
