@@ -19,7 +19,15 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .checks import check_int, describe
 from .stream_assemble import assemble_pack
 from .stream_plan import Doc, Piece, Planner
-from .stream_source import Source, checksum, document_length, document_tokens, fingerprint, is_indexable
+from .stream_source import (
+    Source,
+    check_token_ids,
+    checksum,
+    document_length,
+    document_tokens,
+    fingerprint,
+    is_indexable,
+)
 
 SPLIT_LONG = ("carry", "truncate", "refuse")
 _CONFIG = ("max_tokens", "align_to", "lookahead", "split_long", "world", "rank", "seed")
@@ -165,12 +173,14 @@ class PackStream(IterableDataset):
         tokens, next_token = [], None
         for piece in pieces:
             whole = self._tokens(p, piece)
-            tokens.append(whole[piece.offset:piece.offset + piece.length])
+            whole_piece = piece.offset == 0 and piece.length == whole.shape[0]
+            tokens.append(whole if whole_piece else whole[piece.offset:piece.offset + piece.length])
             if piece.continued:
                 next_token = int(whole[piece.offset + piece.length])
         offsets = [piece.offset for piece in pieces]
         pack = assemble_pack(tokens, offsets, max_tokens=self.max_tokens, align_to=self.align_to,
                              pad_token_id=self.pad_token_id, next_token=next_token)
+        check_token_ids(pack["input_ids"], tokens, [piece.index for piece in pieces])
         real = sum(piece.length for piece in pieces)
         p.counters["packs"] += 1
         p.counters["real_tokens"] += real

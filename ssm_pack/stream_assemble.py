@@ -3,18 +3,49 @@
     T = max_tokens, N = pieces in the pack, R = their real tokens
 
 Each piece sits at the start of a slot of ``ceil(L / align_to) * align_to`` tokens; the slots
-are back to back and the rest of the row is a tail (one extra ``seq_idx`` index). Every tensor
-is built with a few whole-row operations, whatever N is.
+are back to back and the rest of the row is a tail (one extra ``seq_idx`` index). The row is one
+``torch.cat`` of the pieces and views of a padding row, and every other tensor a few whole-row
+operations, whatever N is: the packer must never be what an accelerator waits for.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .convert import position_ids_from_cu_seqlens
 from .params import PackedSeqParams
 
 IGNORE_INDEX = -100
+
+
+def _boundaries(lengths: list[int], align_to: int) -> tuple[list[int], list[int]]:
+    """Real and physical (slot) offsets ``[N + 1]`` of pieces of ``lengths``."""
+    real, physical = [0], [0]
+    for n in lengths:
+        real.append(real[-1] + n)
+        physical.append(physical[-1] + -(-n // align_to) * align_to)
+    return real, physical
+
+
+def pack_params(lengths: list[int], *, max_tokens: int, align_to: int) -> PackedSeqParams:
+    """``PackedSeqParams`` of pieces of ``lengths`` in aligned slots and a row of ``max_tokens``.
+
+    The offsets are built here from lengths (so they are valid by construction) and ``seq_idx``
+    with one ``repeat_interleave``; ``max_seqlen`` counts the tail, as a validating
+    :class:`ssm_pack.VarlenBatch` measures it.
+    """
+    real, physical = _boundaries(lengths, align_to)
+    tail = max_tokens - physical[-1]
+    assert tail >= 0, "the planner fills at most max_tokens"
+    slots = [b - a for a, b in zip(physical, physical[1:])]
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths) + 1, dtype=torch.int32),
+                                      torch.tensor(slots + [tail]), output_size=max_tokens).unsqueeze(0)
+    cu = torch.tensor(real, dtype=torch.int32)
+    padded = torch.tensor(physical, dtype=torch.int32) if physical != real else None
+    longest = max(slots + [tail])
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                           cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest,
+                           total_tokens=max_tokens, seq_idx=seq_idx, pad_between_seqs=padded is not None,
+                           validate=False)
 
 
 def assemble_pack(tokens: list[torch.Tensor], offsets: list[int], *, max_tokens: int, align_to: int,
@@ -22,7 +53,7 @@ def assemble_pack(tokens: list[torch.Tensor], offsets: list[int], *, max_tokens:
     """The row of one pack.
 
     Args:
-        tokens: the N pieces' token ids, ``[L_i]`` int64 each.
+        tokens: the N pieces' token ids, ``[L_i]`` int64 each (non-negative).
         offsets: where each piece starts in its document (0 unless it continues one).
         next_token: the token that follows the last piece in its document when it continues in
             the next pack (its target), else ``None``.
@@ -30,39 +61,40 @@ def assemble_pack(tokens: list[torch.Tensor], offsets: list[int], *, max_tokens:
     Returns:
         ``input_ids`` ``[1, T]`` (``pad_token_id`` on padding); ``labels`` ``[1, T]`` (the ids,
         ``-100`` on padding and on each piece's first token, the convention of Hugging Face's
-        ``DataCollatorWithFlattening``, for models that shift labels themselves);
-        ``targets`` ``[1, T]`` (already shifted: the next token of the same document, ``-100``
-        at document ends and on padding; for a piece that continues, its last target is the
-        next piece's first token); ``position_ids`` ``[1, T]`` (positions in the document, so a
-        continuing piece starts at its offset; counting on through a slot's padding and from 0
-        over the tail); ``packed_seq_params``.
+        ``DataCollatorWithFlattening``, for models that shift labels themselves, as
+        ``mixers.HybridLM`` does); ``targets`` ``[1, T]`` (already shifted: the next token of the
+        same document, ``-100`` at document ends and on padding; for a piece that continues, its
+        last target is the next piece's first token); ``position_ids`` ``[1, T]`` (positions in
+        the document, so a continuing piece starts at its offset; counting on through a slot's
+        padding and from 0 over the tail); ``packed_seq_params``.
     """
     lengths = [t.shape[0] for t in tokens]
-    params = PackedSeqParams.from_lengths(lengths, pad_to_multiple_of=align_to, total_tokens=max_tokens)
-    input_ids = torch.full((max_tokens,), pad_token_id, dtype=torch.int64)
-    labels = torch.full((max_tokens,), IGNORE_INDEX, dtype=torch.int64)
-    targets = torch.full((max_tokens,), IGNORE_INDEX, dtype=torch.int64)
-    physical = params.cu_seqlens.to(torch.int64)
-    positions = position_ids_from_cu_seqlens(physical, max_tokens)[0]
+    params = pack_params(lengths, max_tokens=max_tokens, align_to=align_to)
+    _, physical = _boundaries(lengths, align_to)
+    tail = max_tokens - physical[-1]
+    pad = torch.full((max_tokens,), pad_token_id, dtype=torch.int64)
+    ignore = torch.full((max_tokens,), IGNORE_INDEX, dtype=torch.int64)
+    if align_to == 1:                                                 # no slot padding: one cat, one fill
+        input_ids = torch.cat(tokens + [pad[:tail]])
+        labels = input_ids.clone()
+        labels[physical[-1]:] = IGNORE_INDEX
+    else:
+        ids_parts, label_parts = [], []
+        for piece, start, end in zip(tokens, physical, physical[1:]):
+            gap = end - start - piece.shape[0]
+            ids_parts += [piece, pad[:gap]]
+            label_parts += [piece, ignore[:gap]]
+        input_ids = torch.cat(ids_parts + [pad[:tail]])
+        labels = torch.cat(label_parts + [ignore[:tail]])             # ids, -100 on padding
+    starts = torch.tensor(physical, dtype=torch.int64)                # slot starts, then the tail's
     if tokens:
-        real = torch.cat(tokens)
-        lengths_t = torch.tensor(lengths, dtype=torch.int64)
-        if align_to == 1:
-            dest = torch.arange(real.shape[0])
-        else:
-            tight = torch.cumsum(lengths_t, 0) - lengths_t
-            shift = torch.repeat_interleave(physical[:-1] - tight, lengths_t)
-            dest = torch.arange(real.shape[0]) + shift
-        starts, ends = physical[:-1], physical[:-1] + lengths_t - 1
-        input_ids[dest] = real
-        labels[dest] = real
-        labels[starts] = IGNORE_INDEX
-        targets[dest[:-1]] = real[1:]
-        targets[ends] = IGNORE_INDEX
-        if next_token is not None:
-            targets[ends[-1]] = next_token
-        if any(offsets):
-            shift = torch.tensor(list(offsets) + [0], dtype=torch.int64)
-            positions = positions + shift[params.seq_idx[0].to(torch.int64)]
+        labels.index_fill_(0, starts[:-1], IGNORE_INDEX)
+    targets = torch.cat([labels[1:], ignore[:1]])     # the next label: -100 after a document's last token
+    if next_token is not None:
+        targets[physical[-2] + lengths[-1] - 1] = next_token
+    seq_idx = params.seq_idx[0].to(torch.int64)
+    positions = torch.arange(max_tokens) - starts.index_select(0, seq_idx)
+    if any(offsets):
+        positions += torch.tensor(list(offsets) + [0], dtype=torch.int64).index_select(0, seq_idx)
     return {"input_ids": input_ids.unsqueeze(0), "labels": labels.unsqueeze(0), "targets": targets.unsqueeze(0),
             "position_ids": positions.unsqueeze(0), "packed_seq_params": params}

@@ -51,25 +51,35 @@ def document_length(index: int, doc) -> int:
 
 
 def document_tokens(index: int, doc) -> torch.Tensor:
-    """``[L]`` int64 token ids of ``doc``; non-integer or negative ids are refused by index."""
+    """``[L]`` int64 token ids of ``doc``; non-integer ids are refused by index (negative ones by
+    :func:`check_token_ids`, once per pack)."""
     if isinstance(doc, torch.Tensor):
-        tokens = doc.detach().to("cpu", torch.int64)
-    elif isinstance(doc, (bytes, bytearray, memoryview)):
+        if doc.dtype == torch.int64 and doc.device.type == "cpu" and not doc.requires_grad:
+            return doc
+        return doc.detach().to("cpu", torch.int64)
+    if isinstance(doc, (bytes, bytearray, memoryview)):
         return torch.frombuffer(bytearray(doc), dtype=torch.uint8).to(torch.int64)
-    else:
-        try:
-            tokens = torch.as_tensor(doc)
-        except (TypeError, ValueError, RuntimeError, OverflowError) as err:
-            raise TypeError(f"documents[{index}] must hold integer token ids, got {describe(doc)} ({err})") from None
-        if tokens.dtype not in _INT_DTYPES or tokens.dim() != 1:
-            bad = next((v for v in doc if isinstance(v, bool) or not isinstance(v, int)), None) \
-                if isinstance(doc, (list, tuple)) else None
-            shown = f"element {bad!r}" if bad is not None else f"dtype {tokens.dtype} shape {tuple(tokens.shape)}"
-            raise TypeError(f"documents[{index}] must be a 1-D sequence of integer token ids, got {shown}")
-        tokens = tokens.to(torch.int64)
-    if tokens.numel() and int(tokens.min()) < 0:
-        raise ValueError(f"documents[{index}] holds a negative token id {int(tokens.min())}; token ids must be >= 0")
-    return tokens
+    try:
+        tokens = torch.as_tensor(doc)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as err:
+        raise TypeError(f"documents[{index}] must hold integer token ids, got {describe(doc)} ({err})") from None
+    if tokens.dtype not in _INT_DTYPES or tokens.dim() != 1:
+        bad = next((v for v in doc if isinstance(v, bool) or not isinstance(v, int)), None) \
+            if isinstance(doc, (list, tuple)) else None
+        shown = f"element {bad!r}" if bad is not None else f"dtype {tokens.dtype} shape {tuple(tokens.shape)}"
+        raise TypeError(f"documents[{index}] must be a 1-D sequence of integer token ids, got {shown}")
+    return tokens.to(torch.int64)
+
+
+def check_token_ids(row: torch.Tensor, pieces: list[torch.Tensor], indices: list[int]) -> None:
+    """No negative id in a pack (one ``min`` over its row, whose padding id is >= 0); the culprit
+    document is named by index."""
+    if int(row.min()) >= 0:
+        return
+    for tokens, index in zip(pieces, indices):
+        if int(tokens.min()) < 0:
+            raise ValueError(f"documents[{index}] holds a negative token id {int(tokens.min())}; token ids must "
+                             "be >= 0")
 
 
 def is_indexable(documents) -> bool:
