@@ -185,8 +185,8 @@ class PackStream(IterableDataset):
         p.counters["packs"] += 1
         p.counters["real_tokens"] += real
         p.counters["padding_tokens"] += self.max_tokens - real
-        pack.update(documents=torch.tensor([piece.index for piece in pieces], dtype=torch.int64),
-                    offsets=torch.tensor(offsets, dtype=torch.int64),
+        where = torch.tensor([[piece.index for piece in pieces], offsets], dtype=torch.int64).reshape(2, -1)
+        pack.update(documents=where[0], offsets=where[1],
                     continues=bool(pieces) and pieces[0].offset > 0,
                     continued=bool(pieces) and pieces[-1].continued, pack_index=g)
         return pack

@@ -10,6 +10,8 @@ operations, whatever N is: the packer must never be what an accelerator waits fo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .params import PackedSeqParams
@@ -48,6 +50,13 @@ def pack_params(lengths: list[int], *, max_tokens: int, align_to: int) -> Packed
                            validate=False)
 
 
+@functools.lru_cache(maxsize=8)
+def _rows(max_tokens: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Read-only rows every pack copies from: padding ids, -100 and positions ``0..T-1``."""
+    return (torch.full((max_tokens,), pad_token_id, dtype=torch.int64),
+            torch.full((max_tokens,), IGNORE_INDEX, dtype=torch.int64), torch.arange(max_tokens))
+
+
 def assemble_pack(tokens: list[torch.Tensor], offsets: list[int], *, max_tokens: int, align_to: int,
                   pad_token_id: int, next_token: int | None) -> dict:
     """The row of one pack.
@@ -72,8 +81,7 @@ def assemble_pack(tokens: list[torch.Tensor], offsets: list[int], *, max_tokens:
     params = pack_params(lengths, max_tokens=max_tokens, align_to=align_to)
     _, physical = _boundaries(lengths, align_to)
     tail = max_tokens - physical[-1]
-    pad = torch.full((max_tokens,), pad_token_id, dtype=torch.int64)
-    ignore = torch.full((max_tokens,), IGNORE_INDEX, dtype=torch.int64)
+    pad, ignore, arange = _rows(max_tokens, pad_token_id)             # never written: only copied from
     if align_to == 1:                                                 # no slot padding: one cat, one fill
         input_ids = torch.cat(tokens + [pad[:tail]])
         labels = input_ids.clone()
@@ -93,7 +101,7 @@ def assemble_pack(tokens: list[torch.Tensor], offsets: list[int], *, max_tokens:
     if next_token is not None:
         targets[physical[-2] + lengths[-1] - 1] = next_token
     seq_idx = params.seq_idx[0].to(torch.int64)
-    positions = torch.arange(max_tokens) - starts.index_select(0, seq_idx)
+    positions = arange - starts.index_select(0, seq_idx)
     if any(offsets):
         positions += torch.tensor(list(offsets) + [0], dtype=torch.int64).index_select(0, seq_idx)
     return {"input_ids": input_ids.unsqueeze(0), "labels": labels.unsqueeze(0), "targets": targets.unsqueeze(0),
