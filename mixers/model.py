@@ -152,11 +152,12 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     """Refuse token ids outside ``0 .. vocab_size - 1`` (before the embedding reads them).
 
     On the CPU one min/max reduction, and the first bad position is named in a ``ValueError``; on an
-    accelerator a device-side assert (``torch._assert_async``) so a forward costs no host sync: a bad
-    id then fails at the next synchronisation with the same message, without its position."""
+    accelerator, and under ``torch.compile``, a device-side assert (``torch._assert_async``) so a
+    forward costs no host sync and no graph break: a bad id then fails at the next synchronisation
+    with the same message, without its position."""
     if input_ids.numel() == 0:
         return
-    if input_ids.device.type != "cpu":
+    if input_ids.device.type != "cpu" or torch.compiler.is_compiling():
         torch._assert_async(((input_ids >= 0) & (input_ids < vocab_size)).all(),
                             f"input_ids holds a token id outside the vocabulary of {vocab_size} tokens "
                             f"(0..{vocab_size - 1})")
