@@ -1,4 +1,5 @@
-"""Shared test settings: deterministic seeds, the `cuda` marker skipped without a GPU."""
+"""Shared test settings: deterministic seeds, the `cuda` marker skipped without a GPU (or run up to the
+first kernel call with ``SSM_PACK_FAKE_CUDA=1``, see ``tests/fake_device.py``)."""
 
 import os
 
@@ -13,8 +14,11 @@ settings.register_profile("dev", max_examples=30, deadline=None,
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
+FAKE_DEVICE = os.environ.get("SSM_PACK_FAKE_CUDA") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or FAKE_DEVICE:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
@@ -25,3 +29,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fake_device(request, monkeypatch):
+    if FAKE_DEVICE and "cuda" in request.keywords:
+        from tests import fake_device
+        fake_device.install(monkeypatch)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    outcome = yield
+    if FAKE_DEVICE and "cuda" in pyfuncitem.keywords:
+        from tests import fake_device
+        fake_device.settle(outcome)

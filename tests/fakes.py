@@ -116,7 +116,7 @@ def fake_ssd(calls):
              return_varlen_states=False):
         assert x.dtype in KERNEL_DTYPES
         assert seq_idx is not None and seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
-        assert tuple(seq_idx.shape) == tuple(x.shape[:2])
+        assert tuple(seq_idx.shape) == tuple(x.shape[:2]) and seq_idx.device == x.device
         assert (cu_seqlens is not None) == return_varlen_states
         if cu_seqlens is not None:
             assert cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous()
@@ -174,9 +174,9 @@ def of_kind(calls, kind: str) -> list:
     return [given for k, given in calls if k == kind]
 
 
-def install(monkeypatch, supported=True):
-    """Pretend CUDA and install every fake; returns the list of recorded calls."""
-    calls = []
+def install(monkeypatch, supported=True, calls=None):
+    """Pretend CUDA and install every fake; returns the list of recorded calls (``calls`` when given)."""
+    calls = [] if calls is None else calls
     monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
     monkeypatch.setattr(dispatch, "cached_support",
                         lambda name, features=(): (True, None) if supported else (False, f"{name} is not installed"))

@@ -34,10 +34,12 @@ def canonical_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
 
 def ssd_kernel(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                dt_softplus, dt_limit, return_final_states, return_varlen_states):
-    """Run upstream with canonical int32 contiguous ``seq_idx`` (always given, so documents reset)."""
+    """Run upstream with canonical int32 contiguous ``seq_idx`` on ``x``'s device (always given, so documents
+    reset; a Triton kernel reads every pointer on its own device)."""
     scan = load_upstream()
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=x.device, dtype=torch.int32).contiguous()
     return scan(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
-                seq_idx=canonical_seq_idx(seq_idx),
-                cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous(),
+                seq_idx=canonical_seq_idx(seq_idx.to(x.device)), cu_seqlens=cu_seqlens,
                 dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), return_final_states=return_final_states,
                 return_varlen_states=return_varlen_states)

@@ -106,9 +106,9 @@ def fake_kvcache(calls):
     return attend
 
 
-def install(monkeypatch, supported=True):
-    """Pretend CUDA, install the training and decode fakes; returns the recorded calls."""
-    calls = fakes.install(monkeypatch, supported=supported)
+def install(monkeypatch, supported=True, calls=None):
+    """Pretend CUDA, install the training and decode fakes; returns the recorded calls (``calls`` when given)."""
+    calls = fakes.install(monkeypatch, supported=supported, calls=calls)
     monkeypatch.setattr(conv_update, "load_causal_conv1d", lambda: fake_conv_update(calls))
     monkeypatch.setattr(conv_update, "load_fla", lambda: fake_fla_conv_update(calls))
     monkeypatch.setattr(ssd_update, "load_upstream", lambda: fake_state_update(calls))
