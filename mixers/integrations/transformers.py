@@ -15,7 +15,8 @@ implementations are refused with the fix. A packed batch must not also carry an 
 with padding (refused before any layer runs); an unpacked padded batch runs as packed rows.
 
 The patched model's ``state_dict`` keeps Hugging Face's names and layout (a ``save_pretrained``
-checkpoint loads into the unpatched model), and ``load_state_dict`` accepts them. Decoding with a
+checkpoint loads into the unpatched model), and ``load_state_dict`` accepts them and reports
+missing, unexpected and mis-shaped keys in those names (:mod:`.hf_state_dict`). Decoding with a
 cache (``generate``) needs Hugging Face's layers back: ``disable_packing(model)``.
 """
 
@@ -31,6 +32,7 @@ from ssm_pack import PackedSeqParams, VarlenBatch
 from ..checkpoints import SOURCES, from_module, source_of
 from ..checkpoints.convert import to_module
 from .hf_attention import attach, attention_modules, check_implementation, detach, set_packed_call
+from .hf_state_dict import check_whole_load, load_upstream, save_upstream
 
 _BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
 _LENGTH_KEYS = ("input_ids", "inputs_embeds", "labels")
@@ -90,8 +92,8 @@ class PackedMixer(nn.Module):
         self._original = (original.to("meta"), buffers)   # the HF layer without its weights' storage
         self._batch = batch
         self._caches = weakref.WeakSet()               # caches this layer ran with but did not fill
-        self.register_state_dict_post_hook(_save_upstream)
-        self.register_load_state_dict_pre_hook(_load_upstream)
+        self.register_state_dict_post_hook(save_upstream)
+        self.register_load_state_dict_pre_hook(load_upstream)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         cache = next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), args[0] if args else None)
@@ -117,22 +119,6 @@ class PackedMixer(nn.Module):
 
 def _has_padding(mask) -> bool:
     return isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all())
-
-
-def _save_upstream(module: PackedMixer, state_dict, prefix, local_metadata):
-    inner = prefix + "mixer."
-    ours = {k[len(inner):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(inner)]}
-    upstream = SOURCES[module.source].to_upstream(ours, module.mixer.config)
-    state_dict.update({prefix + k: v for k, v in upstream.items()})
-
-
-def _load_upstream(module: PackedMixer, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-    source = SOURCES[module.source]
-    names = list(source.to_upstream({k: v for k, v in module.mixer.state_dict().items()}, module.mixer.config))
-    if not all(prefix + k in state_dict for k in names):
-        return                                          # not HF's layout: let load_state_dict report it
-    ours = source.to_ours({k: state_dict.pop(prefix + k) for k in names}, module.mixer.config)
-    state_dict.update({prefix + "mixer." + k: v for k, v in ours.items()})
 
 
 def _resolve(params: PackedSeqParams, kwargs: dict) -> VarlenBatch:
@@ -188,7 +174,8 @@ def enable_packing(model: nn.Module, *, backend: str = "auto") -> nn.Module:
         set_packed_call(params is not None)
 
     hooks = (model.register_forward_pre_hook(read_boundaries, with_kwargs=True),
-             model.register_forward_hook(lambda *_: set_packed_call(False), always_call=True))
+             model.register_forward_hook(lambda *_: set_packed_call(False), always_call=True),
+             model.register_load_state_dict_pre_hook(check_whole_load(model, PackedMixer)))
     model._ssm_pack_packing = (batch, hooks, implementation)
     return model
 

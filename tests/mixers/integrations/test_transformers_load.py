@@ -1,0 +1,87 @@
+"""load_state_dict on a patched model: a Hugging Face checkpoint with a missing, an unexpected or a
+mis-shaped key is reported in Hugging Face's names exactly as the unpatched model reports it, and a
+mis-shaped tensor of a swapped layer is refused before any parameter is written."""
+
+import copy
+
+import pytest
+import torch
+
+from mixers.integrations.transformers import enable_packing
+from tests.mixers.integrations.hf_models import build
+
+SSM_LAYER = {"mamba2": ("backbone.layers.0.mixer", "D"), "qwen3_next": ("model.layers.0.linear_attn", "A_log"),
+             "bamba": ("model.layers.0.mamba", "dt_bias"),
+             "kimi_linear": ("model.layers.0.self_attn", "forget_gate.A_log"),
+             "nemotron_h": ("model.layers.0.mixer", "conv1d.weight"),
+             "granite": ("model.layers.0.mamba", "norm.weight"),
+             "falcon_h1": ("model.layers.0.mamba", "out_proj.weight")}
+SSM_KEY = {name: f"{layer}.{key}" for name, (layer, key) in SSM_LAYER.items()}
+MODELS = [pytest.param(name, id=name) for name in SSM_KEY]
+
+
+def _pair(name, monkeypatch):
+    """(unpatched, patched) holding the same weights, and a checkpoint of other weights."""
+    unpatched = build(name, monkeypatch)
+    patched = enable_packing(copy.deepcopy(unpatched))
+    checkpoint = {k: v + 0.5 if v.is_floating_point() else v for k, v in unpatched.state_dict().items()}
+    return unpatched, patched, checkpoint
+
+
+def _snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _load(model, checkpoint, strict):
+    try:
+        result = model.load_state_dict(checkpoint, strict=strict)
+    except RuntimeError as err:
+        return str(err).replace(type(model).__name__, "Model"), None
+    return None, (list(result.missing_keys), list(result.unexpected_keys))
+
+
+def _same_report_and_weights(name, monkeypatch, edit, strict):
+    unpatched, patched, checkpoint = _pair(name, monkeypatch)
+    checkpoint = edit(checkpoint)
+    want = _load(unpatched, dict(checkpoint), strict)
+    assert _load(patched, dict(checkpoint), strict) == want
+    got, expected = patched.state_dict(), unpatched.state_dict()        # loaded alike (HF layout)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in got)
+    return want
+
+
+@pytest.mark.parametrize("strict", [pytest.param(True, id="strict"), pytest.param(False, id="not_strict")])
+@pytest.mark.parametrize("name", MODELS)
+def test_missing_and_unexpected_keys_are_reported_in_hugging_face_names(monkeypatch, name, strict):
+    """One key of a swapped layer missing, one unknown key in that layer and one elsewhere: the
+    same report and the same loaded weights as the unpatched model."""
+    key = SSM_KEY[name]
+    extra = {f"{SSM_LAYER[name][0]}.extra_scale": torch.ones(3), "lm_head.extra": torch.ones(2)}
+    error, lists = _same_report_and_weights(
+        name, monkeypatch, lambda c: {**{k: v for k, v in c.items() if k != key}, **extra}, strict)
+    if strict:
+        assert f'Missing key(s) in state_dict: "{key}"' in error
+    else:
+        assert lists[0] == [key] and sorted(lists[1]) == sorted(extra)
+
+
+@pytest.mark.parametrize(("name", "key"), [
+    pytest.param("qwen3_next", "model.layers.0.linear_attn.in_proj_qkvz.weight", id="qwen3_next-in_proj_qkvz"),
+    pytest.param("mamba2", "backbone.layers.1.mixer.in_proj.weight", id="mamba2-in_proj")])
+def test_a_misshapen_tensor_is_named_and_nothing_is_written(monkeypatch, name, key):
+    unpatched, patched, checkpoint = _pair(name, monkeypatch)
+    checkpoint[key] = checkpoint[key][:-1]
+    error, _ = _load(unpatched, dict(checkpoint), True)
+    assert f"size mismatch for {key}" in error
+    before = _snapshot(patched)
+    with pytest.raises(RuntimeError) as err:
+        patched.load_state_dict(checkpoint)
+    line = next(x for x in error.splitlines() if key in x).strip()
+    assert line in str(err.value)                                       # the same words as unpatched
+    after = _snapshot(patched)
+    assert all(torch.equal(before[k], after[k]) for k in before)     # bitwise: nothing written
+    with pytest.raises(RuntimeError, match=f"size mismatch for {key}"):
+        patched.load_state_dict(checkpoint, strict=False)
+    after = _snapshot(patched)
+    assert all(torch.equal(before[k], after[k]) for k in before)
