@@ -1,0 +1,160 @@
+"""The planted changes of the mutation check (see ``run.py``): each one is a small, realistic bug.
+
+A mutant is one or more exact text edits (``file``, ``old``, ``new``; ``old`` must occur exactly
+once in ``file``) in one ``area``, and the test paths that should catch it (run in this order with
+``-x``: put the most likely killer first). A mutant no test catches is a hole in the suite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Edit:
+    file: str
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    area: str
+    edits: tuple[Edit, ...]
+    tests: tuple[str, ...]
+    what: str
+
+
+INFERENCE_TESTS = ("tests/mixers/inference",)
+VARLEN_TESTS = ("tests/ssm_pack/test_varlen.py", "tests/ssm_pack/test_metadata_hardening.py",
+                "tests/ssm_pack/test_seq_idx.py")
+CONVERTER_TESTS = tuple(f"tests/mixers/checkpoints/{name}.py" for name in (
+    "test_upstream_layouts", "test_convert", "test_upstream_equality", "test_readme"))
+HF_TESTS = ("tests/mixers/integrations",)
+
+
+def _m(name, area, tests, what, *edits):
+    return Mutant(name, area, tuple(Edit(*e) for e in edits), tuple(tests), what)
+
+
+SLOTS = "mixers/inference/slots.py"
+LAYER_CACHE = "mixers/inference/layer_cache.py"
+GENERATE = "mixers/inference/generate.py"
+VARLEN = "ssm_pack/varlen.py"
+MAMBA2_CKPT = "mixers/checkpoints/mamba2.py"
+
+MUTANTS: tuple[Mutant, ...] = (
+    # ------------------------------------------------------------------ inference
+    _m("spread-off-by-one", "inference", INFERENCE_TESTS,
+       "a padded packed continuation writes each slot's initial state into the padding piece",
+       (SLOTS, "return out.index_copy(0, self.state_rows, states)",
+        "return out.index_copy(0, self.state_rows + 1, states)")),
+    _m("pick-off-by-one", "inference", INFERENCE_TESTS,
+       "a padded packed call stores the padding piece's final state as the slot's state",
+       (SLOTS, "states.index_select(0, self.state_rows)", "states.index_select(0, self.state_rows + 1)")),
+    _m("layer-cache-write-no-detach", "inference", INFERENCE_TESTS,
+       "cached states keep their autograd graph",
+       (LAYER_CACHE, "state.index_copy_(0, batch.slots, values.detach().to(state.dtype))",
+        "state.index_copy_(0, batch.slots, values.to(state.dtype))")),
+    _m("layer-cache-tokens-no-detach", "inference", INFERENCE_TESTS,
+       "cached keys / values keep their autograd graph",
+       (LAYER_CACHE, "state[slots, positions] = values.detach().to(state.dtype)",
+        "state[slots, positions] = values.to(state.dtype)")),
+    _m("ssd-update-no-detach", "inference", ("tests/mixers/inference/test_decode_ops.py",) + INFERENCE_TESTS,
+       "the SSD decode step stores its state with the graph",
+       ("mixers/ops/ssd/update.py", "new = h.detach().to(state.dtype)", "new = h.to(state.dtype)")),
+    _m("sampling-times-temperature", "inference", INFERENCE_TESTS,
+       "sampling from softmax(logits * T) instead of softmax(logits / T)",
+       (GENERATE, "(logits - logits.max()) / self.temperature", "(logits - logits.max()) * self.temperature")),
+    _m("generate-ignores-cache", "inference", INFERENCE_TESTS,
+       "generate() allocates its own cache whatever cache= says",
+       (GENERATE, "eos_token_id=eos_token_id, generator=generator, cache=cache)",
+        "eos_token_id=eos_token_id, generator=generator, cache=None)")),
+    _m("mamba2-decode-drops-dt-limit", "inference", INFERENCE_TESTS,
+       "the Mamba2 decode step ignores the layer's dt_limit",
+       ("mixers/layers/mamba2_cache.py", "state_batch_indices=batch.slots, dt_limit=c.dt_limit, ",
+        "state_batch_indices=batch.slots, ")),
+    _m("bool-cache-slots-accepted", "inference", INFERENCE_TESTS,
+       "a bool tensor passed as cache_slots is read as slots 0 / 1",
+       (SLOTS, " or slots.dtype == torch.bool:", ":")),
+    _m("cache-overflow-off-by-one", "inference", INFERENCE_TESTS,
+       "a slot may hold one token more than max_seqlen",
+       (SLOTS, "over = torch.nonzero(ends > self.max_seqlen)", "over = torch.nonzero(ends > self.max_seqlen + 1)")),
+    _m("reset-keeps-states", "inference", INFERENCE_TESTS,
+       "cache.reset forgets the lengths but keeps the states",
+       ("mixers/inference/cache.py", "            layer.clear(host)", "            pass")),
+    _m("packed-positions-ignore-cache", "inference", INFERENCE_TESTS,
+       "a packed continuation restarts attention positions at 0",
+       (SLOTS, "offset = self.starts_device[doc.clamp(max=len(self.host) - 1)] * (doc < len(self.host))",
+        "offset = 0 * (doc < len(self.host))")),
+    # ------------------------------------------------------------------ VarlenBatch
+    _m("foreign-params-unvalidated", "varlen", VARLEN_TESTS,
+       "Megatron-style params are no longer checked (decreasing boundaries pass)",
+       (VARLEN, "if validate and not ours:", "if validate and ours:")),
+    _m("real-tokens-ignore-padding", "varlen", VARLEN_TESTS,
+       "real_tokens counts per-document padding as real",
+       (VARLEN, "real = self.real_cu_seqlens.to(torch.int64)", "real = self.cu_seqlens.to(torch.int64)")),
+    _m("max-seqlen-without-tail", "varlen", VARLEN_TESTS,
+       "max_seqlen forgets the padding tail",
+       (VARLEN, "0, total_tokens - int(wide[-1]))", "0, 0)")),
+    _m("nonempty-layout-reversed", "varlen", VARLEN_TESTS,
+       "the non-empty layout puts the empty documents first",
+       (VARLEN, "torch.argsort((lengths == 0).to(torch.int8), stable=True)",
+        "torch.argsort((lengths != 0).to(torch.int8), stable=True)")),
+    _m("materialize-skips-real-tokens", "varlen", VARLEN_TESTS,
+       "materialize() leaves real_tokens lazy",
+       (VARLEN, '"nonempty_layout", "real_tokens"):', '"nonempty_layout"):')),
+    _m("foreign-seq-idx-trusted", "varlen", VARLEN_TESTS,
+       "a Megatron object's own seq_idx is used without checking",
+       (VARLEN, 'cached = getattr(params, "seq_idx", None) if ours else None',
+        'cached = getattr(params, "seq_idx", None)')),
+    _m("padded-boundaries-ignored", "varlen", VARLEN_TESTS,
+       "the physical layout is read from the unpadded boundaries",
+       (VARLEN, 'physical = values["cu_seqlens_q_padded"] if', 'physical = values["cu_seqlens_q"] if')),
+    _m("token-count-unchecked", "varlen", VARLEN_TESTS,
+       "a VarlenBatch of another row length passes through",
+       (VARLEN, "if total_tokens != self.total_tokens:", "if False:")),
+    # ------------------------------------------------------------------ checkpoint converters
+    _m("megatron-conv-names-swapped", "converters", CONVERTER_TESTS,
+       "Megatron's conv1d_weight / conv1d_bias swapped consistently in both directions",
+       (MAMBA2_CKPT, 'renaming({"conv.weight": "conv1d_weight", "conv.bias": "conv1d_bias"})',
+        'renaming({"conv.weight": "conv1d_bias", "conv.bias": "conv1d_weight"})')),
+    _m("mamba-ssm-megatron-names", "converters", CONVERTER_TESTS,
+       "mamba-ssm's layout read with Megatron's conv names",
+       (MAMBA2_CKPT, "config_type=Mamba2Config, to_ours=_to_ours, to_upstream=_to_upstream)",
+        "config_type=Mamba2Config, to_ours=_mg_to_ours, to_upstream=_mg_to_upstream)")),
+    _m("kimi-conv-q-k-swapped", "converters", CONVERTER_TESTS,
+       "Kimi-Linear's fused conv split as [k, q, v] when reading",
+       ("mixers/checkpoints/kimi_linear.py", 'out["q_conv.weight"], out["k_conv.weight"], out["v_conv.weight"] =',
+        'out["k_conv.weight"], out["q_conv.weight"], out["v_conv.weight"] =')),
+    _m("qwen3-next-b-a-swapped", "converters", CONVERTER_TESTS,
+       "Qwen3-Next's in_proj_ba read as [a, b]",
+       ("mixers/checkpoints/qwen3_next.py", 'b, a = sd["in_proj_ba.weight"]', 'a, b = sd["in_proj_ba.weight"]')),
+    _m("qwen3-next-conv-q-k-consistent", "converters", CONVERTER_TESTS,
+       "Qwen3-Next's conv rows read and written as [k, q, v] (a consistent swap)",
+       ("mixers/checkpoints/qwen3_next.py", 'cq, ck, cv = sd["conv1d.weight"]', 'ck, cq, cv = sd["conv1d.weight"]'),
+       ("mixers/checkpoints/qwen3_next.py", 'torch.cat([sd["q_conv.weight"], sd["k_conv.weight"], sd["v_conv.weight"]]',
+        'torch.cat([sd["k_conv.weight"], sd["q_conv.weight"], sd["v_conv.weight"]]')),
+    _m("fla-conv-q-k-consistent", "converters", CONVERTER_TESTS,
+       "fla's q_conv1d / k_conv1d swapped consistently in both directions",
+       ("mixers/checkpoints/fla.py", '_CONVS = {f"{x}_conv.weight": f"{x}_conv1d.weight" for x in "qkv"}',
+        '_CONVS = {"q_conv.weight": "k_conv1d.weight", "k_conv.weight": "q_conv1d.weight", '
+        '"v_conv.weight": "v_conv1d.weight"}')),
+    _m("te-extra-state-float-ignored", "converters", CONVERTER_TESTS,
+       "a float tensor named *._extra_state is passed over as no weight",
+       (MAMBA2_CKPT, "value.dtype == torch.uint8 or value.numel() == 0)",
+        "value.dtype == torch.uint8 or value.dtype.is_floating_point)")),
+    _m("hf-mamba2-eps-dropped", "converters", CONVERTER_TESTS,
+       "the transformers Mamba2 norm eps is not carried into our config",
+       (MAMBA2_CKPT, "norm_eps=float(norm.variance_epsilon))", "norm_eps=1e-5)")),
+    # ------------------------------------------------------------------ Hugging Face integration
+    _m("hf-packing-with-padding-mask", "hf", HF_TESTS,
+       "packing plus a padding attention_mask is no longer refused",
+       ("mixers/integrations/transformers.py", "            if params is not None:\n                raise ValueError",
+        "            if params is not None and mask.dim() != 2:\n                raise ValueError")),
+    _m("hf-padding-mask-ignored", "hf", HF_TESTS,
+       "a padded batch runs without its attention_mask (padding mixes into the next row's state)",
+       ("mixers/integrations/transformers.py", "mask.dim() == 2 and not bool(mask.all()):",
+        "mask.dim() == 2 and not bool(mask.all()) and False:")),
+)

@@ -1,0 +1,241 @@
+"""Mutation check: plant each bug of ``mutants.py`` in a scratch copy and see whether the tests catch it.
+
+    python -m tests.mutation.run [--area inference] [--only NAME ...] [--timeout 240] [--json out.json]
+
+The repository is copied once (without ``.git``, virtual environments and caches) into a
+temporary directory; each mutant's edits are applied there, its test paths run with ``-x``
+(in the copy, no bytecode written), and the file restored. The runs are forked from one parent
+that has imported the heavy third-party packages (torch, transformers, fla) but nothing of the
+project, so each run imports the project afresh from the copy (``--no-fork``: a new interpreter
+per run). First a
+baseline run of every named test path on the unmutated copy: tests failing there are deselected
+for the mutants, so a test that already fails never counts as a kill. A mutant is *killed* when
+pytest reports a failure, *survived* when every test passes, *timeout* when the run exceeds
+``--timeout``, *stale* when its text no longer occurs exactly once. Prints one line per mutant
+and the kill rate per area; exits 0 (it reports, it does not gate).
+
+Not collected by the default test run (no ``test_*`` files here); run it by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from tests.mutation.mutants import MUTANTS, Mutant
+
+ROOT = Path(__file__).resolve().parents[2]
+IGNORED = (".git", ".venv", "venv", "env", "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache",
+           "*.egg-info", "build", "dist")
+
+
+def scratch_copy() -> Path:
+    """The working tree, as it is now, in a fresh temporary directory."""
+    target = Path(tempfile.mkdtemp(prefix="ssm-pack-mutants-")) / "repo"
+    shutil.copytree(ROOT, target, ignore=shutil.ignore_patterns(*IGNORED), symlinks=True)
+    return target
+
+
+def _env(repo: Path) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(repo), PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def check_imports(repo: Path) -> None:
+    """The copy's packages must shadow any installed (editable) ones, or the mutants test nothing."""
+    out = subprocess.run([sys.executable, "-c", "import mixers, ssm_pack; print(mixers.__file__, ssm_pack.__file__)"],
+                         cwd=repo, env=_env(repo), capture_output=True, text=True, check=True).stdout
+    if not all(p.startswith(str(repo)) for p in out.split()):
+        raise RuntimeError(f"the scratch copy's packages are not the ones imported ({out.strip()})")
+
+
+# third-party modules imported once by the parent (never ours): each forked run starts with them loaded
+PRELOAD = ("numpy", "torch", "hypothesis", "pytest", "safetensors.torch", "transformers", "fla.layers",
+           "transformers.models.mamba2.modeling_mamba2", "transformers.models.bamba.modeling_bamba",
+           "transformers.models.nemotron_h.modeling_nemotron_h",
+           "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
+           "transformers.models.falcon_h1.modeling_falcon_h1", "transformers.models.qwen3_next.modeling_qwen3_next",
+           "transformers.models.kimi_linear.modeling_kimi_linear")
+OURS = ("mixers", "ssm_pack", "tests", "benchmarks")
+
+
+def preload() -> None:
+    import importlib
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in PRELOAD:
+            try:
+                importlib.import_module(name)
+            except Exception:                                   # optional packages: the tests skip without them
+                pass
+    leaked = [m for m in sys.modules if m.split(".")[0] in ("mixers", "ssm_pack")]
+    assert not leaked, f"a preloaded module imported the project: {leaked[:5]}"
+
+
+def _forked(repo: Path, args: list[str], timeout: float) -> tuple[int | None, str]:
+    """Run ``pytest.main(args)`` in a forked child (the parent's third-party imports reused), in ``repo``."""
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    pid = os.fork()
+    if pid == 0:                                                # child: never returns
+        code = 3
+        try:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            os.chdir(repo)
+            for name in [m for m in sys.modules if m.split(".")[0] in OURS]:
+                del sys.modules[name]
+            sys.path.insert(0, str(repo))
+            os.environ.update(_env(repo))
+            sys.dont_write_bytecode = True
+            import pytest as _pytest
+            code = int(_pytest.main(args))
+            for pkg in ("mixers", "ssm_pack"):
+                module = sys.modules.get(pkg)
+                if module is not None and not str(module.__file__).startswith(str(repo)):
+                    print(f"\nMUTATION-RUN: {pkg} was imported from {module.__file__}, not the copy")
+                    code = 4
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            return None, ""
+        time.sleep(0.2)
+    output = Path(log.name).read_text()
+    os.unlink(log.name)
+    return os.waitstatus_to_exitcode(status), output
+
+
+def pytest(repo: Path, paths, *, timeout: float, first_failure: bool, deselect=(), fork: bool = True
+           ) -> tuple[str, str, float]:
+    """``(status, output, seconds)``: status is passed, failed, error or timeout."""
+    present = [p for p in paths if (repo / p).exists()]
+    if not present:
+        return "passed", "no test path exists", 0.0
+    args = ["-q", "-p", "no:cacheprovider", "-rfE", *(["-x"] if first_failure else [])] + exclusions(deselect) + present
+    start = time.monotonic()
+    if fork:
+        code, output = _forked(repo, args, timeout)
+    else:
+        try:
+            run = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=repo, env=_env(repo),
+                                 capture_output=True, text=True, timeout=timeout)
+            code, output = run.returncode, run.stdout + run.stderr
+        except subprocess.TimeoutExpired:
+            code, output = None, ""
+    if code is None:
+        return "timeout", "", time.monotonic() - start
+    status = {0: "passed", 5: "passed", 4: "error", 3: "error"}.get(code, "failed")
+    return status, output, time.monotonic() - start
+
+
+def failing_nodes(output: str) -> list[str]:
+    """The failing tests (``FAILED``) and the files that failed to collect (``ERROR``) of a ``-rf`` run."""
+    return re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.M)
+
+
+def exclusions(nodes) -> list[str]:
+    """pytest options leaving ``nodes`` out: a test is deselected, a file that does not collect ignored."""
+    return [f"--deselect={n}" if "::" in n else f"--ignore={n}" for n in nodes]
+
+
+def apply(repo: Path, mutant: Mutant) -> dict[Path, str] | None:
+    """Apply the edits; returns the original texts to restore, or ``None`` (nothing left applied) if stale."""
+    originals: dict[Path, str] = {}
+    for edit in mutant.edits:
+        path = repo / edit.file
+        current = path.read_text() if path.exists() else ""
+        if current.count(edit.old) != 1:
+            restore(originals)
+            return None
+        originals.setdefault(path, current)
+        path.write_text(current.replace(edit.old, edit.new))
+    return originals
+
+
+def restore(originals: dict[Path, str]) -> None:
+    for path, text in originals.items():
+        path.write_text(text)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--area", action="append", help="only these areas (repeatable)")
+    parser.add_argument("--only", action="append", help="only these mutant names (repeatable)")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per pytest run")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--no-fork", action="store_true",
+                        help="a fresh interpreter per run (slower: re-imports torch, transformers and fla each time)")
+    args = parser.parse_args(argv)
+    mutants = [m for m in MUTANTS if (not args.area or m.area in args.area) and (not args.only or m.name in args.only)]
+    repo = scratch_copy()
+    try:
+        check_imports(repo)
+        fork = not args.no_fork and hasattr(os, "fork")
+        if fork:
+            preload()
+        paths = list(dict.fromkeys(p for m in mutants for p in m.tests))
+        status, output, seconds = pytest(repo, paths, timeout=4 * args.timeout, first_failure=False,
+                                         fork=fork)
+        broken = failing_nodes(output)
+        print(f"baseline: {status} in {seconds:.0f} s" + (f"; deselected (fail unmutated): {broken}" if broken else ""),
+              flush=True)
+        if status in ("timeout", "error") or (status == "failed" and not broken):
+            print("the baseline run did not complete cleanly; fix the tests first\n" + output[-3000:])
+            return 0
+        results = []
+        for mutant in mutants:
+            originals = apply(repo, mutant)
+            if originals is None:
+                status, seconds, killer = "stale", 0.0, ""
+            else:
+                try:
+                    status, output, seconds = pytest(repo, mutant.tests, timeout=args.timeout, first_failure=True,
+                                                     deselect=broken, fork=fork)
+                finally:
+                    restore(originals)
+                killer = (failing_nodes(output) or [""])[0] if status == "failed" else ""
+                status = {"failed": "killed", "passed": "survived"}.get(status, status)
+            results.append(dict(name=mutant.name, area=mutant.area, status=status, seconds=round(seconds, 1),
+                                killed_by=killer, what=mutant.what))
+            print(f"{status:9} {mutant.area:11} {mutant.name:34} {seconds:5.0f} s  {killer}", flush=True)
+        summary(results)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+    finally:
+        shutil.rmtree(repo.parent, ignore_errors=True)
+    return 0
+
+
+def summary(results: list[dict]) -> None:
+    by_area = defaultdict(list)
+    for r in results:
+        by_area[r["area"]].append(r)
+    print("\narea        killed / planted   survived")
+    for area, rows in by_area.items():
+        killed = sum(r["status"] == "killed" for r in rows)
+        counted = sum(r["status"] in ("killed", "survived") for r in rows)
+        others = [f"{r['name']} ({r['status']})" for r in rows if r["status"] not in ("killed",)]
+        print(f"{area:11} {killed:3d} / {counted:<3d}           {', '.join(others) or '-'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
