@@ -67,7 +67,8 @@ def fake_conv(calls):
 
 
 def fake_conv_states(calls):
-    """causal-conv1d's ``causal_conv1d_varlen_states``: the last ``state_len`` inputs of each document."""
+    """causal-conv1d's ``causal_conv1d_varlen_states`` (causal_conv1d/causal_conv1d_varlen.py): ``x [T, D]``,
+    the last ``state_len`` inputs of each document."""
     def states(x, cu_seqlens, state_len):
         assert x.dim() == 2 and cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous()
         calls.append(("states", cu_seqlens))
@@ -81,7 +82,8 @@ def fake_conv_states(calls):
 
 
 def fake_fla_conv(calls):
-    """fla's Triton ``causal_conv1d``: one varlen row, boundaries ending at T, ``[N, D, W]`` states.
+    """fla's Triton ``causal_conv1d`` (fla/modules/causal_conv1d, 0.6.0): one varlen row, boundaries
+    ending at T, ``[N, D, W]`` states.
 
     Slot 0 of the final states (the input that just left the window) is NaN here, so a wrapper
     that read it instead of dropping it would fail every comparison."""
@@ -111,17 +113,25 @@ def fake_fla_conv(calls):
 
 
 def fake_ssd(calls):
+    """mamba-ssm's ``mamba_chunk_scan_combined`` (mamba_ssm/ops/triton/ssd_combined.py, 2.3.2.post1): the
+    shape asserts of ``_mamba_chunk_scan_combined_fwd``; every pointer on ``x``'s device (Triton)."""
     def scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
              cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
              return_varlen_states=False):
-        assert x.dtype in KERNEL_DTYPES
+        batch, seqlen, nheads, headdim = x.shape
+        assert x.dtype in KERNEL_DTYPES and nheads % B.shape[2] == 0
+        assert tuple(dt.shape) == (batch, seqlen, nheads) and tuple(A.shape) == (nheads,)
+        assert tuple(B.shape[:2]) == (batch, seqlen) and C.shape == B.shape
+        assert z is None or z.shape == x.shape
+        assert D is None or tuple(D.shape) in ((nheads, headdim), (nheads,))
         assert seq_idx is not None and seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
         assert tuple(seq_idx.shape) == tuple(x.shape[:2]) and seq_idx.device == x.device
         assert (cu_seqlens is not None) == return_varlen_states
         if cu_seqlens is not None:
-            assert cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous()
+            assert cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous() and batch == 1
+            assert cu_seqlens.device == x.device
         if initial_states is not None:
-            assert initial_states.shape[0] == x.shape[0], "upstream takes per-row initial states only"
+            assert tuple(initial_states.shape) == (batch, nheads, headdim, B.shape[-1]), "per-row initial states only"
         calls.append(("ssd", dict(seq_idx=seq_idx, cu_seqlens=cu_seqlens)))
         # with cu_seqlens the reference reads the boundaries from it (seq_idx is canonical, 0, 1, ...)
         return mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
@@ -134,6 +144,8 @@ def fake_ssd(calls):
 
 
 def fake_fla(calls):
+    """fla's ``chunk_gated_delta_rule`` / ``chunk_kda`` / ``chunk_gated_delta_product`` (fla/ops/*/chunk.py,
+    0.6.0): varlen on one row with int64 boundaries, fp32 KDA states, no fp32 Gated DeltaProduct."""
     ours = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda, "gdp": chunk_gated_delta_product}
 
     def make(kind):
@@ -146,6 +158,11 @@ def fake_fla(calls):
                 empty = lengths == 0
                 # fla < 0.6 shifts every later document's index after an empty one: empties go last
                 assert not bool((empty[:-1] & ~empty[1:]).any()), "empty documents must come after the others"
+            if initial_state is not None:
+                docs = cu_seqlens.numel() - 1 if cu_seqlens is not None else q.shape[0]
+                assert tuple(initial_state.shape) == (docs, v.shape[2], k.shape[-1], v.shape[-1])
+            if kind == "gdp":                                  # fla/ops/gated_delta_product/chunk.py
+                assert q.dtype != torch.float32, "ChunkGatedDeltaProductFunction does not support float32"
             if kind == "kda" and initial_state is not None:   # fla/ops/kda/chunk.py
                 assert initial_state.dtype == torch.float32, "initial_state must be in float32."
             assert q.shape == k.shape or kind == "gdp", "q and k must have the same shape"
@@ -160,8 +177,13 @@ def fake_fla(calls):
 
 
 def fake_flash(calls):
+    """flash-attn's ``flash_attn_varlen_func`` (csrc/flash_attn/flash_api.cpp, ``mha_varlen_fwd``): fp16 /
+    bf16 with one dtype, the last dimension contiguous, int32 contiguous boundaries."""
     def flash(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False, window_size=(-1, -1)):
         assert q.dtype in (torch.float16, torch.bfloat16) and cu_q.dtype == torch.int32
+        assert k.dtype == q.dtype and v.dtype == q.dtype, "query and key must have the same dtype"
+        assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dimension must be contiguous"
+        assert cu_q.is_contiguous() and cu_k.is_contiguous() and cu_k.dtype == torch.int32
         assert int(cu_q[-1]) == q.shape[0] and torch.equal(cu_q, cu_k)
         calls.append(("flash", cu_q))
         return varlen_attention(q, k, v, cu_q, max_q, causal=causal, window_size=window_size,

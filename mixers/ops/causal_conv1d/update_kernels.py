@@ -62,8 +62,9 @@ def causal_conv1d_update_kernel(x, conv_state, weight, bias, activation, indices
     update = load_causal_conv1d()
     if indices is not None:
         indices = indices.to(torch.int32).contiguous()
-    return update(x, conv_state, weight.contiguous(), None if bias is None else bias.contiguous(), activation,
-                  None, indices)
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.to(weight.dtype).contiguous()     # csrc: bias dtype == weight dtype
+    return update(x, conv_state, weight, bias, activation, None, indices)
 
 
 def fla_update_kernel(x, conv_state, weight, bias, activation, indices):

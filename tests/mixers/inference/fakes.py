@@ -28,11 +28,13 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def fake_conv_update(calls):
+    """causal-conv1d's ``causal_conv1d_update`` (csrc/causal_conv1d.cpp; the 7-argument form of 1.5.0+)."""
     def update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None, conv_state_indices=None):
-        assert x.dim() == 3 and x.dtype in KERNEL_DTYPES and conv_state.dtype == x.dtype
+        assert x.dim() == 3 and x.dtype in KERNEL_DTYPES and conv_state.dtype == x.dtype, "conv_state dtype"
+        assert weight.dtype in KERNEL_DTYPES and tuple(weight.shape) == (x.shape[1], weight.shape[1])
         assert 2 <= weight.shape[1] <= 4 and weight.is_contiguous() and conv_state.shape[2] >= weight.shape[1] - 1
         assert cache_seqlens is None and activation in (None, "silu", "swish")
-        assert bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())
+        assert bias is None or (bias.dtype == weight.dtype and bias.stride(-1) == 1), "bias dtype == weight dtype"
         if conv_state_indices is not None:
             assert conv_state_indices.dtype == torch.int32 and conv_state_indices.stride(0) == 1
             assert tuple(conv_state_indices.shape) == (x.shape[0],)
@@ -44,7 +46,8 @@ def fake_conv_update(calls):
 
 
 def fake_fla_conv_update(calls):
-    """fla's update: ``x [N, D]``, a contiguous ``[N, D, W]`` cache updated in place, no indices."""
+    """fla's update (fla/modules/causal_conv1d, 0.6.0): ``x [N, D]``, a contiguous ``[N, D, W]`` cache
+    updated in place, no indices."""
     def update(x, cache, residual=None, weight=None, bias=None, activation=None):
         n, d = x.shape
         assert residual is None and cache.is_contiguous() and tuple(cache.shape) == (n, d, weight.shape[1])
@@ -58,6 +61,7 @@ def fake_fla_conv_update(calls):
 
 
 def fake_state_update(calls):
+    """mamba-ssm's ``selective_state_update`` (mamba_ssm/ops/triton/selective_state_update.py, 2.3.2.post1)."""
     def update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, state_batch_indices=None):
         # mamba_ssm/ops/triton/selective_state_update.py: `*(dt_bias.stride(0), ...) if dt_bias is not None
         # else 0` and the same for D unpack an int when either is None (TypeError upstream)
@@ -75,6 +79,8 @@ def fake_state_update(calls):
 
 
 def fake_fused_recurrent(calls):
+    """fla's ``fused_recurrent_gated_delta_rule`` / ``fused_recurrent_kda`` (fla/ops/gated_delta_rule/
+    fused_recurrent.py, fla/ops/kda/fused_recurrent.py, 0.6.0): keyword arguments after ``v``."""
     def make(kind):
         chunk = chunk_kda if kind == "kda" else chunk_gated_delta_rule
 
@@ -93,9 +99,11 @@ def fake_fused_recurrent(calls):
 
 
 def fake_kvcache(calls):
+    """flash-attn's ``flash_attn_with_kvcache`` (csrc/flash_attn/flash_api.cpp, ``mha_fwd_kvcache``)."""
     def attend(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None, softmax_scale=None,
                causal=False, window_size=(-1, -1)):
-        assert q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype
+        assert q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+        assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
         assert cache_seqlens.dtype == torch.int32 and cache_seqlens.is_contiguous()
         assert cache_batch_idx is None or (cache_batch_idx.dtype == torch.int32 and cache_batch_idx.is_contiguous())
         calls.append(("kvcache", k is not None))

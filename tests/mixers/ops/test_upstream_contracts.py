@@ -176,3 +176,24 @@ def test_selective_state_update_without_indices_runs_on_the_2_0_signature(monkey
     out = selective_state_update(**t)
     ref = selective_state_update(ref_state, *(t[k] for k in "x dt A B C".split()), backend="reference")
     assert torch.allclose(out, ref) and torch.allclose(t["state"], ref_state)
+
+
+@pytest.mark.parametrize("decode", [pytest.param(False, id="causal_conv1d_fn"),
+                                    pytest.param(True, id="causal_conv1d_update")])
+def test_causal_conv1d_gets_bias_in_weight_dtype(monkeypatch, decode):
+    """csrc/causal_conv1d.cpp checks ``bias.scalar_type() == weight_type``; a user's fp32 bias with bf16 weights."""
+    calls = fakes.install(monkeypatch)
+    x, w, _ = conv_inputs()
+    bias = torch.randn(16)
+    if decode:
+        x, state = x[..., :1].repeat(2, 1, 1), torch.zeros(2, 16, 3, dtype=BF16)
+        with torch.no_grad():
+            out = causal_conv1d_update(x, state.clone(), w, bias, "silu")
+            ref = causal_conv1d_update(x, state.clone(), w, bias.to(BF16), "silu", backend="reference")
+        assert len(of_kind(calls, "conv_update")) == 1
+    else:
+        seq_idx = torch.zeros(1, 20, dtype=torch.int32)
+        out = causal_conv1d_fn(x, w, bias, seq_idx=seq_idx, activation="silu")
+        ref = causal_conv1d_fn(x, w, bias.to(BF16), seq_idx=seq_idx, activation="silu", backend="reference")
+        assert len(of_kind(calls, "conv")) == 1
+    assert torch.equal(out, ref)
