@@ -88,3 +88,17 @@ def test_packs_out_of_order_are_refused():
         carry(later)
     with pytest.raises(ValueError, match="max_documents must be an int >= 1, got 0"):
         CarriedStates(model, max_documents=0, max_document_tokens=80)
+
+
+@pytest.mark.parametrize("align_to", [pytest.param(1, id="align1"), pytest.param(8, id="align8")])
+def test_labels_and_targets_give_the_same_loss(align_to):
+    """HybridLM shifts ``labels`` itself; the pack's ``targets`` are that shift done already."""
+    torch.manual_seed(0)
+    model = HybridLM(64, 32, "GA", mixer_overrides=SMALL).double()
+    docs = [torch.randint(0, 64, (n,)) for n in (9, 17, 5, 12, 1)]
+    (pack,) = list(pack_stream(docs, 128, align_to=align_to))
+    out = model(pack["input_ids"], pack["packed_seq_params"], labels=pack["labels"])
+    logits = out["logits"][0]
+    direct = torch.nn.functional.cross_entropy(logits, pack["targets"][0], ignore_index=-100)
+    assert (out["loss"] - direct).abs() <= 1e-12
+    assert int((pack["targets"] != -100).sum()) == sum(len(d) - 1 for d in docs)
