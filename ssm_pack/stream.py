@@ -218,7 +218,9 @@ class PackStream(IterableDataset):
 
     def state_dict(self) -> dict:
         """Where this shard stands: after loading it into a stream built with the same documents and
-        arguments, iteration yields exactly the packs this one would have yielded next."""
+        arguments, iteration yields exactly the packs this one would have yielded next. Inside
+        DataLoader workers each worker's copy keeps its own state: a loader that gathers and restores
+        them per worker (torchdata's ``StatefulDataLoader``) resumes the whole loader."""
         state = {"config": self._config(), "source": fingerprint(self.documents), "epoch": self.epoch, "pass": None}
         p = self._pass
         if p is None or p.done:

@@ -82,10 +82,9 @@ def assemble_pack(tokens: list[torch.Tensor], offsets: list[int], *, max_tokens:
     _, physical = _boundaries(lengths, align_to)
     tail = max_tokens - physical[-1]
     pad, ignore, arange = _rows(max_tokens, pad_token_id)             # never written: only copied from
-    if align_to == 1:                                                 # no slot padding: one cat, one fill
+    if align_to == 1:                                                 # no slot padding: two cats
         input_ids = torch.cat(tokens + [pad[:tail]])
-        labels = input_ids.clone()
-        labels[physical[-1]:] = IGNORE_INDEX
+        labels = torch.cat(tokens + [ignore[:tail]])
     else:
         ids_parts, label_parts = [], []
         for piece, start, end in zip(tokens, physical, physical[1:]):
@@ -100,7 +99,7 @@ def assemble_pack(tokens: list[torch.Tensor], offsets: list[int], *, max_tokens:
     targets = torch.cat([labels[1:], ignore[:1]])     # the next label: -100 after a document's last token
     if next_token is not None:
         targets[physical[-2] + lengths[-1] - 1] = next_token
-    seq_idx = params.seq_idx[0].to(torch.int64)
+    seq_idx = params.seq_idx[0]                                       # int32: index_select takes it
     positions = arange - starts.index_select(0, seq_idx)
     if any(offsets):
         positions += torch.tensor(list(offsets) + [0], dtype=torch.int64).index_select(0, seq_idx)
