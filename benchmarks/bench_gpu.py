@@ -1,122 +1,208 @@
-"""GPU benchmarks of the kernel paths (run by ``benchmarks/gpu_check.sh`` on a CUDA machine).
+"""Speed stage of the GPU check (``benchmarks/gpu_check.sh``): what the kernels buy, measured.
 
-* every op, packed, bf16: the upstream kernel through ssm-pack vs ssm-pack's reference;
-* our wrapper's overhead over calling the upstream kernel directly: target <= 5%;
-* packed vs padded forward + backward of the kernel layers at 50% padding: target >= 1.8x.
+    python -m benchmarks.bench_gpu --out OUT [--dry-run] [--cases REGEX]
 
-    python -m benchmarks.bench_gpu --out gpu_out
+* every mixer built with ``backend="kernel"``: packed vs padded forward + backward at 50% padding
+  (target: packed >= 1.8x faster);
+* ssm-pack's wrapper vs calling the upstream kernel directly with the same packed input (conv,
+  SSD, GDN; target: <= 5% slower);
+* one ``HybridLM("MGKPA")`` training step (forward, backward, AdamW) on a packed batch, kernels
+  vs references.
+
+Figures are medians of alternating rounds (``benchmarks.common.alternate``, which synchronises the
+device). A missed target is reported in the case's detail, not as a failure: the stage fails only
+when something errors. ``--dry-run``: CPU, tiny sizes, one round, Triton kernels under the
+interpreter; its figures say nothing about speed and carry no target.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import Result, alternate, ratio_result, results_table
-from mixers.ops import dispatch
+from benchmarks.common import alternate
+from benchmarks.gpu_correctness import kernel_refusal
+from benchmarks.gpu_report import Recorder, Skip
 
 
-def _compare(op: str, upstream: str, kernel, reference, direct, repeat: int) -> list[Result]:
-    """Kernel through ssm-pack vs our reference, and vs the upstream kernel called directly."""
-    t = alternate({"kernel": kernel, "reference": reference, "direct": direct}, rounds=repeat)
-    return [ratio_result("gpu ops", f"{op}: kernel vs reference", t, "kernel", "reference", note="(speed-up)"),
-            ratio_result("gpu ops", f"{op}: our wrapper vs {upstream} directly", t, "kernel", "direct", 1.05, False)]
+class Sizes:
+    def __init__(self, dry_run: bool):
+        self.dry = dry_run
+        self.device = "cpu" if dry_run else "cuda"
+        self.dtype = torch.float32 if dry_run else torch.bfloat16
+        self.rounds = 1 if dry_run else 10
+        self.lengths = [8, 3, 5, 1] if dry_run else [2048, 256, 1024, 768, 2048, 512, 1280, 256]
+        self.hidden = 64 if dry_run else 1024
+        self.tokens = 24 if dry_run else 16384
 
 
-def op_results(tokens: int, repeat: int) -> list[Result]:
-    from mixers.ops import causal_conv1d_fn, chunk_gated_delta_rule, mamba_chunk_scan_combined
-    from ssm_pack import lengths_to_cu_seqlens, seq_idx_from_cu_seqlens
-    dev, bf16 = "cuda", torch.bfloat16
-    cu = lengths_to_cu_seqlens([tokens // 8] * 8, device=dev)
-    seq_idx = seq_idx_from_cu_seqlens(cu, tokens)                            # what the upstream kernels take
-    results = []
-    if dispatch.cached_support("causal_conv1d", ("seq_idx",))[0]:
-        from causal_conv1d import causal_conv1d_fn as upstream_conv
-        x = torch.randn(1, tokens, 2048, device=dev, dtype=bf16).transpose(1, 2)
-        w, b = torch.randn(2048, 4, device=dev, dtype=bf16), torch.randn(2048, device=dev, dtype=bf16)
-        results += _compare(
-            "conv", "causal-conv1d",
-            lambda: causal_conv1d_fn(x, w, b, activation="silu", cu_seqlens=cu, backend="kernel"),
-            lambda: causal_conv1d_fn(x, w, b, activation="silu", cu_seqlens=cu, backend="reference"),
-            lambda: upstream_conv(x, w, b, seq_idx=seq_idx, activation="silu"), repeat)
-    if dispatch.cached_support("mamba_ssd", ("seq_idx",))[0]:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as upstream_ssd
-        h, p, n = 32, 64, 128
-        x = torch.randn(1, tokens, h, p, device=dev, dtype=bf16)
-        dt, A = torch.rand(1, tokens, h, device=dev, dtype=bf16), -torch.rand(h, device=dev)
-        B, C = (torch.randn(1, tokens, 1, n, device=dev, dtype=bf16) for _ in range(2))
-        results += _compare(
-            "SSD", "mamba-ssm",
-            lambda: mamba_chunk_scan_combined(x, dt, A, B, C, 256, cu_seqlens=cu, backend="kernel"),
-            lambda: mamba_chunk_scan_combined(x, dt, A, B, C, 256, cu_seqlens=cu, backend="reference"),
-            lambda: upstream_ssd(x, dt, A, B, C, 256, seq_idx=seq_idx), repeat)
-    if dispatch.cached_support("fla", ("varlen",))[0]:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as upstream_gdn
-        h, d = 16, 128
-        q, k, v = (torch.randn(1, tokens, h, d, device=dev, dtype=bf16) for _ in range(3))
-        g = F.logsigmoid(torch.randn(1, tokens, h, device=dev)).to(bf16)
-        beta = torch.rand(1, tokens, h, device=dev, dtype=bf16)
-        results += _compare(
-            "GDN", "fla",
-            lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
-                                           backend="kernel"),
-            lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
-                                           backend="reference"),
-            lambda: upstream_gdn(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long()), repeat)
-    return results
+def _ratio(timings, fast: str, slow: str) -> float:
+    return timings.median(slow) / timings.median(fast)
 
 
-def layer_results(repeat: int) -> list[Result]:
-    from mixers import GatedDeltaNetMixer, Mamba2Mixer
+def _graded(figure: float, target: float | None, higher_is_better: bool, dry: bool) -> str:
+    if dry or target is None:
+        return f"{figure:.2f}x (dry run: no target)" if dry else f"{figure:.2f}x"
+    met = figure >= target if higher_is_better else figure <= target
+    return f"{figure:.2f}x (target {'>=' if higher_is_better else '<='} {target}: {'met' if met else 'MISSED'})"
+
+
+def _kernel_only(build):
+    """Run ``build()``; a refusal of ``backend="kernel"`` becomes a skip with its reason."""
+    try:
+        return build()
+    except (ValueError, RuntimeError) as err:
+        if kernel_refusal(err):
+            raise Skip(str(err)) from err
+        raise
+
+
+def case_layer(sizes: Sizes, cls):
+    """Packed vs padded forward + backward of one mixer on its kernels."""
     from ssm_pack import PackedSeqParams, pack_padded
-    lengths = [2048, 256, 1024, 768, 2048, 512, 1280, 256]     # 8192 real tokens in 8 x 2048: 50% padding
-    width = max(lengths)
-    results = []
-    for name, cls in (("Mamba2", Mamba2Mixer), ("GatedDeltaNet", GatedDeltaNetMixer)):
-        try:
-            layer = cls(1024, backend="kernel").to("cuda", torch.bfloat16)     # checks its kernels
-        except RuntimeError as err:
-            print(f"skipping the {name} layer: {err}", file=sys.stderr)
-            continue
-        padded = torch.randn(len(lengths), width, 1024, device="cuda", dtype=torch.bfloat16)
-        packed = pack_padded(padded, lengths)
-        params = PackedSeqParams.from_lengths(lengths, device="cuda")
+    dtype = torch.float16 if sizes.dry and cls.__name__ == "GatedDeltaProductMixer" else sizes.dtype
+    layer = _kernel_only(lambda: cls(sizes.hidden, backend="kernel").to(sizes.device, dtype))
+    lengths, width = sizes.lengths, max(sizes.lengths)
+    padded = torch.randn(len(lengths), width, sizes.hidden, device=sizes.device, dtype=dtype)
+    packed = pack_padded(padded, lengths)
+    params = PackedSeqParams.from_lengths(lengths, device=sizes.device)
 
-        def step(x, p):
-            x = x.detach().requires_grad_()
-            layer(x, packed_seq_params=p).float().square().mean().backward()
+    def step(x, p):
+        x = x.detach().requires_grad_()
+        layer(x, packed_seq_params=p).float().square().mean().backward()
 
-        t = alternate({"packed": lambda: step(packed, params), "padded": lambda: step(padded, None)}, rounds=repeat)
-        padding = 1 - sum(lengths) / (len(lengths) * width)
-        results.append(ratio_result("gpu layers", f"{name} kernel layer: packed vs padded ({padding:.0%} padding)",
-                                    t, "packed", "padded", 1.8))
-    return results
+    t = _kernel_only(lambda: alternate({"packed": lambda: step(packed, params), "padded": lambda: step(padded, None)},
+                                       rounds=sizes.rounds, warmup=0 if sizes.dry else 1))
+    padding = 1 - sum(lengths) / (len(lengths) * width)
+    speedup = _ratio(t, "packed", "padded")
+    figures = {"packed_ms": 1e3 * t.median("packed"), "padded_ms": 1e3 * t.median("padded"), "speedup": speedup}
+    return (f"packed {figures['packed_ms']:.2f} ms vs padded {figures['padded_ms']:.2f} ms at {padding:.0%} "
+            f"padding: {_graded(speedup, 1.8, True, sizes.dry)}"), figures, True
+
+
+def _overhead(sizes: Sizes, ours, direct):
+    t = _kernel_only(lambda: alternate({"ours": ours, "direct": direct}, rounds=sizes.rounds,
+                                       warmup=0 if sizes.dry else 1))
+    overhead = t.median("ours") / t.median("direct")
+    figures = {"ours_ms": 1e3 * t.median("ours"), "direct_ms": 1e3 * t.median("direct"), "ratio": overhead}
+    return (f"ours {figures['ours_ms']:.3f} ms vs direct {figures['direct_ms']:.3f} ms: "
+            f"{_graded(overhead, 1.05, False, sizes.dry)}"), figures, True
+
+
+def _packed_metadata(sizes: Sizes):
+    from ssm_pack import lengths_to_cu_seqlens, seq_idx_from_cu_seqlens
+    n = 8
+    cu = lengths_to_cu_seqlens([sizes.tokens // n] * n, device=sizes.device)
+    return cu, seq_idx_from_cu_seqlens(cu, sizes.tokens)
+
+
+def case_conv_overhead(sizes: Sizes):
+    """Our causal_conv1d_fn (fla's conv here unless causal-conv1d's wheel is given) vs fla's conv directly."""
+    import mixers.ops.causal_conv1d.fla_kernel as fla_conv
+    from mixers.ops import causal_conv1d_fn
+    cu, _ = _packed_metadata(sizes)
+    D = 4 * sizes.hidden
+    x = torch.randn(1, sizes.tokens, D, device=sizes.device, dtype=sizes.dtype)
+    w = torch.randn(D, 4, device=sizes.device, dtype=sizes.dtype)
+    raw = _kernel_only(lambda: fla_conv.load_upstream())
+    return _overhead(sizes, lambda: causal_conv1d_fn(x.transpose(1, 2), w, activation="silu", cu_seqlens=cu,
+                                                     backend="kernel"),
+                     lambda: raw(x, w, None, activation="silu", backend="triton", cu_seqlens=cu.long()))
+
+
+def case_ssd_overhead(sizes: Sizes):
+    """Our mamba_chunk_scan_combined vs mamba-ssm's, both packed through seq_idx."""
+    from mixers.ops import mamba_chunk_scan_combined
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as raw
+    except ImportError as err:
+        raise Skip(f"mamba-ssm is not available: {err}") from err
+    cu, seq_idx = _packed_metadata(sizes)
+    h, p, n, chunk = (2, 8, 8, 16) if sizes.dry else (32, 64, 128, 256)
+    dev, dt_ = sizes.device, sizes.dtype
+    x = torch.randn(1, sizes.tokens, h, p, device=dev, dtype=dt_)
+    dt, A = torch.rand(1, sizes.tokens, h, device=dev, dtype=dt_), -torch.rand(h, device=dev)
+    B, C = (torch.randn(1, sizes.tokens, 1, n, device=dev, dtype=dt_) for _ in range(2))
+    return _overhead(sizes, lambda: mamba_chunk_scan_combined(x, dt, A, B, C, chunk, cu_seqlens=cu, backend="kernel"),
+                     lambda: raw(x, dt, A, B, C, chunk, seq_idx=seq_idx))
+
+
+def case_gdn_overhead(sizes: Sizes):
+    """Our chunk_gated_delta_rule vs fla's, packed with cu_seqlens, l2norm in the kernel."""
+    import mixers.ops.delta_rule.kernel as delta
+    from mixers.ops import chunk_gated_delta_rule
+    raw = _kernel_only(lambda: delta.load_upstream("gdn"))
+    cu, _ = _packed_metadata(sizes)
+    h, d = (2, 16) if sizes.dry else (16, 128)
+    dev, dt_ = sizes.device, sizes.dtype
+    q, k, v = (torch.randn(1, sizes.tokens, h, d, device=dev, dtype=dt_) for _ in range(3))
+    g = F.logsigmoid(torch.randn(1, sizes.tokens, h, device=dev)).to(dt_)
+    beta = torch.rand(1, sizes.tokens, h, device=dev, dtype=dt_)
+    return _overhead(sizes, lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                                           cu_seqlens=cu, backend="kernel"),
+                     lambda: raw(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long()))
+
+
+def case_training_step(sizes: Sizes):
+    """One HybridLM("MGKPA") training step on a packed batch: the kernels (``auto``) vs the references."""
+    from mixers import HybridLM
+    from ssm_pack import PackedSeqParams
+    hidden, vocab = (64, 64) if sizes.dry else (1024, 32000)
+    dtype = torch.float16 if sizes.dry else sizes.dtype      # fla's Gated DeltaProduct takes fp16 / bf16 only
+    params = PackedSeqParams.from_lengths(sizes.lengths, device=sizes.device)
+    ids = torch.randint(0, vocab, (1, sum(sizes.lengths)), device=sizes.device)
+    models = {b: HybridLM(vocab, hidden, "MGKPA", backend=b).to(sizes.device, dtype) for b in ("auto", "reference")}
+    models["reference"].load_state_dict(models["auto"].state_dict())
+    optims = {b: torch.optim.AdamW(m.parameters(), lr=1e-4) for b, m in models.items()}
+
+    def step(b):
+        optims[b].zero_grad(set_to_none=True)
+        models[b](ids, params, labels=ids)["loss"].backward()
+        optims[b].step()
+
+    t = alternate({"kernels": lambda: step("auto"), "references": lambda: step("reference")},
+                  rounds=sizes.rounds, warmup=0 if sizes.dry else 1)
+    figures = {"kernels_ms": 1e3 * t.median("kernels"), "references_ms": 1e3 * t.median("references"),
+               "speedup": _ratio(t, "kernels", "references"), "tokens": sum(sizes.lengths)}
+    return (f"{figures['tokens']} tokens, hidden {hidden}, {dtype}: kernels {figures['kernels_ms']:.1f} ms vs "
+            f"references {figures['references_ms']:.1f} ms ({figures['speedup']:.2f}x)"), figures, True
+
+
+def all_cases(sizes: Sizes):
+    from mixers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
+    out = [(f"{cls.__name__} packed vs padded", case_layer, (sizes, cls))
+           for cls in (Mamba2Mixer, GatedDeltaNetMixer, KDAMixer, GatedDeltaProductMixer, AttentionMixer)]
+    out += [("wrapper overhead: conv vs fla directly", case_conv_overhead, (sizes,)),
+            ("wrapper overhead: SSD vs mamba-ssm directly", case_ssd_overhead, (sizes,)),
+            ("wrapper overhead: GDN vs fla directly", case_gdn_overhead, (sizes,)),
+            ("HybridLM MGKPA training step", case_training_step, (sizes,))]
+    return out
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--repeat", type=int, default=10)
-    parser.add_argument("--out", default="gpu_out")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--cases", default="", help="run only the cases whose name matches this regex")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_gpu needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
-        return 2
-    results = op_results(args.tokens, args.repeat) + layer_results(args.repeat)
-    if not results:
-        print("no kernel is available here; see python -m ssm_pack", file=sys.stderr)
-        return 3
-    text = f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}\n\n" + results_table(results)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_bench.md").write_text(text + "\n")
-    print(text)
-    return 0
+    from benchmarks import gpu_loading
+    context = {"speed": "; ".join(gpu_loading.prepare(args.dry_run))}
+    if not args.dry_run and torch.cuda.is_available():
+        context["device"] = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    recorder = Recorder(args.out, "speed", context)
+    if not args.dry_run and not torch.cuda.is_available():
+        recorder.add("CUDA device", "failed", "torch.cuda.is_available() is False (use --dry-run on a CPU)")
+        return 1
+    sizes = Sizes(args.dry_run)
+    for name, case, case_args in all_cases(sizes):
+        if re.search(args.cases, name):
+            recorder.run(name, case, *case_args)
+    return recorder.exit_code()
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())
