@@ -100,3 +100,15 @@ def test_generate_runs_on_the_given_cache():
     # the cache's own max_seqlen is what bounds the run (a cache the run ignored could not refuse)
     with pytest.raises(ValueError, match="holds 7 tokens per slot"):
         m.generate(prompts, max_new_tokens=4, cache=cache)
+
+
+def test_max_batch_size_bounds_the_slots_of_a_given_cache():
+    """A cache of 4 slots with max_batch_size=2: two sequences at a time (three slots reused), the
+    same tokens as four at a time."""
+    m = model("MGA", vocab=64)
+    prompts = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10], [11]]
+    cache = m.allocate_inference_cache(4, 8)
+    narrow = ContinuousBatcher(m, max_batch_size=2, cache=cache)
+    wide = ContinuousBatcher(m, cache=cache)
+    assert narrow.run(prompts, max_new_tokens=3) == wide.run(prompts, max_new_tokens=3)
+    assert (narrow.slots_reused, wide.slots_reused) == (3, 1)
