@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import weakref
 
 import torch
 from torch import nn
@@ -32,7 +31,7 @@ from ..ops.attention import varlen_attention
 
 WRAPPED = ("eager", "sdpa", "flex_attention")
 PREFIX = "ssm_pack_"
-_BATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # attention module -> the model's _Batch
+_BATCH = "_ssm_pack_batch"     # attribute of each wrapped attention module: the model's _Batch (copied with it)
 _CALL = threading.local()                        # .packed: this thread runs a packed call of a patched model
 
 
@@ -80,14 +79,14 @@ def attach(model: nn.Module, attention: list[nn.Module], implementation: str, ba
     """Route ``model``'s attention through the packed wrapper of ``implementation``."""
     _register(implementation)
     for module in attention:
-        _BATCHES[module] = batch
+        setattr(module, _BATCH, batch)
     model.set_attn_implementation(wrapped_name(implementation))
 
 
 def detach(model: nn.Module, implementation: str) -> None:
     model.set_attn_implementation(implementation)
     for module in model.modules():
-        _BATCHES.pop(module, None)
+        module.__dict__.pop(_BATCH, None)
 
 
 def _register(implementation: str) -> None:
@@ -100,7 +99,7 @@ def _register(implementation: str) -> None:
     original = None if implementation == "eager" else AttentionInterface._global_mapping[implementation]
 
     def packed_or_original(module, query, key, value, attention_mask, *args, **kwargs):
-        batch = _BATCHES.get(module)
+        batch = getattr(module, _BATCH, None)
         if batch is None:
             raise RuntimeError(f"{type(module).__name__} runs attn_implementation={name!r}, set by "
                                "mixers.integrations.transformers.enable_packing for another model; call "

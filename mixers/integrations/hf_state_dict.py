@@ -74,11 +74,11 @@ def load_upstream(module, state_dict, prefix, local_metadata, strict, missing, u
     state_dict.update({inner + k: v for k, v in ours.items()})
 
 
-def check_whole_load(model: nn.Module, packed_type: type):
+def check_whole_load(packed_type: type):
     """A model-level ``load_state_dict`` pre-hook: raises before any tensor is written when a
     swapped layer's tensor cannot be loaded."""
 
-    def hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    def hook(model: nn.Module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         problems = [p for name, layer in model.named_modules() if isinstance(layer, packed_type)
                     for p in size_errors(layer, state_dict, prefix + name + ".")]
         if problems:

@@ -164,20 +164,27 @@ def enable_packing(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     if implementation is not None:
         attach(model, attention, implementation, batch)
 
-    def read_boundaries(module, args, kwargs):
-        params = packing_from_model_kwargs(kwargs)
-        if params is not None and _has_padding(kwargs.get("attention_mask")):
-            raise ValueError("a packed batch (position_ids restarts / cu_seq_lens / seq_idx) must not also carry "
-                             "an attention_mask with padding: packing already drops the padding; pass one of "
-                             "them (DataCollatorWithFlattening's batch without attention_mask)")
-        batch.params = None if params is None else _resolve(params, kwargs)
-        set_packed_call(params is not None)
-
-    hooks = (model.register_forward_pre_hook(read_boundaries, with_kwargs=True),
-             model.register_forward_hook(lambda *_: set_packed_call(False), always_call=True),
-             model.register_load_state_dict_pre_hook(check_whole_load(model, PackedMixer)))
+    hooks = (model.register_forward_pre_hook(_read_boundaries, with_kwargs=True),
+             model.register_forward_hook(_end_call, always_call=True),
+             model.register_load_state_dict_pre_hook(check_whole_load(PackedMixer)))
     model._ssm_pack_packing = (batch, hooks, implementation)
     return model
+
+
+def _read_boundaries(model: nn.Module, args, kwargs):
+    """Forward pre-hook of a patched model: the call's packing, for every swapped layer. It reads
+    the model's own ``_Batch`` (not a closure's), so a deep copy packs with its own."""
+    params = packing_from_model_kwargs(kwargs)
+    if params is not None and _has_padding(kwargs.get("attention_mask")):
+        raise ValueError("a packed batch (position_ids restarts / cu_seq_lens / seq_idx) must not also carry "
+                         "an attention_mask with padding: packing already drops the padding; pass one of "
+                         "them (DataCollatorWithFlattening's batch without attention_mask)")
+    model._ssm_pack_packing[0].params = None if params is None else _resolve(params, kwargs)
+    set_packed_call(params is not None)
+
+
+def _end_call(model, args, output):
+    set_packed_call(False)
 
 
 def disable_packing(model: nn.Module) -> nn.Module:

@@ -141,3 +141,18 @@ def test_disable_packing_restores_the_implementation(monkeypatch):
     with torch.no_grad():
         got = model(**_collate(_documents())).logits[0]
     assert rel_rms(got, _alone(disable_packing(copy.deepcopy(model)), _documents())[0]) <= 1e-5
+
+
+def test_a_deep_copy_of_a_patched_model_packs_on_its_own(monkeypatch):
+    """A deep copy (an EMA or reference model) reads its own calls' boundaries, not the original's."""
+    model = build("bamba", monkeypatch)
+    reference = copy.deepcopy(model)
+    twin = copy.deepcopy(enable_packing(model))
+    docs = _documents()
+    batch = _collate(docs)
+    with torch.no_grad():
+        want = _alone(reference, docs)[0]
+        model(input_ids=torch.tensor([docs[3]]))             # the original's last call is not packed
+        assert rel_rms(twin(**batch).logits[0], want) <= 1e-5
+        twin(input_ids=torch.tensor([docs[3]]))
+        assert rel_rms(model(**batch).logits[0], want) <= 1e-5
