@@ -15,7 +15,8 @@ block above 32 MB anew). One autograd function runs both passes over blocks of r
    ``dW1 += dh^T x``, ``dx = dh W1``.
 
 It keeps ``x`` and ``h`` (2.7 KB per token at I = 341); every other temporary is one block's
-(``[rows, 2I]``, ~4 MB). Without gradients it keeps nothing. Under ``torch.autocast`` the
+(``[rows, 2I]``, ~4 MB) on a CPU; under the CUDA device policy (:mod:`.ops.device_policy`) one
+block is the whole tensor: three GEMMs per pass. Without gradients it keeps nothing. Under ``torch.autocast`` the
 inputs and weights are cast the way autocast casts a linear layer's, and both passes run in
 that dtype.
 """

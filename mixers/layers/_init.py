@@ -22,7 +22,8 @@ class _DecayGate(torch.autograd.Function):
     """``-exp(A) * softplus(pre + bias)`` for ``pre [N, W]`` (any float dtype), ``bias`` and ``A``
     ``[W]`` (fp32 / fp64); returns ``[N, W]`` in ``A``'s dtype.
 
-    Keeps ``pre``, ``bias`` and ``A`` only, and runs both passes over blocks of rows: autograd
+    Keeps ``pre``, ``bias`` and ``A`` only, and runs both passes over blocks of rows (one block
+    under the CUDA device policy, :mod:`..ops.device_policy`): autograd
     through the steps would keep the biased input and its softplus, and its backward would build
     five more tensors of that size (KDA's per-channel gate is ``[T, HV K]``: 32 MB each at
     T = 65,536 and hidden 128)."""

@@ -5,8 +5,9 @@
 Both norms are one autograd function each that keeps only its inputs and the per-group
 ``1 / rms`` for backward, and recomputes the rest there: autograd through the elementwise
 steps would keep four or five full-size intermediates per norm (the activated gate, the gated
-input, the normalised values, the weighted ones), several KB per token in a layer. Both passes
-run over blocks of rows, so no temporary is larger than a few MB.
+input, the normalised values, the weighted ones), several KB per token in a layer. On a CPU both
+passes run over blocks of rows, so no temporary is larger than a few MB; under the CUDA device
+policy (:mod:`..ops.device_policy`) each pass is one whole-tensor step.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 Run as two modules, the norm's output ``[N, C]`` is a whole tensor in the forward (the linear keeps
 it for its weight gradient) and the linear's input gradient another in the backward; at
 T = 65,536 each is a fresh 32-64 MB mapping, faulted in and zeroed page by page. Here, block by
-block of rows:
+block of rows (one block, the whole tensor, under the CUDA device policy: :mod:`..ops.device_policy`):
 
 1. forward: ``y = norm(x, gate)`` for the block (:func:`.norm.gated_rows`), ``out = y W^T (+ b)``
    written into the ``[N, O]`` output; kept: ``x``, ``gate`` (the norm keeps them anyway) and the

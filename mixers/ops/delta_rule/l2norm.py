@@ -8,7 +8,8 @@
 Autograd through those steps keeps the square and the product next to ``x`` and its backward
 builds four or five more tensors of ``x``'s size; at T = 65,536 (KDA's ``[T, 2, 64]`` keys, Gated
 DeltaProduct's two steps per token) each is a fresh 32 MB mapping, faulted in and zeroed page by
-page. This keeps ``x`` and ``r`` and allocates only the result in each pass. The chunked fast
+page. This keeps ``x`` and ``r`` and allocates only the result in each pass (over blocks of rows
+on a CPU, whole-tensor under the CUDA device policy: :mod:`..device_policy`). The chunked fast
 path does not call it: it normalizes each block's q and k as it copies them (:mod:`.blocked`,
 with :func:`inverse_norm` and :func:`normalize_backward`), so no normalized copy is ever whole;
 the per-document-state path and decode steps call it.
