@@ -1,0 +1,71 @@
+"""The packed attention function enable_packing registers, against a dense per-document oracle:
+grouped heads, MLA's value head narrower than the query head, Hugging Face's sliding window; and
+its refusals."""
+
+import pytest
+import torch
+
+from mixers.integrations.hf_attention import packed_attention
+from ssm_pack import PackedSeqParams, VarlenBatch
+
+LENGTHS = [3, 9, 1, 7]
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+
+
+def _oracle(q, k, v, scale, window):
+    """Dense softmax per document, keys j <= i (and i - j < window): q [1, H, T, D] -> [1, T, H, Dv]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    out, start = [], 0
+    for n in LENGTHS:
+        s = q[0, :, start:start + n] @ k[0, :, start:start + n].transpose(-1, -2) * scale
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+        keep = (j <= i) & ((i - j < window) if window else True)
+        out.append((s.masked_fill(~keep, float("-inf")).softmax(-1) @ v[0, :, start:start + n]).transpose(0, 1))
+        start += n
+    return torch.cat(out)[None]
+
+
+def _inputs(hq=4, hk=2, d=8, dv=8):
+    g = torch.Generator().manual_seed(0)
+    t = sum(LENGTHS)
+    return (torch.randn(1, hq, t, d, generator=g, dtype=torch.float64),
+            torch.randn(1, hk, t, d, generator=g, dtype=torch.float64),
+            torch.randn(1, hk, t, dv, generator=g, dtype=torch.float64))
+
+
+def _params():
+    return VarlenBatch.build(PackedSeqParams.from_lengths(torch.tensor(LENGTHS)), sum(LENGTHS))
+
+
+@pytest.mark.parametrize(("dv", "window"), [pytest.param(8, None, id="plain"), pytest.param(5, None, id="mla"),
+                                            pytest.param(8, 3, id="sliding_window")])
+def test_packed_attention_equals_each_document_alone(dv, window):
+    q, k, v = _inputs(dv=dv)
+    out, weights = packed_attention(_Layer(), q, k, v, _params(), scaling=0.3, sliding_window=window)
+    assert weights is None and out.shape == (1, sum(LENGTHS), 4, dv)
+    want = _oracle(q, k, v, 0.3, window)
+    assert float((out - want).abs().max()) <= 1e-10
+    whole = VarlenBatch.build(PackedSeqParams.from_lengths(torch.tensor([sum(LENGTHS)])), sum(LENGTHS))
+    leak = packed_attention(_Layer(), q, k, v, whole, scaling=0.3, sliding_window=window)[0]
+    assert float((leak - want).abs().max()) > 1e-2               # negative control: one document
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    pytest.param({"dropout": 0.1}, "attention_dropout", id="dropout"),
+    pytest.param({"softcap": 30.0}, "softcap", id="softcap"),
+    pytest.param({"s_aux": torch.zeros(4)}, "s_aux", id="sinks")])
+def test_options_packed_attention_lacks_are_refused(kwargs, match):
+    q, k, v = _inputs()
+    with pytest.raises(ValueError, match=match):
+        packed_attention(_Layer(), q, k, v, _params(), **kwargs)
+
+
+def test_keys_from_an_earlier_cache_are_refused():
+    q, k, v = _inputs()
+    k, v = torch.cat([k, k], 2), torch.cat([v, v], 2)
+    with pytest.raises(ValueError, match="without past_key_values"):
+        packed_attention(_Layer(), q, k, v, _params())
