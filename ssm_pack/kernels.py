@@ -5,8 +5,10 @@ checks, the once-per-type warning), the support checks and the report, so none o
 disagree about a minimum version. A kernel needs its packages (each with the minimum version of
 the kernel itself) and a device; each feature of a kernel that packing uses adds a minimum
 version of one package. :func:`kernel_support` answers ``(ok, reason)`` naming the real
-blocker first: no device, then a missing package or CUDA extension, then the newest minimum a
-requested feature needs.
+blocker first: no device, then a missing package or CUDA extension (or a package that fails to
+import, :func:`ssm_pack.support.import_error`), then the newest minimum a requested feature needs.
+Each minimum is the first release with the call form ssm-pack uses, read from upstream's tagged
+sources (the comments on the rows say which).
 """
 
 from __future__ import annotations
