@@ -82,7 +82,7 @@ def gated_rows(x, gate, w, eps, size, activation, norm_before_gate):
     rows, dim = x.shape
     xf, gf = upcast(x), upcast(gate)
     act = _ACTIVATIONS[activation](gf)
-    y = (xf if norm_before_gate else xf * act).reshape(rows, -1, size)
+    y = (xf if norm_before_gate else xf * act).reshape(rows, dim // size, size)
     r = torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)                  # [rows, G, 1]
     o = (y * r).reshape(rows, dim) * w
     return (o * act if norm_before_gate else o), r
@@ -97,14 +97,15 @@ def gated_rows_backward(g, x, gate, w, r, size, activation, norm_before_gate, wi
     xf, gf = upcast(x), upcast(gate)
     act, d_act = _act_and_grad(gf, activation)
     y = xf if norm_before_gate else xf * act
-    hat = (y.reshape(rows, -1, size) * r).reshape(rows, dim)
+    hat = (y.reshape(rows, dim // size, size) * r).reshape(rows, dim)
     out = (hat * w * act if norm_before_gate else hat * w) if with_output else None
     g_gate = None
     if norm_before_gate:                   # out = hat * w * act
         g_gate = g * hat * w * d_act
         g = g * act
     g_w = (g * hat).sum(0)                 # out = hat * w, hat = rmsnorm(x * act) (mamba)
-    g_y = _normalize_backward((g * w).reshape(rows, -1, size), hat.reshape(rows, -1, size), r).reshape(rows, dim)
+    groups = (rows, dim // size, size)
+    g_y = _normalize_backward((g * w).reshape(groups), hat.reshape(groups), r).reshape(rows, dim)
     if norm_before_gate:
         g_x = g_y
     else:
@@ -194,7 +195,7 @@ class GatedRMSNorm(nn.Module):
         for r0, r1 in row_blocks(*x2.shape, device=x2):
             act = _ACTIVATIONS[self.activation](upcast(gate2[r0:r1]))
             y = upcast(x2[r0:r1]) if self.norm_before_gate else upcast(x2[r0:r1]) * act
-            o = F.rms_norm(y.reshape(r1 - r0, -1, size), (size,), None, self.eps).reshape(r1 - r0, dim) * w
+            o = F.rms_norm(y.reshape(r1 - r0, dim // size, size), (size,), None, self.eps).reshape(r1 - r0, dim) * w
             parts.append(o * act if self.norm_before_gate else o)
         return _joined(parts, x)
 
@@ -202,5 +203,8 @@ class GatedRMSNorm(nn.Module):
 def _joined(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     """The no-grad path's blocks as one tensor shaped and typed like ``like``. Without gradients
     nothing is kept, and torch's ``rms_norm`` (the same rounding as the training path's steps)
-    runs in one call per block: a decode step's norm costs a third of the autograd function's."""
+    runs in one call per block: a decode step's norm costs a third of the autograd function's.
+    No rows (no blocks): an empty tensor."""
+    if not parts:
+        return like.new_empty(like.shape)
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(like.dtype).reshape(like.shape)

@@ -224,3 +224,20 @@ def test_census_counts_the_same_ops_at_two_lengths_under_the_cuda_policy():
     # control: the CPU policy's row blocks (shrunk) add ops with T and serve fewer rows than T
     assert found["cpu", 256].ops > found["cpu", 64].ops
     assert found["cpu", 256].min_rows < 256
+
+
+@pytest.mark.parametrize("policy", [pytest.param("cpu", id="cpu-policy"), pytest.param("cuda", id="forced-cuda")])
+@pytest.mark.parametrize("grad", [pytest.param(True, id="training"), pytest.param(False, id="no-grad")])
+@pytest.mark.parametrize("case", CASES)
+def test_no_rows(case, policy, grad):
+    # a [1, 0, D] input: an empty output, empty input gradients and zero parameter gradients
+    torch.manual_seed(0)
+    _, inputs, layer, _ = case()
+    empty = [t[:, :0].clone().requires_grad_(grad) for t in inputs]
+    with device_policy(policy), torch.set_grad_enabled(grad):
+        out = layer(*empty)
+    assert out.shape[1] == 0 and out.numel() == 0
+    if grad:
+        params = [p for p in layer.parameters()]
+        grads = torch.autograd.grad(out, empty + params, torch.ones_like(out), allow_unused=True)
+        assert all(g is None or not g.any() for g in grads)
