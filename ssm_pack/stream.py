@@ -170,17 +170,23 @@ class PackStream(IterableDataset):
         p.planner.buffer.add(item, long=True)
 
     def _build(self, p: _Pass, pieces: list[Piece], g: int) -> dict:
-        tokens, next_token = [], None
-        for piece in pieces:
-            whole = self._tokens(p, piece)
-            whole_piece = piece.offset == 0 and piece.length == whole.shape[0]
-            tokens.append(whole if whole_piece else whole[piece.offset:piece.offset + piece.length])
-            if piece.continued:
-                next_token = int(whole[piece.offset + piece.length])
+        lengths = None
+        if pieces and all(isinstance(piece.doc, (bytes, bytearray)) for piece in pieces):
+            tokens, next_token = _byte_pieces(pieces, split=self.align_to != 1)
+            lengths = None if self.align_to != 1 else [piece.length for piece in pieces]
+        else:
+            tokens, next_token = [], None
+            for piece in pieces:
+                whole = self._tokens(p, piece)
+                whole_piece = piece.offset == 0 and piece.length == whole.shape[0]
+                tokens.append(whole if whole_piece else whole[piece.offset:piece.offset + piece.length])
+                if piece.continued:
+                    next_token = int(whole[piece.offset + piece.length])
         offsets = [piece.offset for piece in pieces]
         pack = assemble_pack(tokens, offsets, max_tokens=self.max_tokens, align_to=self.align_to,
-                             pad_token_id=self.pad_token_id, next_token=next_token)
-        check_token_ids(pack["input_ids"], tokens, [piece.index for piece in pieces])
+                             pad_token_id=self.pad_token_id, next_token=next_token, lengths=lengths)
+        if lengths is None:                                   # bytes are never negative
+            check_token_ids(pack["input_ids"], tokens, [piece.index for piece in pieces])
         real = sum(piece.length for piece in pieces)
         p.counters["packs"] += 1
         p.counters["real_tokens"] += real
@@ -269,6 +275,17 @@ class PackStream(IterableDataset):
                 p.planner.lanes[lane] = Piece(index, found[index], offset, length, True)
         p.source_done, p.checksum, p.g = saved["source_done"], saved["checksum"], saved["g"]
         p.total, p.pad_next, p.counters = saved["total"], saved["pad_next"], dict(saved["counters"])
+
+
+def _byte_pieces(pieces: list[Piece], *, split: bool) -> tuple[list[torch.Tensor], int | None]:
+    """Byte-level documents: every piece of a pack converted at once (one join, one copy to int64);
+    one tensor holding them back to back unless ``split``."""
+    joined = b"".join(piece.doc if piece.offset == 0 and piece.length == len(piece.doc)
+                      else piece.doc[piece.offset:piece.offset + piece.length] for piece in pieces)
+    row = torch.frombuffer(bytearray(joined), dtype=torch.uint8).to(torch.int64)
+    last = pieces[-1]
+    next_token = last.doc[last.offset + last.length] if last.continued else None
+    return (list(row.split([piece.length for piece in pieces])) if split else [row]), next_token
 
 
 def pack_stream(documents, max_tokens: int, *, lookahead: int = 4096, align_to: int = 1, split_long: str = "carry",

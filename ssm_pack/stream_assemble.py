@@ -58,7 +58,7 @@ def _rows(max_tokens: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def assemble_pack(tokens: list[torch.Tensor], offsets: list[int], *, max_tokens: int, align_to: int,
-                  pad_token_id: int, next_token: int | None) -> dict:
+                  pad_token_id: int, next_token: int | None, lengths: list[int] | None = None) -> dict:
     """The row of one pack.
 
     Args:
@@ -66,6 +66,8 @@ def assemble_pack(tokens: list[torch.Tensor], offsets: list[int], *, max_tokens:
         offsets: where each piece starts in its document (0 unless it continues one).
         next_token: the token that follows the last piece in its document when it continues in
             the next pack (its target), else ``None``.
+        lengths: the pieces' lengths when ``tokens`` holds them back to back in fewer tensors
+            (``align_to == 1`` only: no slot padding goes between them).
 
     Returns:
         ``input_ids`` ``[1, T]`` (``pad_token_id`` on padding); ``labels`` ``[1, T]`` (the ids,
@@ -77,7 +79,9 @@ def assemble_pack(tokens: list[torch.Tensor], offsets: list[int], *, max_tokens:
         the document, so a continuing piece starts at its offset; counting on through a slot's
         padding and from 0 over the tail); ``packed_seq_params``.
     """
-    lengths = [t.shape[0] for t in tokens]
+    if lengths is None:
+        lengths = [t.shape[0] for t in tokens]
+    assert align_to == 1 or len(lengths) == len(tokens), "joined pieces need align_to == 1"
     params = pack_params(lengths, max_tokens=max_tokens, align_to=align_to)
     _, physical = _boundaries(lengths, align_to)
     tail = max_tokens - physical[-1]
@@ -94,7 +98,7 @@ def assemble_pack(tokens: list[torch.Tensor], offsets: list[int], *, max_tokens:
         input_ids = torch.cat(ids_parts + [pad[:tail]])
         labels = torch.cat(label_parts + [ignore[:tail]])             # ids, -100 on padding
     starts = torch.tensor(physical, dtype=torch.int64)                # slot starts, then the tail's
-    if tokens:
+    if lengths:
         labels.index_fill_(0, starts[:-1], IGNORE_INDEX)
     targets = torch.cat([labels[1:], ignore[:1]])     # the next label: -100 after a document's last token
     if next_token is not None:

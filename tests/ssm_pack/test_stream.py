@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ssm_pack as sp
-from tests.ssm_pack.stream_helpers import corpus, documents_of, pieces_of
+from tests.ssm_pack.stream_helpers import corpus, documents_of, pieces_of, same_packs
 
 
 def _check_exact(docs, packs):
@@ -156,3 +156,14 @@ def _greedy_packs(lengths, budget):
             packs, room = packs + 1, budget
         room -= n
     return packs
+
+
+@pytest.mark.parametrize("align_to", [pytest.param(1, id="align1"), pytest.param(4, id="align4")])
+def test_byte_documents_with_a_carried_one_match_the_same_token_lists(align_to):
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 256, (n,), generator=g) for n in (7, 3, 40, 12, 1, 9)]
+    as_bytes = list(sp.pack_stream([bytes(d.tolist()) for d in docs], 16, align_to=align_to))
+    as_lists = list(sp.pack_stream([d.tolist() for d in docs], 16, align_to=align_to))
+    _check_exact(docs, as_bytes)
+    assert any(p["continued"] for p in as_bytes)
+    assert same_packs(as_bytes, as_lists)
