@@ -143,8 +143,11 @@ def enable_packing(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     weights, in place) and read each call's ``DataCollatorWithFlattening`` boundaries.
 
     Call the returned model (the same object) the way Hugging Face's ``Trainer`` does:
-    ``model(**batch)``. Raises ``ValueError`` when the model has no layer a converter reads, or
-    when a layer uses an option our mixers cannot represent (nothing is swapped then).
+    ``model(**batch)``. Raises ``ValueError`` when the model has no layer a converter reads, when
+    a layer uses an option our mixers cannot represent, or when its attention runs an
+    ``attn_implementation`` packed attention cannot replace (``flash_attention_*``, ``paged|*``,
+    hub kernels: load the model with ``attn_implementation="sdpa"``); nothing is changed then.
+    A later packed call with a padding ``attention_mask`` raises ``ValueError`` before any layer runs.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")

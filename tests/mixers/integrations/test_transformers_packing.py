@@ -86,7 +86,7 @@ def _flattened(docs, **collator):
 
 
 def _logits(model, **batch):
-    return model(**batch, use_cache=False).logits
+    return model(**batch).logits                   # use_cache left at its default, as Trainer calls
 
 
 @torch.no_grad()
