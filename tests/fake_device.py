@@ -2,12 +2,13 @@
 
 With ``SSM_PACK_FAKE_CUDA=1`` (``tests/conftest.py`` reads it) the cuda-marked tests are not skipped:
 their tensors live on the CPU (:data:`DEVICE`), every optional package of the requirements table is
-reported installed at its newest minimum with a device, ``dispatch.is_cuda`` answers yes, and every
-upstream kernel is replaced by its strict fake (``tests/fakes.py``, ``tests/mixers/inference/fakes.py``),
-which checks upstream's contract and then stops the test with :class:`KernelReached`. A test that
-stops there passes; one that errors before (a support check naming no kernel, a bad argument, a
-contract the fake refuses) or ends without reaching a kernel fails. So a cuda test that could not
-start on a GPU fails on CPU, at the cost of everything up to one kernel call.
+reported installed at its newest minimum with a device, ``dispatch.is_cuda`` answers yes (and
+PyTorch's ``varlen_attn`` sees a CUDA tensor), and every upstream kernel is replaced by its strict
+fake (``tests/fakes.py``, ``tests/mixers/inference/fakes.py``), which checks upstream's contract and
+then stops the test with :class:`KernelReached`. A test that stops there passes; one that errors
+before (a support check naming no kernel, a bad argument, a contract the fake refuses) or ends
+without reaching a kernel fails. So a cuda test that could not start on a GPU fails on CPU, at the
+cost of everything up to one kernel call.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ class StopAtFirstCall(list):
 def install(monkeypatch) -> None:
     """Every package present and new enough, a device, ``is_cuda`` true, the strict fakes stopping."""
     from mixers.ops import dispatch
+    from mixers.ops.attention import torch_varlen
     from ssm_pack import kernels, support
+    from tests import fakes as training_fakes
     from tests.mixers.inference import fakes
 
     minimums = kernels.strictest_minimums()
@@ -63,7 +66,9 @@ def install(monkeypatch) -> None:
     monkeypatch.setattr(support, "probe", EveryPackage())
     dispatch.cached_support.cache_clear()
     monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
-    fakes.install(monkeypatch, calls=StopAtFirstCall())
+    calls = fakes.install(monkeypatch, calls=StopAtFirstCall())
+    monkeypatch.setattr(torch_varlen, "on_cuda", lambda t: True)        # attention's first kernel on a GPU
+    monkeypatch.setattr(torch_varlen, "load_upstream", lambda: training_fakes.fake_torch_varlen(calls))
 
 
 def settle(outcome) -> None:

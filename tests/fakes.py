@@ -191,6 +191,27 @@ def fake_flash(calls):
     return flash
 
 
+def fake_torch_varlen(calls):
+    """PyTorch's ``varlen_attn`` in its keyword form (torch/nn/attention/varlen.py, torch 2.13): the checks of
+    aten's flash forward (fp16 / bf16, one dtype, contiguous last dim, int32 boundaries covering every
+    token), ``Hq == Hk`` unless ``enable_gqa``, a window as ``(left, right)``."""
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1), enable_gqa=False):
+        assert query.dtype in (torch.float16, torch.bfloat16) and key.dtype == value.dtype == query.dtype
+        assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
+        assert cu_seq_q.dtype == torch.int32 and cu_seq_q.is_contiguous() and int(cu_seq_q[-1]) == query.shape[0]
+        assert cu_seq_k is not None and torch.equal(cu_seq_q, cu_seq_k) and return_aux is None
+        assert enable_gqa or query.shape[1] == key.shape[1], "Hq != Hk needs enable_gqa=True"
+        assert isinstance(window_size, tuple) and len(window_size) == 2
+        calls.append(("torch_varlen", cu_seq_q))
+        left, right = window_size
+        return varlen_attention(query, key.repeat_interleave(query.shape[1] // key.shape[1], dim=1),
+                                value.repeat_interleave(query.shape[1] // key.shape[1], dim=1), cu_seq_q, max_q,
+                                causal=right == 0, window_size=None if left == -1 else (left, right),
+                                softmax_scale=scale, backend="reference")
+    return varlen_attn
+
+
 def of_kind(calls, kind: str) -> list:
     """What the fakes of ``kind`` were given, call by call."""
     return [given for k, given in calls if k == kind]

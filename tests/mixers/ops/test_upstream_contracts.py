@@ -197,3 +197,17 @@ def test_causal_conv1d_gets_bias_in_weight_dtype(monkeypatch, decode):
         ref = causal_conv1d_fn(x, w, bias.to(BF16), seq_idx=seq_idx, activation="silu", backend="reference")
         assert len(of_kind(calls, "conv")) == 1
     assert torch.equal(out, ref)
+
+
+def test_fake_torch_varlen_is_strict_and_computes_the_reference():
+    """The fake-device run's stand-in for PyTorch's varlen_attn (negative control and its own result)."""
+    from mixers.ops import varlen_attention
+    from tests.fakes import fake_torch_varlen
+    g = torch.Generator().manual_seed(4)
+    q, kv = torch.randn(12, 4, 8, generator=g).to(BF16), torch.randn(12, 2, 8, generator=g).to(BF16)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    attn = fake_torch_varlen([])
+    with pytest.raises(AssertionError, match="enable_gqa"):
+        attn(q, kv, kv, cu, cu, 7, 7, window_size=(-1, 0))
+    out = attn(q, kv, kv, cu, cu, 7, 7, window_size=(-1, 0), enable_gqa=True)
+    assert torch.equal(out, varlen_attention(q, kv, kv, cu, 7, causal=True, backend="reference"))
