@@ -178,10 +178,17 @@ def _read_boundaries(model: nn.Module, args, kwargs):
     """Forward pre-hook of a patched model: the call's packing, for every swapped layer. It reads
     the model's own ``_Batch`` (not a closure's), so a deep copy packs with its own."""
     params = packing_from_model_kwargs(kwargs)
-    if params is not None and _has_padding(kwargs.get("attention_mask")):
-        raise ValueError("a packed batch (position_ids restarts / cu_seq_lens / seq_idx) must not also carry "
-                         "an attention_mask with padding: packing already drops the padding; pass one of "
-                         "them (DataCollatorWithFlattening's batch without attention_mask)")
+    mask = kwargs.get("attention_mask")
+    if params is not None and mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            raise ValueError(f"a packed batch (position_ids restarts / cu_seq_lens / seq_idx) must not carry a "
+                             f"4D attention_mask or BlockMask (got {type(mask).__name__} of shape "
+                             f"{list(getattr(mask, 'shape', []))}): packed attention keeps each document's own "
+                             "causal mask; drop attention_mask, or call disable_packing(model) for a custom mask")
+        if _has_padding(mask):
+            raise ValueError("a packed batch (position_ids restarts / cu_seq_lens / seq_idx) must not also carry "
+                             "an attention_mask with padding: packing already drops the padding; pass one of "
+                             "them (DataCollatorWithFlattening's batch without attention_mask)")
     model._ssm_pack_packing[0].params = None if params is None else _resolve(params, kwargs)
     set_packed_call(params is not None)
 

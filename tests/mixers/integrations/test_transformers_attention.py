@@ -117,6 +117,9 @@ def test_packed_batch_with_a_padding_mask_is_refused(monkeypatch, name):
     mask[0, -1] = 0
     with pytest.raises(ValueError, match="attention_mask with padding"):
         model(**batch, attention_mask=mask)
+    custom = torch.ones(1, 1, mask.shape[1], mask.shape[1], dtype=torch.bool).tril()     # a 4D mask of the user's
+    with pytest.raises(ValueError, match="4D attention_mask"):
+        model(**batch, attention_mask=custom)
     assert calls == []
     with torch.no_grad():
         got = model(**batch, attention_mask=torch.ones_like(mask)).logits[0]
