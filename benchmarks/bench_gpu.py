@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default="", help="run only the cases whose name matches this regex")
     args = parser.parse_args(argv)
     from benchmarks import gpu_loading
-    context = {"speed": "; ".join(gpu_loading.prepare(args.dry_run))}
+    context = {"loading": "; ".join(gpu_loading.prepare(args.dry_run))}
     if not args.dry_run and torch.cuda.is_available():
         context["device"] = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     recorder = Recorder(args.out, "speed", context)

@@ -74,13 +74,13 @@ stage() {  # stage NAME BUDGET COMMAND...: run it under its budget, record its e
 
 say "gpu_check: $("$PY" --version 2>&1), dry run $DRY, wheels ${WHEELS:-none (installed packages)}, output $OUT"
 if [ -n "$WHEELS" ]; then
-    stage setup "$(budget setup 60 60)" "$PY" -m benchmarks.gpu_loading unpack "$WHEELS" "$SITE"
+    stage setup "$(budget setup 30 60)" "$PY" -m benchmarks.gpu_loading unpack "$WHEELS" "$SITE"
 fi
-stage support "$(budget support 60 120)" "$PY" -m ssm_pack
-stage kernels "$(budget kernels 60 120)" "$PY" -m benchmarks.gpu_loading report "$OUT" ${FLAGS[@]+"${FLAGS[@]}"}
-stage correctness "$(budget correctness 240 900)" \
+stage support "$(budget support 45 120)" "$PY" -m ssm_pack
+stage kernels "$(budget kernels 45 120)" "$PY" -m benchmarks.gpu_loading report "$OUT" ${FLAGS[@]+"${FLAGS[@]}"}
+stage correctness "$(budget correctness 300 900)" \
     "$PY" -m benchmarks.gpu_correctness --out "$OUT" --cases "$CASES" ${FLAGS[@]+"${FLAGS[@]}"}
-stage speed "$(budget speed 180 900)" "$PY" -m benchmarks.bench_gpu --out "$OUT" --cases "$CASES" ${FLAGS[@]+"${FLAGS[@]}"}
+stage speed "$(budget speed 150 1200)" "$PY" -m benchmarks.bench_gpu --out "$OUT" --cases "$CASES" ${FLAGS[@]+"${FLAGS[@]}"}
 
 "$PY" -m benchmarks.gpu_report "$OUT"
 RESULT=$?

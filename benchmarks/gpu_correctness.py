@@ -278,6 +278,8 @@ def case_torch_varlen_attn(setup: Setup, dtype):
         raise Skip(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn") from err
     if setup.device != "cuda":
         raise Skip("varlen_attn runs on CUDA only")
+    if dtype == torch.float32:
+        raise Skip("varlen_attn (FlashAttention-2) takes fp16 / bf16 only")
     from mixers.ops import varlen_attention
     params = inspect.signature(varlen_attn).parameters
     causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
@@ -324,7 +326,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default="", help="run only the cases whose name matches this regex")
     args = parser.parse_args(argv)
     from benchmarks import gpu_loading
-    context = {"correctness": "; ".join(gpu_loading.prepare(args.dry_run))}
+    context = {"loading": "; ".join(gpu_loading.prepare(args.dry_run))}
     recorder = Recorder(args.out, "correctness", context)
     setup = Setup(args.dry_run)
     if not args.dry_run and not torch.cuda.is_available():

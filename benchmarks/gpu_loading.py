@@ -157,7 +157,7 @@ def report(out: Path, dry_run: bool) -> int:
     """The support stage: how the kernels were loaded, then which kernel of the table can run here."""
     from benchmarks.gpu_report import Recorder
     lines = prepare(dry_run)
-    recorder = Recorder(out, "support", {"loading": "; ".join(lines)})
+    recorder = Recorder(out, "kernels", {"loading": "; ".join(lines)})
     from mixers.ops import dispatch
     from ssm_pack import kernels
     for name, kernel in kernels.KERNELS.items():

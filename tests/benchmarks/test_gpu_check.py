@@ -63,6 +63,11 @@ def test_dry_run_runs_every_stage_and_writes_the_summaries(tmp_path):
     assert [s["stage"] for s in report["stages"]] == ["support", "kernels", "correctness", "speed"]
     assert all(s["status"] == "passed" for s in report["stages"])
     assert "support report" in (out / "support.log").read_text()                 # python -m ssm_pack
+    stages = {s["stage"]: s for s in report["stages"]}
+    assert not stages["support"]["cases"]
+    kernels = {c["name"].split(":")[0]: c["status"] for c in stages["kernels"]["cases"]}
+    assert kernels["causal_conv1d"] == "skipped"                     # CUDA C++: never on the CPU
+    assert kernels["fla_conv"] == ("passed" if importlib.util.find_spec("fla") else "skipped")
     cases = {c["name"]: c for s in report["stages"] for c in s["cases"]}
     conv_step = cases["conv decode step [fp32]"]
     if conv_step["status"] == "passed":                                   # fla installed: the kernel ran
