@@ -139,3 +139,35 @@ def test_mamba_sources_load_without_their_cuda_extension(tmp_path):
     assert "mamba_ssm-9.8.7.tar.gz: 4 Python sources of mamba-ssm 9.8.7 (no CUDA extension)" in lines
     assert not (site / "csrc").exists()
     assert "loaded from" in loaded and kernel == "ssd" and version == "9.8.7" and extension is True
+
+
+def _refuse(x, y):
+    raise ValueError("op: the upstream kernel cannot do dtype torch.float32; use backend='reference' (or 'auto')")
+
+
+def _bug(x, y):
+    raise ValueError("shapes do not match")
+
+
+@pytest.mark.parametrize("kernel, expected", [
+    pytest.param(lambda x, y: 2 * x + y, "passed", id="matches"),
+    pytest.param(lambda x, y: 2 * x + y + 1e-3, "failed", id="off-by-1e-3"),
+    pytest.param(lambda x, y: 2 * x + y.detach(), "failed", id="drops-a-gradient"),
+    pytest.param(_refuse, "skipped", id="refuses-the-inputs"),
+    pytest.param(_bug, "failed", id="an-error-is-not-a-skip"),
+])
+def test_a_correctness_case_grades_the_kernel(tmp_path, kernel, expected):
+    import torch
+
+    from benchmarks.gpu_correctness import Setup, compare
+    from benchmarks.gpu_report import Recorder
+
+    def op(backend, a):
+        return (kernel if backend == "kernel" else lambda x, y: 2 * x + y)(a["x"], a["y"])
+
+    recorder = Recorder(tmp_path, "correctness", {})
+    tensors = {"x": torch.randn(64), "y": torch.randn(64)}
+    recorder.run("case", compare, op, tensors, torch.float32, Setup(dry_run=True))
+    case = json.loads((tmp_path / "correctness.json").read_text())["cases"][0]
+    assert case["status"] == expected, case
+    assert recorder.exit_code() == (1 if expected == "failed" else 0)
