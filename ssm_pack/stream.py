@@ -146,10 +146,10 @@ class PackStream(IterableDataset):
             if length == 0:
                 p.counters["empty_documents"] += 1
                 continue
-            self._admit(p, Doc(index, doc, length, p.planner.units(length)), count=True)
+            self._admit(p, Doc(index, doc, length, p.planner.units(length)))
         p.counters["max_buffered_tokens"] = max(p.counters["max_buffered_tokens"], buffer.tokens)
 
-    def _admit(self, p: _Pass, item: Doc, *, count: bool) -> None:
+    def _admit(self, p: _Pass, item: Doc) -> None:
         """Into the buffer; a document longer than a pack per ``split_long``."""
         capacity = p.planner.capacity
         if item.units <= capacity:
@@ -161,12 +161,10 @@ class PackStream(IterableDataset):
                              f"(max_tokens={self.max_tokens}, align_to={self.align_to}); pass split_long='carry' "
                              "(pieces in consecutive packs) or 'truncate', or raise max_tokens")
         if self.split_long == "truncate":
-            if count:
-                p.counters["truncated_tokens"] += item.length - fits
+            p.counters["truncated_tokens"] += item.length - fits
             p.planner.buffer.add(Doc(item.index, item.doc, fits, capacity))
             return
-        if count:
-            p.counters["split_documents"] += 1
+        p.counters["split_documents"] += 1
         p.planner.buffer.add(item, long=True)
 
     def _build(self, p: _Pass, pieces: list[Piece], g: int) -> dict:
