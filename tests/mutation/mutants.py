@@ -151,10 +151,10 @@ MUTANTS: tuple[Mutant, ...] = (
     # ------------------------------------------------------------------ Hugging Face integration
     _m("hf-packing-with-padding-mask", "hf", HF_TESTS,
        "packing plus a padding attention_mask is no longer refused",
-       ("mixers/integrations/transformers.py", "            if params is not None:\n                raise ValueError",
-        "            if params is not None and mask.dim() != 2:\n                raise ValueError")),
+       ("mixers/integrations/transformers.py", "        if _has_padding(mask):\n            raise ValueError",
+        "        if False:\n            raise ValueError")),
     _m("hf-padding-mask-ignored", "hf", HF_TESTS,
        "a padded batch runs without its attention_mask (padding mixes into the next row's state)",
-       ("mixers/integrations/transformers.py", "mask.dim() == 2 and not bool(mask.all()):",
-        "mask.dim() == 2 and not bool(mask.all()) and False:")),
+       ("mixers/integrations/transformers.py", "if params is None and _has_padding(mask):",
+        "if params is None and _has_padding(mask) and False:")),
 )
