@@ -259,7 +259,7 @@ class PackStream(IterableDataset):
                              f"{saved['num_workers']} but is loaded in worker {p.worker} of {p.num_workers}; "
                              "resume with the same num_workers")
         keep = {entry[0] for entry in saved["buffer"]} | {lane[0] for lane in saved["lanes"] if lane is not None}
-        found = p.source.open(saved["position"], keep, None if p.source.indexable else saved["checksum"])
+        found = p.source.open(saved["position"], keep, saved["checksum"])
         for index, length, long in saved["buffer"]:
             doc = found[index]
             read = document_length(index, doc)

@@ -110,8 +110,9 @@ class Source:
     """One pass over ``documents``: ``(source index, document)`` pairs from position ``start`` on.
 
     Indexable sources are visited in ``order`` (a permutation or ``range``); others in iteration
-    order, the prefix before ``start`` re-read (its lengths checked against ``prefix_checksum``)
-    and the documents listed in ``keep`` held for the caller.
+    order, the prefix before ``start`` re-read and the documents listed in ``keep`` held for the
+    caller. The prefix's lengths are checked against ``prefix_checksum`` for iterables, lists and
+    tuples (a dataset's rows are not read again).
     """
 
     def __init__(self, documents, *, seed: int | None, epoch: int):
@@ -129,18 +130,24 @@ class Source:
         self.position = start
         if self.indexable:
             self.iterator = None
-            return {i: self.documents[i] for i in sorted(keep)}
-        self.iterator = iter(self.documents)
-        kept, check = {}, 0
-        for i in range(start):
-            try:
-                doc = next(self.iterator)
-            except StopIteration:
-                raise ValueError(f"load_state_dict: the state was saved after {start} documents but documents holds "
-                                 f"only {i}; resume with the same documents") from None
-            if i in keep:
-                kept[i] = doc
-            check = checksum(check, document_length(i, doc))
+            kept = {i: self.documents[i] for i in sorted(keep)}
+            if not isinstance(self.documents, (list, tuple)):    # a dataset's rows are not read again
+                return kept
+            check = 0
+            for i in (range(start) if self.order is None else self.order[:start]):
+                check = checksum(check, document_length(i, self.documents[i]))
+        else:
+            self.iterator = iter(self.documents)
+            kept, check = {}, 0
+            for i in range(start):
+                try:
+                    doc = next(self.iterator)
+                except StopIteration:
+                    raise ValueError(f"load_state_dict: the state was saved after {start} documents but documents "
+                                     f"holds only {i}; resume with the same documents") from None
+                if i in keep:
+                    kept[i] = doc
+                check = checksum(check, document_length(i, doc))
         if prefix_checksum is not None and check != prefix_checksum:
             raise ValueError("load_state_dict: the first documents differ from the ones the state was saved with "
                              "(their lengths do not match); resume with the same documents in the same order")

@@ -101,3 +101,15 @@ def test_state_from_another_worker_layout_is_refused(monkeypatch):
     other.load_state_dict(state)
     with pytest.raises(ValueError, match="saved by worker 0 of 1 but is loaded in worker 0 of 2"):
         next(other)
+
+
+@pytest.mark.parametrize("seed", [pytest.param(None, id="in-order"), pytest.param(2, id="shuffled")])
+def test_state_from_another_list_of_the_same_length_is_refused(seed):
+    stream = sp.pack_stream(DOCS, 16, lookahead=1, seed=seed)
+    next(stream)
+    state = stream.state_dict()
+    assert not state["pass"]["buffer"]                  # only the documents already packed can tell
+    other = sp.pack_stream([torch.arange(len(d) + 1) for d in DOCS], 16, lookahead=1, seed=seed)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="first documents differ"):
+        next(other)
