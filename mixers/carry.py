@@ -76,11 +76,12 @@ class CarriedStates:
             out = self.model(pack["input_ids"], packed_seq_params=params)
         logits = out["logits"]
         targets = pack["targets"].to(logits.device)
+        flat = logits.reshape(-1, logits.shape[-1])
+        if flat.dtype in (torch.float16, torch.bfloat16):
+            flat = flat.float()                                          # the loss in fp32, as HybridLM's
         if bool((targets != IGNORE_INDEX).any()):
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float() if logits.dtype in (
-                torch.float16, torch.bfloat16) else logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                ignore_index=IGNORE_INDEX)
-        else:
-            loss = logits.sum() * 0
+            loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX)
+        else:                                                            # a padding pack: nothing to predict
+            loss = flat.sum() * 0
         self.carried = (documents[-1], slots[-1]) if pack["continued"] else None
         return {"logits": logits, "loss": loss}
