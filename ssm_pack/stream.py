@@ -8,7 +8,9 @@ lengths and plans the same global sequence of packs; pack ``g`` belongs to rank 
 within the rank, to worker ``(g // world) % num_workers``, and only its owner converts its tokens.
 So every document is packed exactly once over all ranks and workers, packs dealt round-robin are
 balanced in tokens, and at the end of an epoch the ranks with one pack fewer get one padding pack
-(all padding, labels -100): every rank yields ``ceil(P / world)`` packs per epoch.
+(all padding, labels -100): every rank yields ``ceil(P / world)`` packs per epoch. A carried
+document stays on its rank, so when the stream runs dry while one rank still carries one, the
+others get empty packs until it ends (at most ``ceil(longest / max_tokens)`` per epoch).
 """
 
 from __future__ import annotations
