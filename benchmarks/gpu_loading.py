@@ -148,7 +148,10 @@ def prepare(dry_run: bool) -> list[str]:
     lines = [pin_fla_backends(), load_mamba_from_sources()]
     if dry_run:
         lines.append(enable_interpreter())
+    import ssm_pack.support as support
     from mixers.ops import dispatch
+    if hasattr(support, "import_error"):          # the probe's cached real imports: mamba_ssm now imports
+        support.import_error.cache_clear()
     dispatch.cached_support.cache_clear()
     return lines
 
