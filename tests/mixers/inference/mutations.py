@@ -4,6 +4,7 @@ repository, run the relevant inference tests there, and report which bugs no tes
     python -m tests.mixers.inference.mutations            # every mutation, a table per area
     python -m tests.mixers.inference.mutations --list      # the planted changes
     python -m tests.mixers.inference.mutations --only NAME [--only NAME ...]
+    python -m tests.mixers.inference.mutations --tests PATH [PATH ...]   # other tests for every mutation
 
 Not part of the default test run (the file name does not start with ``test_``): each mutation
 runs pytest once (about 10-40 s on 2 cores). The working tree is never modified; the copy lives
@@ -95,6 +96,14 @@ MUTATIONS = [
     M("model", "cache-under-cp-accepted", "mixers/layers/cached.py",
       "    if layout is None and group is None and run is None:\n        return\n",
       "    return\n", (API, *OLD)),
+    M("model", "mixer-cache-under-cp-accepted", "mixers/layers/cached.py",
+      "        refuse_context_parallel(packed_seq_params, name)\n", "", (API, *OLD)),
+    M("generate", "prompt-vocabulary-unchecked", "mixers/inference/generate.py",
+      "    if vocab is not None and not all(0 <= t < vocab for t in tokens):",
+      "    if False:", (API, *OLD)),
+    M("generate", "inf-temperature-accepted", "mixers/inference/generate.py",
+      "if not math.isfinite(temperature) or temperature < 0:", "if math.isnan(temperature) or temperature < 0:",
+      (API, SAMPLE, *OLD)),
     M("cache", "reset-skips-states", "mixers/inference/cache.py",
       "        for layer in self.layers:\n            layer.clear(host)\n", "", (CACHE, *OLD)),
     M("cache", "allocate-ignores-dtype", "mixers/layers/cached.py",
@@ -158,8 +167,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--only", action="append", default=[])
+    parser.add_argument("--tests", nargs="+", help="run these tests for every mutation instead of its own list")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    if args.tests:
+        chosen = [Mutation(m.area, m.name, m.path, m.old, m.new, tuple(args.tests)) for m in chosen]
     if args.list:
         for m in chosen:
             print(f"{m.area:9s} {m.name:34s} {m.path}")
