@@ -17,7 +17,8 @@ reductions over rows, weight gradients, differ only in summation order).
 
 Tests and benchmarks force a shape on any tensor with :func:`device_policy` (a context
 manager, ``with device_policy("cuda"):``) or the environment variable ``SSM_PACK_DEVICE_POLICY``
-(``cpu`` or ``cuda``); the context manager wins over the variable.
+(``cpu`` or ``cuda``, read at import: :func:`read_environment`); the context manager wins over
+the variable.
 """
 
 from __future__ import annotations
@@ -40,15 +41,30 @@ def _check_policy(name: str, value) -> str:
     return value
 
 
+_environment: tuple[str | None, str | None] = (None, None)     # (policy, a bad value), see read_environment
+
+
+def read_environment() -> None:
+    """Read ``SSM_PACK_DEVICE_POLICY`` (done once, at import: the policy is consulted on every
+    pass of the layers, so it is not read from the environment each time); call again after
+    changing the variable at run time."""
+    global _environment
+    raw = os.environ.get(ENV_VAR, "").strip().lower()
+    _environment = (raw, None) if raw in POLICIES else (None, raw or None)
+
+
+read_environment()
+
+
 def forced_policy() -> str | None:
     """The policy forced by :func:`device_policy` or ``SSM_PACK_DEVICE_POLICY``, or ``None``."""
     forced = _forced.get()
     if forced is not None:
         return forced
-    env = os.environ.get(ENV_VAR)
-    if env is None or env == "":
-        return None
-    return _check_policy(f"environment variable {ENV_VAR}", env.strip().lower())
+    policy, bad = _environment
+    if bad is not None:
+        _check_policy(f"environment variable {ENV_VAR}", bad)
+    return policy
 
 
 def policy_for(device: torch.device | str | torch.Tensor) -> str:
@@ -58,7 +74,7 @@ def policy_for(device: torch.device | str | torch.Tensor) -> str:
     if forced is not None:
         return forced
     if isinstance(device, torch.Tensor):
-        device = device.device
+        return "cpu" if device.is_cpu else "cuda"
     return "cpu" if torch.device(device).type == "cpu" else "cuda"
 
 
@@ -79,4 +95,5 @@ def device_policy(policy: str):
         _forced.reset(token)
 
 
-__all__ = ["ENV_VAR", "POLICIES", "device_policy", "forced_policy", "policy_for", "whole_tensor"]
+__all__ = ["ENV_VAR", "POLICIES", "device_policy", "forced_policy", "policy_for", "read_environment",
+           "whole_tensor"]

@@ -24,7 +24,7 @@ from mixers.layers.norm_linear import norm_linear as norm_linear_fn
 from mixers.ops import chunks
 from mixers.ops.delta_rule import l2norm
 from mixers.ops.delta_rule.l2norm import l2_normalize
-from mixers.ops.device_policy import ENV_VAR, device_policy, policy_for, whole_tensor
+from mixers.ops.device_policy import ENV_VAR, device_policy, policy_for, read_environment, whole_tensor
 from ssm_pack import PackedSeqParams
 from tests.oracles import check_close
 
@@ -163,14 +163,26 @@ def test_context_manager_forces_nests_and_restores():
     assert not whole_tensor(x)
 
 
-def test_environment_variable_forces_and_context_manager_wins(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "cuda")
+@pytest.fixture
+def environment(monkeypatch):
+    def set_to(value):
+        monkeypatch.setenv(ENV_VAR, value)
+        read_environment()
+    yield set_to
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    read_environment()
+
+
+def test_environment_variable_forces_and_context_manager_wins(environment):
+    environment("cuda")
     assert whole_tensor(torch.zeros(1))
     with device_policy("cpu"):
         assert not whole_tensor(torch.zeros(1))
-    monkeypatch.setenv(ENV_VAR, "gpu")
+    environment("gpu")
     with pytest.raises(ValueError, match=f"{ENV_VAR} must be one of .*'gpu'"):
         policy_for("cpu")
+    environment("")
+    assert not whole_tensor(torch.zeros(1))
 
 
 @pytest.mark.parametrize("bad", [pytest.param("gpu", id="unknown-name"), pytest.param(None, id="none")])
