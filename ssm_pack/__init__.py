@@ -42,7 +42,6 @@ from .neat import packed_seq_params_from_doc_ids, to_flash_attention_kwargs
 from .parallel import resolve_cp_group, resolve_tp_cp_group
 from .params import PackedSeqParams
 from .planner import PackPlan, plan_packs
-from .segment_attention import segment_attention
 from .segments import Segments
 from .seq_idx import build_packed_seq_idx, get_cu_seqlens, seq_idx_from_cu_seqlens
 from .stream import PackStream, pack_stream
@@ -63,6 +62,6 @@ __all__ = [
     "pack_language_shard", "pack_padded", "pack_stream", "packed_masks", "packed_seq_params_from_doc_ids",
     "packed_seq_params_from_hf_batch",
     "plan_packs", "position_ids_from_cu_seqlens", "resolve_cp_group", "resolve_tp_cp_group",
-    "round_up_lengths", "segment_attention", "segment_ids", "segment_of", "segment_starts",
+    "round_up_lengths", "segment_ids", "segment_of", "segment_starts",
     "seq_idx_from_cu_seqlens", "shard_for_context_parallel", "to_flash_attention_kwargs", "unpack_to_padded",
 ]

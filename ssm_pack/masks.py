@@ -121,7 +121,7 @@ def dense_segment_keep(position_ids: torch.Tensor, device=None) -> torch.Tensor:
     """``[B, 1, S, S]`` bool keep-mask: same segment and causal (True = attend).
 
     Passed straight to ``scaled_dot_product_attention(attn_mask=...)``. It materialises
-    ``B * S * S`` bools (1 GiB at ``S = 32k``); :func:`ssm_pack.segment_attention` gives the
+    ``B * S * S`` bools (1 GiB at ``S = 32k``); :func:`mixers.ops.segment_attention` gives the
     same result without it.
     """
     seg = segment_ids(position_ids)

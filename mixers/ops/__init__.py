@@ -6,6 +6,7 @@ upstream CUDA kernel, chosen by ``backend="auto" | "kernel" | "reference"``.
 
 from .attention import varlen_attention
 from .attention.kvcache import attention_with_kvcache
+from .attention.segment import segment_attention
 from .causal_conv1d import causal_conv1d_fn
 from .causal_conv1d.update import causal_conv1d_update
 from .delta_rule import (
@@ -27,5 +28,5 @@ from .ssd.update import selective_state_update
 __all__ = ["attention_with_kvcache", "causal_conv1d_fn", "causal_conv1d_update", "chunk_gated_delta_product",
            "chunk_gated_delta_rule", "chunk_kda", "fused_recurrent_gated_delta_product",
            "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "gated_delta_product_step",
-           "gated_delta_rule_step", "kda_step", "mamba_chunk_scan_combined", "selective_state_update",
-           "varlen_attention"]
+           "gated_delta_rule_step", "kda_step", "mamba_chunk_scan_combined", "segment_attention",
+           "selective_state_update", "varlen_attention"]

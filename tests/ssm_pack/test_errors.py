@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import ssm_pack as sp
+from mixers.ops import segment_attention
 
 i32 = torch.int32
 
@@ -116,9 +117,9 @@ CASES = [
      TypeError, r"max_tokens must be an int, got float 8.0"),
     ("block size zero", lambda: sp.check_block_alignment(torch.tensor([[0, 1]]), 0),
      ValueError, r"block_size must be >= 1, got 0"),
-    ("segment attention heads", lambda: sp.segment_attention(torch.zeros(1, 3, 4, 2), torch.zeros(1, 2, 4, 2),
-                                                             torch.zeros(1, 2, 4, 2),
-                                                             torch.zeros(1, 4, dtype=torch.long)),
+    ("segment attention heads", lambda: segment_attention(torch.zeros(1, 3, 4, 2), torch.zeros(1, 2, 4, 2),
+                                                          torch.zeros(1, 2, 4, 2),
+                                                          torch.zeros(1, 4, dtype=torch.long)),
      ValueError, r"q heads \(3\) must be a multiple of k/v heads \(2\)"),
 ]
 

@@ -8,21 +8,21 @@ form one more segment) or the forward's prebuilt :class:`ssm_pack.VarlenBatch`, 
 ``window_size=(left, right)`` (-1 = unbounded; flash-attn's sliding window) and
 ``softmax_scale`` (default ``D ** -0.5``). Returns ``[T, Hq, D]``. The CUDA kernels, in order:
 PyTorch's own ``varlen_attn`` (:mod:`.torch_varlen`), flash-attn's varlen function; the reference
-is :func:`ssm_pack.segment_attention.blockwise_attention`
-(the same blockwise core as :func:`ssm_pack.segment_attention`).
+is :func:`.segment.blockwise_attention`
+(the same blockwise core as :func:`mixers.ops.segment_attention`).
 """
 
 from __future__ import annotations
 
 from ssm_pack.checks import check_int, check_tensor
 from ssm_pack.convert import max_seqlen_from_cu_seqlens
-from ssm_pack.segment_attention import blockwise_attention
 
 from .. import dispatch
 from .._autocast import outside_autocast
 from .._checks import varlen_of
 from ..chunks import compute_dtype
 from .kernel import flash_varlen, unsupported
+from .segment import blockwise_attention
 from .torch_varlen import torch_varlen_attention
 from .torch_varlen import unsupported as torch_varlen_unsupported
 

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import ssm_pack as sp
+from mixers.ops import segment_attention
 
 
 def reset_positions(lengths):
@@ -27,7 +28,7 @@ def test_matches_sdpa_with_the_dense_mask(lengths, chunk, window, hk):
         keep = keep & (i[None, :] > i[:, None] - window)
     g = 4 // hk
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=keep)
-    got = sp.segment_attention(q, k, v, pos, chunk_size=chunk, local_window=window)
+    got = segment_attention(q, k, v, pos, chunk_size=chunk, local_window=window)
     assert (got - ref).abs().max() < 1e-12
     grads = torch.autograd.grad(got.square().sum(), (q, k, v))
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
@@ -48,7 +49,7 @@ def test_never_builds_the_dense_mask(monkeypatch):
     for segments in (8, 16):                              # the row doubles, the window does not
         pos = reset_positions([512] * segments)[None]
         x = torch.randn(1, 2, pos.shape[1], 8)
-        sp.segment_attention(x, x, x, pos, chunk_size=256)
+        segment_attention(x, x, x, pos, chunk_size=256)
     assert set(widths) == {512 + 256}    # 511 keys back (rounded to 2 blocks) + the block itself, not 4096
 
 
@@ -57,8 +58,8 @@ def test_non_finite_values_stay_in_their_segment():
     q, k, v = (torch.randn(1, 2, 100, 8, requires_grad=True) for _ in range(3))
     k_bad = k.detach().clone()
     k_bad[0, 1, 45, 3] = float("inf")
-    clean = sp.segment_attention(q, k, v, pos, chunk_size=16)
-    dirty = sp.segment_attention(q, k_bad.requires_grad_(), v, pos, chunk_size=16)
+    clean = segment_attention(q, k, v, pos, chunk_size=16)
+    dirty = segment_attention(q, k_bad.requires_grad_(), v, pos, chunk_size=16)
     others = torch.cat([torch.arange(30), torch.arange(80, 100)])
     assert torch.equal(clean[:, :, others], dirty[:, :, others])
     assert torch.isnan(dirty[:, :, 45:80]).all() and torch.isfinite(dirty[:, :, 30:45]).all()

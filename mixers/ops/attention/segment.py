@@ -4,7 +4,7 @@
     Q = queries per block, W = keys one block can see, n = blocks, g = blocks in one group
 
 One core serves :func:`segment_attention` (segments from position-id resets, ``[B, H, S, D]``)
-and the reference of ``mixers.ops.varlen_attention`` (segments from ``cu_seqlens``, ``[T, H, D]``).
+and the reference of :func:`mixers.ops.varlen_attention` (segments from ``cu_seqlens``, ``[T, H, D]``).
 
 A query attends only keys of its own segment, and no segment is longer than ``span`` tokens, so
 block ``i`` of queries ``[iQ, iQ + Q)`` needs keys ``[iQ - back, iQ + Q + ahead)`` only, where
@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import check_int, check_tensor
+from ssm_pack.checks import check_int, check_tensor
 
 BLOCK = 128
 _GROUP_ELEMENTS = 1 << 22          # scores of one group of blocks: ~16 MB in fp32
@@ -104,14 +104,14 @@ def _group_keep(layout, seg_q, seg_w, b0, b1):
     return (q == seg_w[b0:b1].unsqueeze(1)) & layout.offsets_keep
 
 
-def _heads_major(t, b0, b1, block, hk):
+def _group_heads_into_rows(t, b0, b1, block, hk):
     """``[n*Q, Hq, D]`` rows of blocks ``b0:b1`` -> ``[g, Hk, G*Q, D]`` (group heads fold into rows)."""
     g = b1 - b0
     x = t[b0 * block:b1 * block].reshape(g, block, hk, -1, t.shape[-1])   # [g, Q, Hk, G, D]
     return x.permute(0, 2, 3, 1, 4).reshape(g, hk, -1, t.shape[-1])
 
 
-def _rows_major(t, block, hq):
+def _rows_to_token_major(t, block, hq):
     """``[g, Hk, G*Q, D]`` -> ``[g*Q, Hq, D]``."""
     g, hk, _, d = t.shape
     return t.reshape(g, hk, hq // hk, block, d).permute(0, 3, 1, 2, 4).reshape(g * block, hq, d)
@@ -137,13 +137,13 @@ class _BlockAttention(torch.autograd.Function):
         for b0 in range(0, layout.blocks, layout.group):
             b1 = min(b0 + layout.group, layout.blocks)
             keep = _group_keep(layout, seg_q, seg_w, b0, b1)                       # [g, Q, W]
-            qb = _heads_major(qs, b0, b1, block, hk)
+            qb = _group_heads_into_rows(qs, b0, b1, block, hk)
             s = (qb @ k_w[b0:b1].transpose(1, 2).transpose(-1, -2)) * scale        # [g, Hk, G*Q, W]
             s = s.view(b1 - b0, hk, -1, block, layout.width).masked_fill(~keep[:, None, None], float("-inf"))
             m = torch.logsumexp(s, dim=-1, keepdim=True)
             p = torch.exp(s - m).view(b1 - b0, hk, -1, layout.width)
-            out[b0 * block:b1 * block] = _rows_major(p @ v_w[b0:b1].transpose(1, 2), block, hq)
-            lse[b0 * block:b1 * block] = _rows_major(m.view(b1 - b0, hk, -1, 1), block, hq)[..., 0]
+            out[b0 * block:b1 * block] = _rows_to_token_major(p @ v_w[b0:b1].transpose(1, 2), block, hq)
+            lse[b0 * block:b1 * block] = _rows_to_token_major(m.view(b1 - b0, hk, -1, 1), block, hq)[..., 0]
             hits = (keep.to(q.dtype) @ bad_w[b0:b1].unsqueeze(-1))[..., 0] > 0      # a bad key is attended
             poisoned[b0:b1] = hits | bad_q[b0:b1]
         poisoned = poisoned.reshape(-1)
@@ -177,17 +177,18 @@ class _BlockAttention(torch.autograd.Function):
             b1 = min(b0 + layout.group, layout.blocks)
             g = b1 - b0
             keep = _group_keep(layout, seg_q, seg_w, b0, b1)
-            qb, dob = _heads_major(qs, b0, b1, block, hk), _heads_major(do, b0, b1, block, hk)
-            ob = _heads_major(out, b0, b1, block, hk)
+            qb = _group_heads_into_rows(qs, b0, b1, block, hk)
+            dob = _group_heads_into_rows(do, b0, b1, block, hk)
+            ob = _group_heads_into_rows(out, b0, b1, block, hk)
             kb, vb = k_w[b0:b1].transpose(1, 2), v_w[b0:b1].transpose(1, 2)       # [g, Hk, W, D]
             s = (qb @ kb.transpose(-1, -2)) * scale
             s = s.view(g, hk, -1, block, layout.width).masked_fill(~keep[:, None, None], float("-inf"))
-            m = _heads_major(lse[:, :, None], b0, b1, block, hk).view(g, hk, -1, block, 1)
+            m = _group_heads_into_rows(lse[:, :, None], b0, b1, block, hk).view(g, hk, -1, block, 1)
             p = torch.exp(s - m).view(g, hk, -1, layout.width)
             dv_w[b0:b1] = (p.transpose(-1, -2) @ dob).transpose(1, 2)
             dp = dob @ vb.transpose(-1, -2)
             ds = p * (dp - (dob * ob).sum(-1, keepdim=True))
-            dq[b0 * block:b1 * block] = _rows_major((ds @ kb) * scale, block, hq)
+            dq[b0 * block:b1 * block] = _rows_to_token_major((ds @ kb) * scale, block, hq)
             dk_w[b0:b1] = ((ds.transpose(-1, -2) @ qb) * scale).transpose(1, 2)
             reached[b0:b1] = (rows_bad[b0:b1].to(qs.dtype).unsqueeze(1) @ keep.to(qs.dtype))[:, 0]
         dk, dv = _overlap_add(dk_w, layout, total), _overlap_add(dv_w, layout, total)
