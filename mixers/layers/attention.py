@@ -23,7 +23,7 @@ from .rotary import apply_rotary, rotary_tables
 class AttentionMixer(AttentionCached, MixerBase):
     """GQA attention mixer: ``forward(hidden_states [B, T, D], packed_seq_params=None) -> [B, T, D]``."""
 
-    PLAN = (("varlen attention", (("flash_attn", ("varlen",)),)),)
+    PLAN = (("varlen attention", (("torch_varlen", ()), ("flash_attn", ("varlen",)))),)
 
     def __init__(self, hidden_size: int | None = None, *, config: AttentionConfig | None = None,
                  backend: str = "auto", **overrides):

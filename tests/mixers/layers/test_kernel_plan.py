@@ -5,11 +5,12 @@ import pytest
 import torch
 
 import mixers.ops.attention.kernel as attn_kernel
+import mixers.ops.attention.torch_varlen as torch_varlen_kernel
 import mixers.ops.causal_conv1d.fla_kernel as fla_conv_kernel
 import mixers.ops.causal_conv1d.kernel as conv_kernel
 import mixers.ops.delta_rule.kernel as fla_kernel
 import mixers.ops.ssd.kernel as ssd_kernel
-from mixers.ops import dispatch
+from mixers.ops import dispatch, varlen_attention
 from mixers.report import mixer_backends
 from ssm_pack import support
 from ssm_pack.pytest_plugin import layout
@@ -30,7 +31,8 @@ ENVIRONMENTS = {
     "nothing": ({}, set()),
 }
 # which fake call each kernel of the table makes
-CALL_OF = {"causal_conv1d": "conv", "fla_conv": "fla_conv", "mamba_ssd": "ssd", "flash_attn": "flash"}
+CALL_OF = {"causal_conv1d": "conv", "fla_conv": "fla_conv", "mamba_ssd": "ssd", "flash_attn": "flash",
+           "torch_varlen": "torch_varlen"}
 CLASS_OF = {"mamba2": "Mamba2Mixer", "gdn": "GatedDeltaNetMixer", "kda": "KDAMixer", "gdp": "GatedDeltaProductMixer",
             "attention": "AttentionMixer"}
 
@@ -64,9 +66,20 @@ def environment(monkeypatch):
         monkeypatch.setattr(ssd_kernel, "load_upstream", lambda: fakes.fake_ssd(calls))
         monkeypatch.setattr(fla_kernel, "load_upstream", fakes.fake_fla(calls))
         monkeypatch.setattr(attn_kernel, "load_upstream", lambda: fakes.fake_flash(calls))
+        monkeypatch.setattr(torch_varlen_kernel, "on_cuda", lambda t: True)    # torch's own kernel needs no package
+        monkeypatch.setattr(torch_varlen_kernel, "load_upstream", lambda: _fake_torch_varlen(calls))
         return calls
     yield install
     dispatch.cached_support.cache_clear()
+
+
+def _fake_torch_varlen(calls):
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                    enable_gqa=False):
+        calls.append(("torch_varlen", cu_q))
+        return varlen_attention(q, k, v, cu_q, max_q, causal=window_size[1] == 0, window_size=window_size,
+                                softmax_scale=scale, backend="reference")
+    return varlen_attn
 
 
 def _call_of(kernel, name):
@@ -90,5 +103,6 @@ def test_report_equals_what_the_layer_runs(environment, env, name):
     assert ran == expected, (rows, ran)
     if env == "everything":
         assert all(backend != "reference" for _, _, backend, _ in rows)
-    if env == "nothing":
-        assert all(backend == "reference" for _, _, backend, _ in rows) and ran == set()
+    if env == "nothing":                  # no optional package: only torch's own varlen_attn runs
+        assert all(backend in ("reference", "torch_varlen") for _, _, backend, _ in rows)
+        assert ran <= {"torch_varlen"}
