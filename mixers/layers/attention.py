@@ -3,7 +3,7 @@
     B = rows, T = tokens, D = hidden, Hq / Hk = query / key-value heads, Dh = head dim
 
 Rotary positions restart at 0 at every document (from the physical boundaries), and attention
-never crosses a document (:func:`mixers.ops.varlen_attention`, flash-attn on CUDA).
+never crosses a document (:func:`mixers.ops.varlen_attention`: PyTorch's varlen_attn, then flash-attn, on CUDA).
 """
 
 from __future__ import annotations
