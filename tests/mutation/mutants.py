@@ -1,8 +1,9 @@
 """The planted changes of the mutation check (see ``run.py``): each one is a small, realistic bug.
 
 A mutant is one or more exact text edits (``file``, ``old``, ``new``; ``old`` must occur exactly
-once in ``file``) in one ``area``, and the test paths that should catch it (run in this order with
-``-x``: put the most likely killer first). A mutant no test catches is a hole in the suite.
+once in ``file``) in one ``area``, and the test paths that should catch it, run one after another
+with ``-x`` until one fails: put the most likely killers first and a whole folder last, so tests
+added to it later count too. A mutant no test catches is a hole in the suite.
 """
 
 from __future__ import annotations
@@ -26,7 +27,19 @@ class Mutant:
     what: str
 
 
-INFERENCE_TESTS = ("tests/mixers/inference",)
+INFERENCE = "tests/mixers/inference"
+
+
+def _inference(*files: str) -> tuple[str, ...]:
+    """The likely killers in ``tests/mixers/inference`` first, then the rest of that folder."""
+    return tuple(f"{INFERENCE}/{name}.py" for name in files) + (INFERENCE,)
+
+
+CONTINUATION = _inference("test_continuation", "test_mixer_cache")
+CACHE_WRITES = _inference("test_mixer_cache", "test_model_cache")
+GENERATION = _inference("test_inference_api", "test_model_cache")
+DECODE = _inference("test_decode_ops", "test_mixer_cache")
+SLOT_CHECKS = _inference("test_inference_api", "test_mixer_cache")
 VARLEN_TESTS = ("tests/ssm_pack/test_varlen.py", "tests/ssm_pack/test_metadata_hardening.py",
                 "tests/ssm_pack/test_seq_idx.py")
 CONVERTER_TESTS = tuple(f"tests/mixers/checkpoints/{name}.py" for name in (
@@ -46,45 +59,45 @@ MAMBA2_CKPT = "mixers/checkpoints/mamba2.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # ------------------------------------------------------------------ inference
-    _m("spread-off-by-one", "inference", INFERENCE_TESTS,
+    _m("spread-off-by-one", "inference", CONTINUATION,
        "a padded packed continuation writes each slot's initial state into the padding piece",
        (SLOTS, "return out.index_copy(0, self.state_rows, states)",
         "return out.index_copy(0, self.state_rows + 1, states)")),
-    _m("pick-off-by-one", "inference", INFERENCE_TESTS,
+    _m("pick-off-by-one", "inference", CONTINUATION,
        "a padded packed call stores the padding piece's final state as the slot's state",
        (SLOTS, "states.index_select(0, self.state_rows)", "states.index_select(0, self.state_rows + 1)")),
-    _m("layer-cache-write-no-detach", "inference", INFERENCE_TESTS,
+    _m("layer-cache-write-no-detach", "inference", CACHE_WRITES,
        "cached states keep their autograd graph",
        (LAYER_CACHE, "state.index_copy_(0, batch.slots, values.detach().to(state.dtype))",
         "state.index_copy_(0, batch.slots, values.to(state.dtype))")),
-    _m("layer-cache-tokens-no-detach", "inference", INFERENCE_TESTS,
+    _m("layer-cache-tokens-no-detach", "inference", CACHE_WRITES,
        "cached keys / values keep their autograd graph",
        (LAYER_CACHE, "state[slots, positions] = values.detach().to(state.dtype)",
         "state[slots, positions] = values.to(state.dtype)")),
-    _m("ssd-update-no-detach", "inference", ("tests/mixers/inference/test_decode_ops.py",) + INFERENCE_TESTS,
+    _m("ssd-update-no-detach", "inference", DECODE,
        "the SSD decode step stores its state with the graph",
        ("mixers/ops/ssd/update.py", "new = h.detach().to(state.dtype)", "new = h.to(state.dtype)")),
-    _m("sampling-times-temperature", "inference", INFERENCE_TESTS,
+    _m("sampling-times-temperature", "inference", GENERATION,
        "sampling from softmax(logits * T) instead of softmax(logits / T)",
        (GENERATE, "(logits - logits.max()) / self.temperature", "(logits - logits.max()) * self.temperature")),
-    _m("generate-ignores-cache", "inference", INFERENCE_TESTS,
+    _m("generate-ignores-cache", "inference", GENERATION,
        "generate() allocates its own cache whatever cache= says",
        (GENERATE, "eos_token_id=eos_token_id, generator=generator, cache=cache)",
         "eos_token_id=eos_token_id, generator=generator, cache=None)")),
-    _m("mamba2-decode-drops-dt-limit", "inference", INFERENCE_TESTS,
+    _m("mamba2-decode-drops-dt-limit", "inference", DECODE,
        "the Mamba2 decode step ignores the layer's dt_limit",
        ("mixers/layers/mamba2_cache.py", "state_batch_indices=batch.slots, dt_limit=c.dt_limit, ",
         "state_batch_indices=batch.slots, ")),
-    _m("bool-cache-slots-accepted", "inference", INFERENCE_TESTS,
+    _m("bool-cache-slots-accepted", "inference", SLOT_CHECKS,
        "a bool tensor passed as cache_slots is read as slots 0 / 1",
        (SLOTS, " or slots.dtype == torch.bool:", ":")),
-    _m("cache-overflow-off-by-one", "inference", INFERENCE_TESTS,
+    _m("cache-overflow-off-by-one", "inference", SLOT_CHECKS,
        "a slot may hold one token more than max_seqlen",
        (SLOTS, "over = torch.nonzero(ends > self.max_seqlen)", "over = torch.nonzero(ends > self.max_seqlen + 1)")),
-    _m("reset-keeps-states", "inference", INFERENCE_TESTS,
+    _m("reset-keeps-states", "inference", CACHE_WRITES,
        "cache.reset forgets the lengths but keeps the states",
        ("mixers/inference/cache.py", "            layer.clear(host)", "            pass")),
-    _m("packed-positions-ignore-cache", "inference", INFERENCE_TESTS,
+    _m("packed-positions-ignore-cache", "inference", CONTINUATION,
        "a packed continuation restarts attention positions at 0",
        (SLOTS, "offset = self.starts_device[doc.clamp(max=len(self.host) - 1)] * (doc < len(self.host))",
         "offset = 0 * (doc < len(self.host))")),

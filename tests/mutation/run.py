@@ -3,11 +3,11 @@
     python -m tests.mutation.run [--area inference] [--only NAME ...] [--timeout 240] [--json out.json]
 
 The repository is copied once (without ``.git``, virtual environments and caches) into a
-temporary directory; each mutant's edits are applied there, its test paths run with ``-x``
-(in the copy, no bytecode written), and the file restored. The runs are forked from one parent
-that has imported the heavy third-party packages (torch, transformers, fla) but nothing of the
-project, so each run imports the project afresh from the copy (``--no-fork``: a new interpreter
-per run). First a
+temporary directory; each mutant's edits are applied there, its test paths run one after another
+with ``-x`` until one fails (a folder after a file in it leaves that file out), in the copy, no
+bytecode written, and the file restored. The runs are forked from one parent that has imported
+the heavy third-party packages (torch, transformers, fla) but nothing of the project, so each run
+imports the project afresh from the copy (``--no-fork``: a new interpreter per run). First a
 baseline run of every named test path on the unmutated copy: tests failing there are deselected
 for the mutants, so a test that already fails never counts as a kill. A mutant is *killed* when
 pytest reports a failure, *survived* when every test passes, *timeout* when the run exceeds
@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,6 +68,7 @@ PRELOAD = ("numpy", "torch", "hypothesis", "pytest", "safetensors.torch", "trans
            "transformers.models.falcon_h1.modeling_falcon_h1", "transformers.models.qwen3_next.modeling_qwen3_next",
            "transformers.models.kimi_linear.modeling_kimi_linear")
 OURS = ("mixers", "ssm_pack", "tests", "benchmarks")
+_CHILD: list[int] = []                                          # the forked run in progress, if any
 
 
 def preload() -> None:
@@ -90,6 +92,7 @@ def _forked(repo: Path, args: list[str], timeout: float) -> tuple[int | None, st
     if pid == 0:                                                # child: never returns
         code = 3
         try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.dup2(log.fileno(), 1)
             os.dup2(log.fileno(), 2)
             os.chdir(repo)
@@ -109,6 +112,7 @@ def _forked(repo: Path, args: list[str], timeout: float) -> tuple[int | None, st
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+    _CHILD[:] = [pid]
     deadline = time.monotonic() + timeout
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -119,6 +123,7 @@ def _forked(repo: Path, args: list[str], timeout: float) -> tuple[int | None, st
             os.waitpid(pid, 0)
             return None, ""
         time.sleep(0.2)
+    _CHILD.clear()
     output = Path(log.name).read_text()
     os.unlink(log.name)
     return os.waitstatus_to_exitcode(status), output
@@ -147,6 +152,22 @@ def pytest(repo: Path, paths, *, timeout: float, first_failure: bool, deselect=(
     return status, output, time.monotonic() - start
 
 
+def staged(repo: Path, paths, *, timeout: float, deselect, fork: bool) -> tuple[str, str, float]:
+    """Run ``paths`` one after another with ``-x``, stopping at the first that does not pass; a later
+    path (a folder) leaves out the earlier ones under it, so the likely killers run first, once."""
+    total, done = 0.0, []
+    status, output = "passed", ""
+    for path in paths:
+        earlier = [p for p in done if Path(p).is_relative_to(path) and p != path]
+        status, output, seconds = pytest(repo, [path], timeout=timeout, first_failure=True,
+                                         deselect=list(deselect) + earlier, fork=fork)
+        total += seconds
+        done.append(path)
+        if status != "passed":
+            break
+    return status, output, total
+
+
 def failing_nodes(output: str) -> list[str]:
     """The failing tests (``FAILED``) and the files that failed to collect (``ERROR``) of a ``-rf`` run."""
     return re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.M)
@@ -154,7 +175,7 @@ def failing_nodes(output: str) -> list[str]:
 
 def exclusions(nodes) -> list[str]:
     """pytest options leaving ``nodes`` out: a test is deselected, a file that does not collect ignored."""
-    return [f"--deselect={n}" if "::" in n else f"--ignore={n}" for n in nodes]
+    return [f"--deselect={n}" if "::" in n else f"--ignore={n}" for n in dict.fromkeys(nodes)]
 
 
 def apply(repo: Path, mutant: Mutant) -> dict[Path, str] | None:
@@ -185,6 +206,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-fork", action="store_true",
                         help="a fresh interpreter per run (slower: re-imports torch, transformers and fla each time)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)
     mutants = [m for m in MUTANTS if (not args.area or m.area in args.area) and (not args.only or m.name in args.only)]
     repo = scratch_copy()
     try:
@@ -208,8 +230,8 @@ def main(argv=None) -> int:
                 status, seconds, killer = "stale", 0.0, ""
             else:
                 try:
-                    status, output, seconds = pytest(repo, mutant.tests, timeout=args.timeout, first_failure=True,
-                                                     deselect=broken, fork=fork)
+                    status, output, seconds = staged(repo, mutant.tests, timeout=args.timeout, deselect=broken,
+                                                     fork=fork)
                 finally:
                     restore(originals)
                 killer = (failing_nodes(output) or [""])[0] if status == "failed" else ""
@@ -223,6 +245,13 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(repo.parent, ignore_errors=True)
     return 0
+
+
+def _stop(signum, frame):
+    """SIGTERM: end the run in progress, then leave through ``finally`` (the scratch copy is removed)."""
+    for pid in _CHILD:
+        os.kill(pid, signal.SIGKILL)
+    sys.exit(128 + signum)
 
 
 def summary(results: list[dict]) -> None:
