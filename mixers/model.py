@@ -16,6 +16,7 @@ from torch import nn
 
 from ssm_pack import PackedSeqParams, VarlenBatch
 
+from .cp_loss import continue_targets, mean_share
 from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer, RMSNorm
 from .layers.cached import refuse_context_parallel
 from .layers.norm import upcast
@@ -141,8 +142,8 @@ class HybridLM(CachedLM, nn.Module):
             targets = next_token_targets(labels, varlen)
             flat = (upcast(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1))
             if varlen is not None and varlen.cp is not None:     # context parallel: this rank's share of the mean
-                loss = varlen.cp.mean_share(F.cross_entropy(*flat, ignore_index=IGNORE_INDEX, reduction="sum"),
-                                            targets != IGNORE_INDEX)
+                loss = mean_share(varlen.cp, F.cross_entropy(*flat, ignore_index=IGNORE_INDEX, reduction="sum"),
+                                  targets != IGNORE_INDEX)
             else:
                 loss = F.cross_entropy(*flat, ignore_index=IGNORE_INDEX)
         return {"logits": logits.reshape(*rows, -1), "loss": loss}
@@ -201,5 +202,5 @@ def next_token_targets(labels: torch.Tensor, packed_seq_params=None) -> torch.Te
         crosses[:, :-1] = doc[:, 1:] != doc[:, :-1]
         targets = targets.masked_fill(crosses, IGNORE_INDEX)
         if varlen.cp is not None:      # context parallel: the last token predicts the next rank's first
-            targets = varlen.cp.continue_targets(targets, labels)
+            targets = continue_targets(varlen.cp, targets, labels)
     return targets

@@ -17,7 +17,7 @@ structure, so a segment crossing a rank boundary continues exactly:
   and ``HybridLM``'s loss is this rank's share of the row's mean.
 
 The layout is plain integers known to every rank, so each rank can tell, without talking,
-which ranks must exchange what (:mod:`ssm_pack.cp_exchange` does the talking).
+which ranks must exchange what (:mod:`mixers.ops.cp_exchange` does the talking).
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def resolve(params, total_tokens: int, device) -> ContextParallelRun | None:
 class ContextParallelRun:
     """The CP facts of one forward on one rank (``VarlenBatch.cp``): the layout, the group, the
     local row as the ops see it, and the order of this forward's collectives (``token``, see
-    :mod:`ssm_pack.cp_exchange`)."""
+    :mod:`mixers.ops.cp_exchange`)."""
 
     def __init__(self, layout: ContextParallelLayout, group, device: torch.device):
         self.layout, self.group, self.device = layout, group, device
@@ -315,21 +315,6 @@ class ContextParallelRun:
         """Per-document states ``[N, ...]``: zero the rows this rank does not own."""
         keep = self.owned.reshape(-1, *([1] * (states.dim() - 1)))
         return torch.where(keep, states, torch.zeros((), dtype=states.dtype, device=states.device))
-
-    def continue_targets(self, targets: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Next-token ``targets [1, T_r]`` with the last one set to the next rank's first label
-        when the segment continues there (its -100 stays -100); one tiny exchange."""
-        from .cp_exchange import neighbour_first_labels
-        nxt = neighbour_first_labels(self, labels)
-        if nxt is None:
-            return targets
-        return torch.cat([targets[:, :-1], nxt.to(targets.dtype).reshape(1, 1)], dim=1)
-
-    def mean_share(self, loss_sum: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the row's mean: ``loss_sum`` over the targets counted on every rank,
-        so the shares sum to the single-process mean (and all-reduced gradients match)."""
-        from .cp_exchange import sum_over_ranks
-        return loss_sum / sum_over_ranks(self, counted.sum().to(torch.int64)).to(loss_sum.dtype)
 
     def anchor(self, out: torch.Tensor) -> torch.Tensor:
         """``out`` made to depend on the forward's last collective (adds an exact zero), so every

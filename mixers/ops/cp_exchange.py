@@ -57,7 +57,7 @@ def record_traffic():
         _RECORDERS.remove(traffic)
 
 
-def _record(label: str, direction: str, nbytes: int) -> None:
+def count_sent(label: str, direction: str, nbytes: int) -> None:
     for traffic in _RECORDERS:
         traffic.events.append((label, direction, nbytes))
 
@@ -67,13 +67,19 @@ def _sent_bytes(splits, rank: int, element_size: int) -> int:
 
 
 class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with the reverse all-to-all as its backward."""
+    """``all_to_all_single`` with the reverse all-to-all as its backward.
+
+    Kept rather than ``torch.distributed.nn.functional.all_to_all_single`` (the same autograd
+    pair): in the installed torch that function warns ``FutureWarning`` (deprecated) on every
+    call and refuses to trace under ``torch.compile``, and its backward cannot count the bytes
+    it sends, which :func:`record_traffic` reports for both directions.
+    """
 
     @staticmethod
     def forward(ctx, buffer, group, rank, send_splits, recv_splits, label):
         out = buffer.new_empty(sum(recv_splits))
         dist.all_to_all_single(out, buffer.contiguous(), recv_splits, send_splits, group=group)
-        _record(label, "forward", _sent_bytes(send_splits, rank, buffer.element_size()))
+        count_sent(label, "forward", _sent_bytes(send_splits, rank, buffer.element_size()))
         ctx.group, ctx.rank, ctx.send_splits, ctx.recv_splits, ctx.label = group, rank, send_splits, recv_splits, label
         return out
 
@@ -81,7 +87,7 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         back = grad.new_empty(sum(ctx.send_splits))
         dist.all_to_all_single(back, grad.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)
-        _record(ctx.label, "backward", _sent_bytes(ctx.recv_splits, ctx.rank, grad.element_size()))
+        count_sent(ctx.label, "backward", _sent_bytes(ctx.recv_splits, ctx.rank, grad.element_size()))
         return back, None, None, None, None, None
 
 
@@ -186,25 +192,4 @@ def chain_scan(run, label: str, element, closed, apply, compose, *, s_shape, m_s
     return got[r - 1][0] if run.layout.continues_in[r] else None
 
 
-def neighbour_first_labels(run, labels: torch.Tensor) -> torch.Tensor | None:
-    """The label of the next rank's first token when this rank's last segment continues there
-    (``[1]``, else ``None``): what this rank's last token predicts. No gradient."""
-    lay, r = run.layout, run.rank
-    if not any(lay.continues_in):
-        return None
-    sends = {r - 1: [labels[0, :1]]} if lay.continues_in[r] else {}
-    recvs = {r + 1: [(1,)]} if lay.continues_out[r] else {}
-    got = exchange(run, "loss", sends, recvs, labels.dtype, chained=False)
-    return got[r + 1][0] if lay.continues_out[r] else None
-
-
-def sum_over_ranks(run, value: torch.Tensor) -> torch.Tensor:
-    """``value`` summed over the CP group (no gradient): e.g. the row's count of loss targets."""
-    total = value.detach().clone()
-    dist.all_reduce(total, group=run.group)
-    _record("loss", "forward", total.numel() * total.element_size() * (run.layout.size - 1))
-    return total
-
-
-__all__ = ["Traffic", "chain_plan", "chain_scan", "exchange", "neighbour_first_labels", "record_traffic",
-           "sum_over_ranks"]
+__all__ = ["Traffic", "chain_plan", "chain_scan", "count_sent", "exchange", "record_traffic"]

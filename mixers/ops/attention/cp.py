@@ -21,9 +21,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from ssm_pack.cp_exchange import exchange
-
 from ..chunks import compute_dtype
+from ..cp_exchange import exchange
 
 BLOCK = 256
 
