@@ -73,7 +73,7 @@ FEATURES = {(f.kernel, f.name): f for f in (
     Feature("causal_conv1d", "padding_seq_idx", "causal_conv1d", "1.5.3.post1", "negative seq_idx marking padding"),
     Feature("causal_conv1d", "initial_states_with_seq_idx", "causal_conv1d", "1.7.0",
             "initial_states together with seq_idx"),
-    # inference (issue 12): each row's first release, read from the upstream repositories' history
+    # inference: each row's first release, read from the upstream repositories' history
     # every decode call passes causal_conv1d_update's 7 positional arguments (x, conv_state, weight, bias,
     # activation, cache_seqlens, conv_state_indices): v1.4.0 takes 6, v1.5.0 the 7
     Feature("causal_conv1d", "update_indices", "causal_conv1d", "1.5.0",

@@ -1,4 +1,4 @@
-"""The numbers that define "correct" (DESIGN.md), held by the tests themselves.
+"""The numbers that define "correct", held by the tests themselves.
 
 The product has its own table (``ssm_pack.testing.TOLERANCES``, what the public helpers use);
 the tests never read it, so loosening the product cannot loosen a test, and

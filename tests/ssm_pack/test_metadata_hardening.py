@@ -1,4 +1,4 @@
-"""Metadata that used to pass validation and then give wrong results (issue 9): each is now a
+"""Metadata that used to pass validation and then give wrong results: each is now a
 correct result or a clear error, and a layer never runs on a stale or contradictory copy."""
 
 import numpy as np
