@@ -1,5 +1,6 @@
 """The ``ssm-pack`` command: ``ssm-pack report`` (default) prints what runs packed here;
-``ssm-pack demo`` trains a small hybrid model on packed documents (see ``mixers.demo``)."""
+``ssm-pack demo`` trains a small hybrid model on packed documents (see ``mixers.demo``);
+``ssm-pack --version`` prints the version."""
 
 from __future__ import annotations
 
@@ -13,10 +14,21 @@ def _report(_args) -> int:
     return 0
 
 
+def version() -> str:
+    """The installed distribution's version; the package's ``__version__`` when run from a source tree."""
+    from importlib import metadata
+    try:
+        return metadata.version("ssm-pack")
+    except metadata.PackageNotFoundError:
+        from ssm_pack import __version__
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ssm-pack", description="ssm-pack report (the default) prints what runs packed here; ssm-pack demo "
                                      "trains a small hybrid model on packed documents.")
+    parser.add_argument("--version", action="version", version=f"ssm-pack {version()}")
     sub = parser.add_subparsers(dest="command")
     report = sub.add_parser("report", help="print the support report (default)")
     report.set_defaults(run=_report)

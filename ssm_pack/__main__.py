@@ -1,5 +1,39 @@
-"""``python -m ssm_pack``: print the support report (``ssm-pack report`` adds the per-mixer rows)."""
+"""``python -m ssm_pack``: print the support report (``ssm-pack report`` adds the per-mixer rows);
+``python -m ssm_pack --matrix`` prints the support matrix, the markdown table of
+:mod:`ssm_pack.kernels` that the docs quote."""
 
-from .report import support_report
+from __future__ import annotations
 
-print(support_report())
+import argparse
+
+
+def support_matrix() -> str:
+    """The kernel requirements table as markdown: one row per package a kernel needs (its own
+    minimum) and one per feature packing relies on (the first release that has it)."""
+    from .kernels import FEATURES, KERNELS
+
+    rows = ["| kernel | package | minimum | needed for |", "|---|---|---|---|"]
+    for kernel in KERNELS.values():
+        for package, minimum in kernel.packages:
+            rows.append(f"| `{kernel.name}` | `{package}` | {minimum} | {kernel.label} |")
+        if not kernel.packages:
+            rows.append(f"| `{kernel.name}` | `torch` | (the installed signature) | {kernel.label} |")
+        for feature in (f for f in FEATURES.values() if f.kernel == kernel.name):
+            rows.append(f"| `{kernel.name}` | `{feature.package}` | {feature.minimum} | {feature.what} |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ssm_pack", description="print what runs packed here")
+    parser.add_argument("--matrix", action="store_true", help="print the support matrix (markdown) instead")
+    args = parser.parse_args(argv)
+    if args.matrix:
+        print(support_matrix(), end="")
+        return 0
+    from .report import support_report
+    print(support_report())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
