@@ -2,7 +2,10 @@
 
     python -m benchmarks                 # quick sizes: about 2 minutes on 2 cores (a smoke run)
     python -m benchmarks --full          # the sizes the targets are defined at: about 10 minutes
-    python -m benchmarks --out bench_out
+    python -m benchmarks --full --out docs/benchmarks/
+
+The report goes to ``OUT/YYYY-MM-DD-<machine>.md`` (``-quick`` added at quick sizes), one dated
+file per machine class (:func:`benchmarks.common.machine_slug`), its plots beside it.
 
 Every figure is a ratio measured side by side in one run; nothing here is asserted. Benchmarks
 never run in CI.
@@ -11,11 +14,12 @@ never run in CI.
 from __future__ import annotations
 
 import argparse
+import datetime
 import time
 from pathlib import Path
 
 from benchmarks import bench_conv_ssd, bench_delta_rule, bench_inference, bench_layers, bench_metadata
-from benchmarks.common import Result, machine, results_table
+from benchmarks.common import Result, machine, machine_slug, results_table
 
 QUICK = dict(meta=(2**19, 5000), conv_ssd=(2048, 256), delta=(2048, [64], 1024), layers=(4, 256), repeat=3)
 FULL = dict(meta=(2**21, 20000), conv_ssd=(8192, 1024), delta=(8192, [64, 128], 4096), layers=(8, 512), repeat=5)
@@ -39,7 +43,13 @@ def collect(sizes: dict, log) -> list[Result]:
     return results + layer_results + inference_results
 
 
-def plot(results: list[Result], out: Path) -> list[Path]:
+def report_path(out: Path, machine_line: str, day: datetime.date, *, full: bool) -> Path:
+    """``out/YYYY-MM-DD-<machine class>.md``; a quick run adds ``-quick`` so it never replaces a full one."""
+    return Path(out) / f"{day.isoformat()}-{machine_slug(machine_line)}{'' if full else '-quick'}.md"
+
+
+def plot(results: list[Result], stem: Path) -> list[Path]:
+    """The plots, saved as ``<stem>-ops.png``, ``-layers.png`` and ``-roofline.png``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -61,7 +71,7 @@ def plot(results: list[Result], out: Path) -> list[Path]:
     ax.set_xlabel("milliseconds (log)")
     ax.set_title("ops: ssm-pack vs one document / per-document loop / fla naive / dense SDPA", fontsize=10)
     ax.legend()
-    written.append(save(fig, out / "ops.png"))
+    written.append(save(fig, stem.with_name(f"{stem.name}-ops.png")))
     layers = [r for r in results if r.group == "layers"]
     names = sorted({r.measure.split(":")[0] for r in layers}, key=[r.measure.split(":")[0] for r in layers].index)
     packed = [next(r.ours for r in layers if r.measure.startswith(n)) for n in names]
@@ -76,7 +86,7 @@ def plot(results: list[Result], out: Path) -> list[Path]:
     ax.set_ylabel("real tokens / s (fwd + bwd)")
     ax.set_title("layers: packed vs padded vs per-document loop")
     ax.legend()
-    written.append(save(fig, out / "layers.png"))
+    written.append(save(fig, stem.with_name(f"{stem.name}-layers.png")))
     roof = [r for r in results if r.unit == "GFLOP/s"]
     fig, ax = plt.subplots(figsize=(7, 3))
     ax.barh([r.measure for r in roof], [100 * r.ratio for r in roof], color="#1f77b4")
@@ -84,17 +94,18 @@ def plot(results: list[Result], out: Path) -> list[Path]:
         ax.axvline(100 * r.target, color="#d62728", linestyle="--", linewidth=1)
     ax.set_xlabel("% of torch.matmul FLOP/s (dashed: target)")
     ax.set_title("fraction of the matmul roofline")
-    written.append(save(fig, out / "roofline.png"))
+    written.append(save(fig, stem.with_name(f"{stem.name}-roofline.png")))
     return written
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="the target sizes (slow)")
-    parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--out", default="bench_out", help="folder of the dated report and its plots")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    path = report_path(out, machine(), datetime.date.today(), full=args.full)
     started = time.perf_counter()
     print(f"{'full sizes: about 10' if args.full else 'quick sizes: about 2'} minutes on 2 cores (more when a group is "
           "UNSTABLE and rerun); the targets are defined at the full sizes", flush=True)
@@ -103,14 +114,16 @@ def main(argv=None) -> int:
     for group in dict.fromkeys(r.group for r in results):
         sections.append(f"## {group}\n\n" + results_table([r for r in results if r.group == group]))
     missed = [r.measure for r in results if r.passed is False]
-    report = (f"# ssm-pack benchmarks ({'full' if args.full else 'quick'} sizes)\n\nMachine: {machine()}\n\n"
+    report = (f"# ssm-pack benchmarks ({'full' if args.full else 'quick'} sizes, {datetime.date.today()})\n\n"
+              f"Machine: {machine()}\n\nCommand: `python -m benchmarks{' --full' if args.full else ''}`\n\n"
               + "\n\n".join(sections)
               + f"\n\n{sum(r.passed is True for r in results)} targets met, {len(missed)} missed"
               + (":\n" + "\n".join(f"- {m}" for m in missed) if missed else "") + "\n")
-    (out / "report.md").write_text(report)
-    pngs = plot(results, out)
+    pngs = plot(results, path.with_suffix(""))
+    report += "\n" + "".join(f"![{p.stem}]({p.name})\n" for p in pngs)
+    path.write_text(report)
     print(report)
-    print(f"wrote {out / 'report.md'} and {', '.join(str(p) for p in pngs)} in {time.perf_counter() - started:.0f} s")
+    print(f"wrote {path} and {', '.join(str(p) for p in pngs)} in {time.perf_counter() - started:.0f} s")
     return 0
 
 

@@ -30,6 +30,7 @@ import gc
 import math
 import os
 import platform
+import re
 import resource
 import statistics
 import time
@@ -80,6 +81,15 @@ def machine() -> str:
             f"Python {platform.python_version()}, torch {torch.__version__}"
             + (f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""))
 
+
+
+def machine_slug(line: str | None = None) -> str:
+    """The machine class of a :func:`machine` line as a file-name slug: the CPU, ISA, caches,
+    threads and GPU, without the Python and torch versions (``"intel-xeon-...-2-threads"``)."""
+    line = machine() if line is None else line
+    line = re.sub(r", (Python|torch) [^,]*", "", line)
+    line = re.sub(r"\((R|TM)\)", "", line)
+    return re.sub(r"[^a-z0-9]+", "-", line.lower()).strip("-")
 
 def _sync():
     if torch.cuda.is_available():

@@ -1,0 +1,42 @@
+"""Where ``python -m benchmarks --out DIR`` writes its report: one dated markdown file per machine
+class, named from the machine line, so reports of two machines sit side by side and a rerun on the
+same machine on the same day replaces its own."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import pytest
+
+from benchmarks.__main__ import report_path
+from benchmarks.common import machine_slug
+
+XEON = ("Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz (avx512, L1d 48K, L2 2048K, L3 107520K), 2 threads, "
+        "Python 3.12.3, torch 2.13.0")
+
+
+@pytest.mark.parametrize("line, slug", [
+    pytest.param(XEON, "intel-xeon-platinum-8481c-cpu-2-70ghz-avx512-l1d-48k-l2-2048k-l3-107520k-2-threads",
+                 id="intel-vm"),
+    pytest.param(XEON.replace("torch 2.13.0", "torch 2.14.0"),
+                 "intel-xeon-platinum-8481c-cpu-2-70ghz-avx512-l1d-48k-l2-2048k-l3-107520k-2-threads",
+                 id="versions-are-not-the-machine"),
+    pytest.param("AMD EPYC 9654 (avx2), 16 threads, Python 3.11.9, torch 2.13.0, GPU NVIDIA H200",
+                 "amd-epyc-9654-avx2-16-threads-gpu-nvidia-h200", id="with-gpu"),
+])
+def test_machine_slug_names_the_machine_class(line, slug):
+    assert machine_slug(line) == slug
+
+
+def test_report_path_is_dated_and_marks_quick_runs(tmp_path):
+    day = datetime.date(2026, 12, 1)
+    full = report_path(tmp_path, XEON, day, full=True)
+    quick = report_path(tmp_path, XEON, day, full=False)
+    assert full.parent == tmp_path and full.name.startswith("2026-12-01-intel-xeon-platinum-8481c")
+    assert full.suffix == ".md" and quick.name == full.stem + "-quick.md"
+
+
+def test_machine_slug_of_this_machine_is_a_file_name():
+    slug = machine_slug()
+    assert slug and Path(slug).name == slug and slug == slug.lower()
