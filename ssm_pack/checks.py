@@ -115,11 +115,3 @@ def as_boundaries(name: str, value, *, device=None) -> torch.Tensor:
             raise TypeError(f"{name} must hold integers, got a numpy array of dtype {value.dtype}")
         return check_tensor(name, torch.as_tensor(value, device=device), ndim=1)
     return as_index_tensor(name, value, device=device)
-
-
-def check_same_device(**tensors: torch.Tensor | None) -> None:
-    """All given tensors must live on one device."""
-    seen = {k: v.device for k, v in tensors.items() if isinstance(v, torch.Tensor)}
-    if len(set(seen.values())) > 1:
-        listing = ", ".join(f"{k} on {d}" for k, d in seen.items())
-        raise ValueError(f"tensors must be on one device, got {listing}")

@@ -43,12 +43,6 @@ def same_segment_causal(seg: torch.Tensor) -> torch.Tensor:
 LOG_DECAY_FLOOR = -1.0e4
 
 
-def floor_log_decay(g: torch.Tensor) -> torch.Tensor:
-    """``g`` raised to :data:`LOG_DECAY_FLOOR` (``-inf``, a reset, included; gradient 0 there,
-    as ``exp(g) = 0`` makes it)."""
-    return g.clamp(min=LOG_DECAY_FLOOR)
-
-
 def suffix_sums(g: torch.Tensor, dim: int) -> torch.Tensor:
     """``out[t] = sum_{u > t} g[u]`` along ``dim``: a sum over exactly the interval (of
     same-signed log-decays: a small relative error), never the difference of two cumulative
