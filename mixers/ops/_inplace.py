@@ -10,7 +10,7 @@ def into(out: torch.Tensor, op, *args, **kwargs) -> torch.Tensor:
     ``torch.compile`` traces (Dynamo refuses an ``out=`` that is not contiguous).
 
     Elementwise ops write a strided ``out`` at full speed; a matmul (``bmm``, ``baddbmm``) into a
-    strided ``out`` runs one product per batch entry (2-3x slower): give those a contiguous one."""
+    strided ``out`` runs one product per batch entry (slower): give those a contiguous one."""
     if torch.compiler.is_compiling():
         return out.copy_(op(*args, **kwargs))
     return op(*args, **kwargs, out=out)

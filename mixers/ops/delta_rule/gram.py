@@ -186,8 +186,8 @@ _DIRECT_HALF = 8     # quadrants of at least this size go to batched products di
 def _level_grad(d: torch.Tensor, block: int, right: torch.Tensor, factors: torch.Tensor):
     """One level's ``(d factors [N, nb, 2*half, K], d right [N, nb, half, K])`` from the quadrants of
     ``d [N, 2, L, L]``. Small blocks are laid into one block-diagonal ``[L, L/2]`` matrix per
-    chunk-head first: thousands of ``2 x 1`` or ``8 x 4`` products cost ~1 us each as a batch, a
-    few zeros in one ``L x L/2`` product cost less."""
+    chunk-head first: thousands of ``2 x 1`` or ``8 x 4`` products cost a fixed overhead each as a
+    batch, a few zeros in one ``L x L/2`` product cost less."""
     n, _, length, _ = d.shape
     kd, half, nb = right.shape[-1], block // 2, length // block
     if half >= _DIRECT_HALF:
