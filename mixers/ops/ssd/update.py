@@ -30,7 +30,7 @@ from .._autocast import outside_autocast
 from .._slots import state_rows
 from ..chunks import compute_dtype
 from .dt import process_dt
-from .update_kernel import selective_state_update_kernel, unsupported
+from .state_update_kernel import selective_state_update_kernel, unsupported
 
 __all__ = ["selective_state_update"]
 
