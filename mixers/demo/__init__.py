@@ -1,10 +1,11 @@
 """``ssm-pack demo``: pack real documents, train a hybrid model on them, and show what packing gives.
 
-Documents are the standard library's docstrings (byte tokens, no download). The demo plans packs
-with the ssm_pack planner, trains a small ``HybridLM`` (all five mixer kinds by default) with a
-progress bar, measures packed vs padded training throughput side by side, runs the leakage
-checker on a packed batch of the trained model, and writes a PNG of the loss curve and the
-throughput. It finishes in under 3 minutes on 2 CPU cores by default.
+Documents are the standard library's docstrings (byte tokens, no download). The demo streams them
+into packs with ``ssm_pack.pack_stream`` (documents longer than a pack split across consecutive
+packs, their states carried by ``mixers.carry.CarriedStates``), trains a small ``HybridLM`` (all
+five mixer kinds by default) with a progress bar, measures packed vs padded training throughput
+side by side, runs the leakage checker on a packed batch of the trained model, and writes a PNG
+of the loss curve and the throughput. It finishes in under 3 minutes on 2 CPU cores by default.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 DEFAULTS = dict(steps=120, pattern="MGKPA", hidden=64, docs=600, max_tokens=2048, seed=0, lr=3e-3)
+MAX_BYTES = 8192           # docstrings are cut here (a few are longer than a pack of the default size)
 ALIGN = 8                  # every document's slot in a pack is a multiple of this (block-aligned kernels)
 # small mixers: the demo is about packing, not model quality
 MIXER_OVERRIDES = {"M": {"head_dim": 16, "state_size": 16, "chunk_size": 64}, "G": {"head_dim": 16},
@@ -40,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hidden size (the Mamba2 blocks need a multiple of 8: head size 16, expand 2)")
     p.add_argument("--docs", type=int, default=DEFAULTS["docs"], help="documents to load")
     p.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"],
-                   help=f"tokens per pack; longer documents are cut to fit once aligned to {ALIGN}")
+                   help=f"tokens per pack (documents start at multiples of {ALIGN}); a longer document is split across "
+                        "consecutive packs and its states carried from one to the next")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (cuda uses the kernels when installed)")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="random seed")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="peak AdamW learning rate")
@@ -86,13 +89,13 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     started = time.perf_counter()
     print(f"ssm-pack demo: {args.pattern} hybrid, hidden {args.hidden}, {args.steps} steps on {device}", flush=True)
-    # cut long documents so that, once aligned, each fits one pack
-    documents = load_documents(args.docs, max_bytes=min(1024, args.max_tokens // ALIGN * ALIGN))
+    documents = load_documents(args.docs, max_bytes=MAX_BYTES)       # longer than a pack: carried
     lengths = [len(d) for d in documents]
     print(f"  corpus: {len(documents)} standard-library docstrings, {sum(lengths):,} bytes "
           f"(lengths {min(lengths)}-{max(lengths)}, median {sorted(lengths)[len(lengths) // 2]})")
-    batches, plan = make_batches(documents, args.max_tokens, ALIGN, device)
-    print(f"  packs:  {plan.summary()}")
+    batches, packs = make_batches(documents, args.max_tokens, ALIGN, device)
+    print(f"  packs:  {packs.summary()}")
+    print(f"  carry:  {packs.carry()}")
     model = HybridLM(256, args.hidden, args.pattern, mixer_overrides=MIXER_OVERRIDES).to(device)
     print(f"  model:  {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
     losses = train(model, batches, args.steps, args.lr)
@@ -100,16 +103,17 @@ def run(args: argparse.Namespace) -> dict:
     tput = throughput(model, batches, repeat=min(3, len(batches)))
     print(f"  speed:  packed {tput['packed']:,.0f} tok/s vs padded {tput['padded']:,.0f} tok/s "
           f"({tput['packed'] / tput['padded']:.2f}x; real tokens per second of a training step, rows of "
-          f"{plan.padded_row_length}, fastest of 3 alternating runs)")
+          f"{packs.padded_width}, fastest of 3 alternating runs)")
     checked = leakage_check(model, documents, device, ALIGN)
     print(f"  leaks:  none (bitwise, {checked} perturbations; the negative control without metadata leaks)")
     generation_demo(model, documents)                        # continuous batching + the recompute check
     out = Path(args.out)
     png = write_png(out / "demo.png", losses, tput,
                     f"ssm-pack demo: {args.pattern} hybrid, {args.steps} steps, packing removed "
-                    f"{plan.padding_removed:.0%} of the padding")
-    summary = {"losses": losses, "throughput": tput, "padding_removed": plan.padding_removed,
-               "packs": len(plan.packs), "seconds": time.perf_counter() - started}
+                    f"{packs.padding_removed:.0%} of the padding")
+    summary = {"losses": losses, "throughput": tput, "padding_removed": packs.padding_removed,
+               "packs": packs.packs, "split_documents": packs.split_documents,
+               "pieces_carried": packs.pieces_carried, "seconds": time.perf_counter() - started}
     (out / "demo.json").write_text(json.dumps(summary, indent=1))
     print(f"  wrote {png} and {out / 'demo.json'} in {summary['seconds']:.0f} s")
     return summary

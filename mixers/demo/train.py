@@ -1,4 +1,4 @@
-"""The demo's steps: plan packs, train, compare packed and padded throughput, check for leaks.
+"""The demo's steps: stream packs, train with carried states, compare packed and padded throughput, check for leaks.
 
     T = tokens of one pack, B = documents of a padded batch, S = its row length
 """
@@ -12,33 +12,72 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ssm_pack import PackedSeqParams, plan_packs
+from ssm_pack import PackedSeqParams, pack_stream, plan_packs
 from ssm_pack.testing import assert_no_cross_document_leakage
 
+from ..carry import CarriedStates
 from ..model import IGNORE_INDEX, HybridLM
 
 
 @dataclass
 class Batch:
-    """One pack: ``input_ids [1, T]``, its ``labels [1, T]`` (``-100`` on alignment padding) and
-    metadata, laid out by :meth:`ssm_pack.PackPlan.assemble`, plus the same documents right-padded
-    to ``[B, S]`` rows of the plan's ``padded_row_length`` (the longest document of the corpus)."""
+    """One pack of :func:`ssm_pack.pack_stream`: ``input_ids [1, T]``, ``labels [1, T]`` (``-100`` on
+    padding and each piece's first token), its metadata and the whole pack dict (``targets``,
+    ``documents``, ``continues`` / ``continued``: what :class:`mixers.carry.CarriedStates` reads),
+    plus the same pieces right-padded to ``[B, S]`` rows, ``S`` the stream's longest piece (static shapes)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     params: PackedSeqParams
+    pack: dict
     padded_ids: torch.Tensor
     padded_labels: torch.Tensor
     real_tokens: int
 
 
-def _padded_rows(documents: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, labels)`` ``[len(documents), width]``: one document per row, ``-100`` labels after it."""
-    ids = torch.zeros(len(documents), width, dtype=torch.long)
+@dataclass
+class StreamFigures:
+    """What the stream did: documents, tokens, packs of exactly ``max_tokens``, padding both ways,
+    and the documents longer than a pack (split, their pieces carried into the next packs)."""
+
+    documents: int
+    tokens: int
+    packs: int
+    max_tokens: int
+    padded_width: int          # S: the padded batch's rows are as long as the longest piece
+    pieces: int                # rows of the padded batch over all packs
+    split_documents: int
+    pieces_carried: int        # pieces that start from a carried state
+
+    @property
+    def padding_packed(self) -> float:
+        return 1 - self.tokens / (self.packs * self.max_tokens)
+
+    @property
+    def padding_padded(self) -> float:
+        return 1 - self.tokens / (self.pieces * self.padded_width)
+
+    @property
+    def padding_removed(self) -> float:
+        return 1 - self.padding_packed / self.padding_padded
+
+    def summary(self) -> str:
+        return (f"{self.documents} documents, {self.tokens} tokens -> {self.packs} packs of {self.max_tokens} "
+                f"(pack_stream, best-fit): padding {self.padding_padded:.1%} (padded batch) -> "
+                f"{self.padding_packed:.1%} (packed), {self.padding_removed:.1%} of it removed")
+
+    def carry(self) -> str:
+        return (f"{self.split_documents} documents longer than a pack split; {self.pieces_carried} pieces start "
+                "from the state their previous piece left (carried, detached)")
+
+
+def _padded_rows(pieces: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, labels)`` ``[len(pieces), width]``: one piece per row, ``-100`` labels after it."""
+    ids = torch.zeros(len(pieces), width, dtype=torch.long)
     labels = torch.full_like(ids, IGNORE_INDEX)
-    for row, doc in enumerate(documents):
-        ids[row, :len(doc)] = doc
-        labels[row, :len(doc)] = doc
+    for row, piece in enumerate(pieces):
+        ids[row, :len(piece)] = piece
+        labels[row, :len(piece)] = piece
     return ids, labels
 
 
@@ -46,19 +85,33 @@ def as_token_tensors(documents: list[bytes]) -> list[torch.Tensor]:
     return [torch.tensor(list(d), dtype=torch.long) for d in documents]
 
 
-def make_batches(documents: list[bytes], max_tokens: int, align_to: int, device) -> tuple[list[Batch], object]:
-    """Plan packs of at most ``max_tokens`` (first-fit-decreasing) and build every batch."""
-    plan = plan_packs([len(d) for d in documents], max_tokens, align_to=align_to)
-    tokens = as_token_tensors(documents)
+def _pieces(pack: dict) -> list[torch.Tensor]:
+    """The pack's pieces' ids, from its row and its real and physical boundaries."""
+    params = pack["packed_seq_params"]
+    starts = (params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q).tolist()
+    lengths = params.cu_seqlens_q.diff().tolist()
+    row = pack["input_ids"][0]
+    return [row[start:start + n] for start, n in zip(starts, lengths)]
+
+
+def make_batches(documents: list[bytes], max_tokens: int, align_to: int, device) -> tuple[list[Batch], StreamFigures]:
+    """Every pack of one epoch of ``pack_stream`` (documents longer than a pack carried), as batches."""
+    stream = pack_stream(documents, max_tokens, align_to=align_to, split_long="carry")
+    packs = list(stream)
+    pieces = [_pieces(pack) for pack in packs]
+    width = max(len(piece) for each in pieces for piece in each)      # static shapes: the longest piece
     batches = []
-    for i, pack in enumerate(plan.packs):
-        packed = plan.assemble(i, tokens, labels=tokens, fixed_length=False)
-        # the padded batch the plan's padding figure describes
-        padded_ids, padded_labels = _padded_rows([tokens[d] for d in pack], plan.padded_row_length)
-        batches.append(Batch(packed["input_ids"].to(device), packed["labels"].to(device),
-                             _to(packed["packed_seq_params"], device), padded_ids.to(device),
-                             padded_labels.to(device), sum(len(tokens[d]) for d in pack)))
-    return batches, plan
+    for pack, each in zip(packs, pieces):
+        padded_ids, padded_labels = _padded_rows(each, width)
+        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in pack.items()}
+        moved["packed_seq_params"] = _to(pack["packed_seq_params"], device)
+        batches.append(Batch(moved["input_ids"], moved["labels"], moved["packed_seq_params"], moved,
+                             padded_ids.to(device), padded_labels.to(device), sum(len(p) for p in each)))
+    stats = stream.stats
+    figures = StreamFigures(stats["documents"] - stats["empty_documents"], stats["real_tokens"], stats["packs"],
+                            max_tokens, width, sum(map(len, pieces)), stats["split_documents"],
+                            sum(bool(pack["continues"]) for pack in packs))
+    return batches, figures
 
 
 def _to(params: PackedSeqParams, device) -> PackedSeqParams:
@@ -113,13 +166,20 @@ class Progress:
 
 
 def train(model: HybridLM, batches: list[Batch], steps: int, lr: float) -> list[float]:
-    """``steps`` AdamW steps over the packs (cycled); returns the loss of every step."""
+    """``steps`` AdamW steps over the packs in stream order (cycled: each cycle starts from reset
+    states), a split document's pieces continuing from the carried states; returns every step's loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    ends = [int(offset) + length for b in batches
+            for offset, length in zip(b.pack["offsets"], b.params.cu_seqlens_q.diff().tolist())]
+    carry = CarriedStates(model, max_documents=max(len(b.pack["documents"]) for b in batches),
+                          max_document_tokens=max(ends))     # attention keeps a whole document's keys
     losses, progress = [], Progress(steps)
     for step in range(steps):
+        if step % len(batches) == 0:
+            carry.reset()                                  # a new pass over the packs
         batch = batches[step % len(batches)]
-        loss = model(batch.input_ids, batch.params, labels=batch.labels)["loss"]
+        loss = carry(batch.pack)["loss"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -135,7 +195,7 @@ def train(model: HybridLM, batches: list[Batch], steps: int, lr: float) -> list[
 def throughput(model: HybridLM, batches: list[Batch], repeat: int, rounds: int = 3) -> dict[str, float]:
     """Real tokens / s of full training steps, packed vs padded, on the same documents.
 
-    ``repeat`` packs spread over the plan (the first packs hold only the longest documents). Each
+    ``repeat`` packs spread over the stream (the first packs hold only the longest documents). Each
     pack runs packed then padded, alternating, ``rounds`` times; the fastest time of each is kept,
     so a burst of noise on a shared machine does not decide the ratio.
     """

@@ -11,7 +11,7 @@ import pytest
 from mixers.cli import main as cli_main
 from mixers.demo import build_parser, check_args, main
 from mixers.demo.corpus import load_documents
-from mixers.demo.train import Progress
+from mixers.demo.train import Progress, make_batches
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -23,7 +23,7 @@ def test_corpus_is_real_and_deterministic():
 
 
 def test_demo_runs_on_one_stream_and_writes_its_outputs(tmp_path, capsys):
-    # --max-tokens 100: the documents are cut so that they still fit once aligned to 8
+    # --max-tokens 100: documents longer than a pack are split across packs, their states carried
     code = cli_main(["demo", "--steps", "4", "--docs", "24", "--hidden", "32", "--max-tokens", "100",
                      "--pattern", "mgA", "--out", str(tmp_path)])
     captured = capsys.readouterr()
@@ -33,7 +33,10 @@ def test_demo_runs_on_one_stream_and_writes_its_outputs(tmp_path, capsys):
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     summary = json.loads((tmp_path / "demo.json").read_text())
     assert len(summary["losses"]) == 4 and summary["throughput"]["packed"] > 0
-    assert "MGA hybrid" in out and "packs of <= 100" in out
+    assert "MGA hybrid" in out and "packs of 100 (pack_stream, best-fit)" in out
+    assert summary["split_documents"] > 0 and summary["pieces_carried"] >= summary["split_documents"]
+    assert (f"  carry:  {summary['split_documents']} documents longer than a pack split; {summary['pieces_carried']} "
+            "pieces start from the state their previous piece left") in out
     for line in ("training: loss = mean cross-entropy", "step 4/4  loss", "tok/s", "loss:", "speed:",
                  "leaks:  none"):
         assert line in out
@@ -43,6 +46,26 @@ def test_demo_runs_on_one_stream_and_writes_its_outputs(tmp_path, capsys):
     positions = [out.index("  " + label) for label in dict.fromkeys(labels)]
     assert len(labels) >= 8 and positions == sorted(positions)
     assert "(first step -> best of the last 5)" in out and "real tokens per second of a training step" in out
+
+
+def test_demo_batches_hold_every_document_once_and_carry_the_long_ones():
+    docs = load_documents(40, max_bytes=8192)
+    batches, figures = make_batches(docs, 256, 8, "cpu")
+    long = [i for i, d in enumerate(docs) if len(d) > 256]
+    assert long and figures.split_documents == len(long) and figures.packs == len(batches)
+    pieces = {}                                     # document -> its pieces' bytes, in stream order
+    for b in batches:
+        rows = b.padded_labels != -100
+        assert b.input_ids.shape == (1, 256) and b.padded_ids.shape[1] == figures.padded_width
+        for row, (doc, offset) in enumerate(zip(b.pack["documents"].tolist(), b.pack["offsets"].tolist())):
+            piece = bytes(b.padded_ids[row][rows[row]].tolist())
+            assert len(b"".join(pieces.get(doc, []))) == offset
+            pieces.setdefault(doc, []).append(piece)
+    assert sorted(pieces) == list(range(len(docs)))
+    assert all(b"".join(pieces[i]) == d for i, d in enumerate(docs))
+    carried = sum(len(pieces[i]) - 1 for i in long)
+    assert figures.pieces_carried == carried == sum(bool(b.pack["continues"]) for b in batches)
+    assert figures.tokens == sum(map(len, docs)) and 0 < figures.padding_packed < figures.padding_padded
 
 
 class FakeClock:
