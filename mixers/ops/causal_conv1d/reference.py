@@ -1,4 +1,5 @@
-"""Varlen causal depthwise convolution, pure PyTorch.
+"""The torch backend of ``causal_conv1d_fn``: varlen causal depthwise convolution. Its
+specification, a direct convolution of each document alone, is :mod:`.naive`.
 
     B = rows, D = channels, T = tokens per row, N = B * T, W = kernel width, J = W - 1,
     S = segments (documents) over all rows

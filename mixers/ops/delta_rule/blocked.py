@@ -166,7 +166,7 @@ def recurrence(p: Prep, states: torch.Tensor, n: int, delta: torch.Tensor | None
     return delta
 
 
-def _heads_major(t: torch.Tensor, n: int, b: int) -> torch.Tensor:
+def _as_row_chunk_token_head(t: torch.Tensor, n: int, b: int) -> torch.Tensor:
     """``[N, L, X]`` -> ``[B, n, L, H, X]`` (a view, for :func:`_store`)."""
     return t.view(n, b, -1, *t.shape[1:]).permute(1, 0, 3, 2, 4)
 
@@ -209,7 +209,7 @@ class DeltaRuleBlocked(torch.autograd.Function):
             last = s0 + blk.n
             o = torch.bmm(p.q_read, states[s0:last].view(-1, *states.shape[2:])).baddbmm_(p.qk, delta.view(
                 -1, chunk, vd))
-            _store(out, _heads_major(o, blk.n, b), blk.t0, every)
+            _store(out, _as_row_chunk_token_head(o, blk.n, b), blk.t0, every)
         if keep:
             ctx.save_for_backward(q, k, v, g, beta, seg, enter, states, inverses, deltas)
         ctx.scale, ctx.chunk, ctx.every, ctx.l2norm = scale, chunk, every, l2norm
@@ -284,7 +284,7 @@ def _block_backward(p: Prep, entering, delta, d_o, d_state, n, scale, norms=None
         normalize_backward(dq, y_q, r_q)
         normalize_backward(dk, y_k, r_k)
     b = N // (n * p.heads)
-    views = [_heads_major(x, n, b) for x in (dq, dk, dv)]
+    views = [_as_row_chunk_token_head(x, n, b) for x in (dq, dk, dv)]
     views.append(dg.view(n, b, length, *dg.shape[2:]).transpose(0, 1).reshape(b, n, length, p.heads, -1))
-    views.append(_heads_major(dbeta, n, b).squeeze(-1))
+    views.append(_as_row_chunk_token_head(dbeta, n, b).squeeze(-1))
     return d_state, views

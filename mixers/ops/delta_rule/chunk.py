@@ -1,4 +1,5 @@
-"""Chunked generalized delta rule with document resets inside the chunks, pure PyTorch.
+"""The torch backend of the delta-rule ops: the chunked generalized delta rule, with document resets
+inside the chunks. Its specification, the same recurrence token by token, is :mod:`.naive`.
 
     B = rows, T = tokens, H = heads, K = key dim, V = value dim, Kg = 1 (scalar gate) or K,
     C = chunks, L = chunk length
@@ -46,7 +47,7 @@ from .prep import chunk_masks, prep_backward, prep_forward
 
 
 @dataclass
-class Chunked:
+class DeltaIntermediates:
     """Intermediates kept for per-document states (see :mod:`.varlen_states`)."""
 
     s_final: torch.Tensor               # [B, H, K, V] state after the last chunk
@@ -61,7 +62,7 @@ class Chunked:
     s0: torch.Tensor | None = None         # [D, H, K, V] per-document initial states, sanitized by ``iso``
 
 
-def _heads_major(t: torch.Tensor, b: int, c: int, L: int) -> torch.Tensor:
+def _to_chunk_head_token(t: torch.Tensor, b: int, c: int, L: int) -> torch.Tensor:
     """``[B, C*L, H, X]`` -> ``[B, C, H, L, X]``."""
     return t.reshape(b, c, L, *t.shape[2:]).transpose(2, 3).contiguous()
 
@@ -69,7 +70,7 @@ def _heads_major(t: torch.Tensor, b: int, c: int, L: int) -> torch.Tensor:
 def delta_rule_chunked(q, k, v, g, beta, seg_id, chunk: int, initial_state=None, extra=None,
                        keep_intermediates: bool = False, scale: float = 1.0, q_every: int = 1,
                        l2norm: bool = False):
-    """Chunked delta rule (``q`` scaled by ``scale`` here). Returns ``(o [B, T, H, V], Chunked)``.
+    """Chunked delta rule (``q`` scaled by ``scale`` here). Returns ``(o [B, T, H, V], intermediates)``.
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, Kg]`` log-decays;
@@ -126,12 +127,12 @@ def _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_interme
         # without gradients nothing is kept for a backward
         out, s_final = DeltaRuleBlocked.apply(*untracked(q, k, v, g, beta, seg, enter_seg, h0), scale, L, q_every,
                                               l2norm)
-        return out, Chunked(s_final=s_final, chunk=L)
+        return out, DeltaIntermediates(s_final=s_final, chunk=L)
     if l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
     q = q * scale
     q, k, v, g, beta = (pad_tokens(x, pad) for x in (q, k, v, g, beta))
-    qc, kc, vc, gc = (_heads_major(x, b, c, L) for x in (q, k, v, g))         # [B, C, H, L, X]
+    qc, kc, vc, gc = (_to_chunk_head_token(x, b, c, L) for x in (q, k, v, g))  # [B, C, H, L, X]
     bc = beta.reshape(b, c, L, h).transpose(2, 3).contiguous()                  # [B, C, H, L]
     p = SimpleNamespace(**dict(zip(_PREP_OUTPUTS, PrepFunction.apply(qc, kc, vc, gc, bc, seg, enter_seg))))
     U = p.U if extra is None else p.U - extra.corrections(p.G, p.W)
@@ -139,8 +140,8 @@ def _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_interme
     o = p.q_read @ s_enter + p.qk @ delta
     if extra is not None:
         o = o + extra.reads(p.G, qc * p.decay_in)
-    return _tokens(o, b, c, L, t), Chunked(s_final=state, chunk=L, G=p.G, gate=p.gate, keys=kc, delta=delta,
-                                           enter_seg=enter_seg, s_enter=s_enter)
+    return _tokens(o, b, c, L, t), DeltaIntermediates(s_final=state, chunk=L, G=p.G, gate=p.gate, keys=kc,
+                                                      delta=delta, enter_seg=enter_seg, s_enter=s_enter)
 
 
 _PREP_OUTPUTS = ("G", "gate", "qk", "W", "w_read", "U", "q_read", "k_out", "kappa", "decay_in")

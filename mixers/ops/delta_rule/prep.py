@@ -81,13 +81,13 @@ def chunk_masks(seg: torch.Tensor, enter: torch.Tensor, dtype, *, bool_sums: boo
                  keep_state=(seg[:, -1] == enter).to(dtype).reshape(x, 1, 1, 1))
 
 
-def _heads_major(t: torch.Tensor, heads: int) -> torch.Tensor:
+def _to_head_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
     """``[X, L, H*Kg]`` -> ``[X*H, L, Kg]``."""
     x, length, hk = t.shape
     return t.view(x, length, heads, hk // heads).transpose(1, 2).reshape(x * heads, length, hk // heads)
 
 
-def _exp_heads_major(t: torch.Tensor, heads: int) -> torch.Tensor:
+def _exp_to_head_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
     """``exp`` of ``[X, L, H*Kg]`` as ``[X*H, L, Kg]`` (the transpose done by the same pass)."""
     x, length, hk = t.shape
     out = t.new_empty(x, heads, length, hk // heads)
@@ -95,7 +95,7 @@ def _exp_heads_major(t: torch.Tensor, heads: int) -> torch.Tensor:
     return out.view(x * heads, length, hk // heads)
 
 
-def _tokens_major(t: torch.Tensor, heads: int) -> torch.Tensor:
+def _from_head_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
     """``[X*H, L, Kg]`` -> ``[X, L, H*Kg]``."""
     n, length, kg = t.shape
     return t.view(n // heads, heads, length, kg).transpose(1, 2).reshape(n // heads, length, heads * kg)
@@ -177,7 +177,7 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, inverse
     x = m.X
     heads = n // x
     gate_tm = g.clamp(min=LOG_DECAY_FLOOR)
-    step = _exp_heads_major(gate_tm, heads)                                     # exp(g) per token
+    step = _exp_to_head_rows(gate_tm, heads)                                     # exp(g) per token
     q, bk = left[:, :length], left[:, length:]
     scalar = step.shape[-1] == 1
     decay = None
@@ -192,8 +192,8 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, inverse
     if full_w:
         sums = torch.bmm(m.sums, gate_tm)                                       # [X, 2L, H*Kg]
         # heads-major exponentials straight from the token-major sums (one pass each)
-        decay_in, tail = _exp_heads_major(sums[:, :length], heads), _exp_heads_major(sums[:, length:], heads)
-        G, gate = _heads_major(sums[:, :length], heads), _heads_major(gate_tm, heads)
+        decay_in, tail = _exp_to_head_rows(sums[:, :length], heads), _exp_to_head_rows(sums[:, length:], heads)
+        G, gate = _to_head_rows(sums[:, :length], heads), _to_head_rows(gate_tm, heads)
     else:
         # read only on the entering segment's tokens (exp(G)) and the last segment's (exp(suf)):
         # no reset lies between those and the chunk's start or end, so both are running products
@@ -281,9 +281,9 @@ def prep_backward(p: Prep, d_w, d_u, d_q_read, d_qk, d_k_out, d_kappa, d_G=None,
     d_bk = d_left[:, length:].addcmul_(dR_w, p.decay_in if p.full_w else p.read_in)
     dk.addcmul_(d_k_out, p.tail_out).addcmul_(d_bk, p.beta)
     dbeta += (d_bk * p.k).sum(-1, keepdim=True)
-    both = torch.cat([_tokens_major(dG, p.heads), _tokens_major(d_suf, p.heads)], dim=1)   # [X, 2L, H*Kg]
+    both = torch.cat([_from_head_rows(dG, p.heads), _from_head_rows(d_suf, p.heads)], dim=1)   # [X, 2L, H*Kg]
     dg = torch.bmm(m.sums.transpose(1, 2), both)
     if d_gate is not None:
-        dg += _tokens_major(d_gate, p.heads)
+        dg += _from_head_rows(d_gate, p.heads)
     dg.mul_(p.g >= LOG_DECAY_FLOOR)                                            # the floor's gradient
     return dq, dk, dv, dbeta, dg

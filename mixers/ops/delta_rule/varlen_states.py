@@ -50,7 +50,7 @@ class DocInitialStates:
 
     def isolate(self, iso) -> None:
         """Use the initial states sanitized by the chunked call's guard (cleaned once: the final
-        states use the same tensor, see :attr:`.chunk.Chunked.s0`)."""
+        states use the same tensor, see :attr:`.chunk.DeltaIntermediates.s0`)."""
         self.s0 = iso.clean_states(self.s0, self.owner)
 
     def _apply(self, rows_tm: torch.Tensor) -> torch.Tensor:

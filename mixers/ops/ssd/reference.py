@@ -1,4 +1,5 @@
-"""Chunked SSD scan (Mamba2) with document resets inside the chunks, pure PyTorch.
+"""The torch backend of the SSD scan (Mamba2): chunked, with document resets inside the chunks.
+Its specification, the same scan one document at a time, is :mod:`.naive`.
 
     B = rows, T = tokens, H = heads, P = head dim, G = groups (dividing H), Ns = state size,
     C = chunks, L = chunk length, R = H // G heads per group
@@ -69,7 +70,7 @@ def _masked_sum(keep: torch.Tensor, v: torch.Tensor, transpose: bool = False) ->
 
 
 @dataclass
-class Chunked:
+class SsdIntermediates:
     """Intermediates kept for per-document states."""
 
     a_cs: torch.Tensor       # [B, C, L, H] segmented cumulative log-decay
@@ -82,7 +83,8 @@ class Chunked:
 
 
 def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_state=None,
-                          extra_states=None, D=None, z=None, keep_enter: bool = False) -> tuple[torch.Tensor, Chunked]:
+                          extra_states=None, D=None, z=None, keep_enter: bool = False
+                          ) -> tuple[torch.Tensor, SsdIntermediates]:
     """Chunked SSD scan: ``out = (y + D x) * silu(z)`` (``D``, ``z`` optional).
 
     Args:
@@ -94,10 +96,10 @@ def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_sta
             chunk's state before passing (per-document initial states of documents starting
             inside a chunk, see :mod:`.varlen_states`).
         D: ``[H]`` or ``[H, P]`` skip; z: ``[B, T, H, P]`` gate.
-        keep_enter: return every chunk's entering state in :class:`Chunked` (per-document final
+        keep_enter: return every chunk's entering state in :class:`SsdIntermediates` (per-document final
             states read them); otherwise, without gradients, the scan holds one block's at a time.
 
-    Returns ``out`` ``[B, T, H, P]`` and the :class:`Chunked` intermediates.
+    Returns ``out`` ``[B, T, H, P]`` and the :class:`SsdIntermediates`.
     """
     iso = Isolation(seg_id)
     for t_ in (x, dt, Bm):
@@ -140,5 +142,5 @@ def ssd_chunked_reference(x, dt, A, Bm, Cm, seg_id, chunk_size: int, initial_sta
         bad_enter = iso.state_bad_after(torch.where(chunk_start > 0, before, -1), seg_id[:, :1].expand(b, c))
         h_enter = iso.poison_where(h_enter, bad_enter, enter_seg)
     h_final = iso.poison_states(h_final, seg_id[:, -1])
-    return iso.poison_tokens(out[:, :t]), Chunked(a_cs=a_cs, seg=seg, enter_seg=enter_seg, h_enter=h_enter,
-                                                  h_final=h_final, chunk=L)
+    return iso.poison_tokens(out[:, :t]), SsdIntermediates(a_cs=a_cs, seg=seg, enter_seg=enter_seg,
+                                                           h_enter=h_enter, h_final=h_final, chunk=L)
