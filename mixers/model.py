@@ -22,6 +22,7 @@ from .layers.cached import refuse_context_parallel
 from .layers.norm import upcast
 from .mlp import SwiGLU
 from .model_inference import CachedLM
+from .ops.device_policy import policy_for
 from .sizes import size_problem
 
 MIXERS = {"M": Mamba2Mixer, "G": GatedDeltaNetMixer, "K": KDAMixer, "P": GatedDeltaProductMixer, "A": AttentionMixer}
@@ -152,13 +153,14 @@ class HybridLM(CachedLM, nn.Module):
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     """Refuse token ids outside ``0 .. vocab_size - 1`` (before the embedding reads them).
 
-    On the CPU one min/max reduction, and the first bad position is named in a ``ValueError``; on an
-    accelerator, and under ``torch.compile``, a device-side assert (``torch._assert_async``) so a
+    Under the CPU device policy (:func:`mixers.ops.device_policy.policy_for`) one min/max reduction, and the
+    first bad position is named in a ``ValueError``; under the accelerator policy, and under ``torch.compile``,
+    a device-side assert (``torch._assert_async``) so a
     forward costs no host sync and no graph break: a bad id then fails at the next synchronisation
     with the same message, without its position."""
     if input_ids.numel() == 0:
         return
-    if input_ids.device.type != "cpu" or torch.compiler.is_compiling():
+    if policy_for(input_ids) != "cpu" or torch.compiler.is_compiling():
         torch._assert_async(((input_ids >= 0) & (input_ids < vocab_size)).all(),
                             f"input_ids holds a token id outside the vocabulary of {vocab_size} tokens "
                             f"(0..{vocab_size - 1})")

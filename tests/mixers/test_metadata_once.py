@@ -15,6 +15,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mixers import HybridLM
+from mixers.ops.device_policy import device_policy
 from ssm_pack import PackedSeqParams, VarlenBatch, segments
 from tests import fakes
 from tests.mixers.layers.test_layers import HIDDEN, LAYERS
@@ -139,7 +140,8 @@ def test_hybrid_kernel_path_reads_no_tensor_value(monkeypatch):
     model = HybridLM(256, 32, "MGKPA", mixer_overrides=OVERRIDES).to(torch.bfloat16)
     ids = torch.randint(0, 256, (1, 66))
     fakes.install(monkeypatch)
-    with HostReads() as mode:
+    # the accelerator policy: the token-id check is a device-side assert there, a host read on the CPU
+    with device_policy("cuda"), HostReads() as mode:
         out = model(ids, packed_seq_params=_unvalidated_params([5, 0, 40, 18], 66), labels=ids)
         out["loss"].backward()
     assert mode.reads == []
