@@ -1,8 +1,9 @@
-"""README runs as written: every fenced ```python block, each in a fresh namespace, and the
-support matrix quotes the minimums of the one requirements table.
+"""README and docs run as written: every fenced ```python block of README.md and docs/*.md, each
+in a fresh namespace, and the docs' support matrix is the one ``python -m ssm_pack --matrix``
+generates from the requirements table.
 
-Blocks are read from README.md when the tests are collected, so a block added by anyone is
-covered. A block that imports an optional package that is not installed (transformers, fla, ...)
+Blocks are read from the files when the tests are collected, so a block added by anyone (or a
+new page) is covered. A block that imports an optional package that is not installed (transformers, fla, ...)
 is skipped, naming it; shell and output blocks are not run. A block whose first line says how to
 launch it (``# torchrun --nproc-per-node N file.py``, a distributed script) is saved under that
 name and launched exactly so.
@@ -20,9 +21,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from packaging.version import Version
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", flags=re.S | re.M)
 # what a block needs beyond its imports: (text in the block, module it then needs)
 HIDDEN_NEEDS = (("Trainer(", "accelerate"),)
@@ -61,13 +63,27 @@ def missing_modules(code: str) -> list[str]:
     return sorted(m for m in wanted if importlib.util.find_spec(m) is None)
 
 
-BLOCKS = python_blocks()
+def _page_blocks(page: Path) -> list[tuple[str, int, str]]:
+    name = page.relative_to(ROOT).as_posix()
+    return [(f"{name}:{block_id}", line, code) for block_id, line, code in python_blocks(page.read_text())]
 
 
-def test_the_fence_reader_finds_every_python_block():
-    text = README.read_text()
-    opened = len(re.findall(r"^```python\s*$", text, flags=re.M))
-    assert len(BLOCKS) == opened >= 10
+BLOCKS = [block for page in PAGES for block in _page_blocks(page)]
+
+
+@pytest.mark.parametrize("page", [pytest.param(p, id=p.name) for p in PAGES])
+def test_the_fence_reader_finds_every_python_block(page):
+    opened = len(re.findall(r"^```python\s*$", page.read_text(), flags=re.M))
+    assert len(_page_blocks(page)) == opened
+
+
+def test_blocks_are_collected_from_readme_and_every_docs_page():
+    pages = {name.split(":")[0] for name, _, _ in BLOCKS}
+    assert "README.md" in pages and len(BLOCKS) >= 10
+    assert {"docs/ops.md", "docs/packing.md", "docs/inference.md"} <= pages
+
+
+def test_the_fence_reader_on_a_sample():
     sample = ("# A\n```python\nx = 1\n```\n\n```bash\nls\n```\n## B\n```python\ny = 2\n```\n"
               "```python\n# not a heading\nz\n```\n")
     assert [(i, code) for i, _, code in python_blocks(sample)] == [("a-0", "x = 1\n"), ("b-0", "y = 2\n"),
@@ -87,7 +103,7 @@ def test_readme_python_block_runs_as_written(block, tmp_path, monkeypatch):
     name, line, code = block
     missing = missing_modules(code)
     if missing:
-        pytest.skip(f"README block {name} (line {line}) needs {', '.join(missing)}, not installed here")
+        pytest.skip(f"block {name} (line {line}) needs {', '.join(missing)}, not installed here")
     if "transformers" in code:
         import transformers
         transformers.logging.set_verbosity_error()
@@ -97,30 +113,30 @@ def test_readme_python_block_runs_as_written(block, tmp_path, monkeypatch):
     if launch:
         _torchrun(code, int(launch.group(1)), tmp_path / launch.group(2))
         return
-    exec(compile(code, f"README.md block {name} (line {line})", "exec"), {"__name__": "__readme__"})
+    exec(compile(code, f"{name} (line {line})", "exec"), {"__name__": "__readme__"})
 
 
 def _torchrun(code: str, procs: int, script: Path) -> None:
-    """Launch a README script the way its first line says, on a free local port."""
+    """Launch a docs script the way its first line says, on a free local port."""
     script.write_text(code)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(README.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}",
                           f"--master-port={port}", "--master-addr=127.0.0.1", str(script)],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
 
 
-def test_support_matrix_quotes_the_requirements_table():
-    """One table of minimums: every version README's support matrix names is one the table asks for."""
-    from ssm_pack import kernels
+MATRIX = re.compile(r"<!-- support-matrix: generated by `python -m ssm_pack --matrix` -->\n"
+                    r"(.*?)<!-- /support-matrix -->", flags=re.S)
 
-    text = README.read_text()
-    start = text.index("## Support matrix")
-    section = text[start:text.index("\n## ", start + 1)]
-    quoted = {Version(v) for v in re.findall(r">= ?(\d+\.\d+(?:\.\d+)?(?:\.post\d+)?)", section)}
-    table = {Version(f.minimum) for f in kernels.FEATURES.values()}
-    table |= {Version(minimum) for k in kernels.KERNELS.values() for _, minimum in k.packages}
-    assert quoted and quoted <= table, sorted(str(v) for v in quoted - table)
+
+def test_docs_support_matrix_is_the_generated_one():
+    """One table of minimums: the matrix in docs/gpu.md is what ``python -m ssm_pack --matrix`` prints."""
+    from ssm_pack.__main__ import support_matrix
+
+    found = MATRIX.search((ROOT / "docs" / "gpu.md").read_text())
+    assert found, "docs/gpu.md lacks the generated support matrix between its markers"
+    assert found.group(1) == support_matrix(), "regenerate it: python -m ssm_pack --matrix"
