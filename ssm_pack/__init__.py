@@ -40,10 +40,10 @@ from .masks import (
 from .mimo import assemble_packed_sequence, pack_language_shard
 from .neat import packed_seq_params_from_doc_ids, to_flash_attention_kwargs
 from .parallel import resolve_cp_group, resolve_tp_cp_group
-from .params import PackedSeqParams
+from .params import PackedSeqParams, build_packed_seq_idx
 from .planner import PackPlan, plan_packs
 from .segments import Segments
-from .seq_idx import build_packed_seq_idx, get_cu_seqlens, seq_idx_from_cu_seqlens
+from .seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens
 from .stream import PackStream, pack_stream
 from .varlen import VarlenBatch
 

@@ -28,6 +28,8 @@ from functools import cached_property
 import torch
 
 from .checks import as_boundaries, check_boundaries, check_int, describe
+from .cp_layout_check import check_layout_agreement
+from .params import PackedSeqParams
 from .seq_idx import get_cu_seqlens
 
 
@@ -159,7 +161,6 @@ def shard_for_context_parallel(params, cp_rank: int, cp_size: int, *, total_toke
         ``PackedSeqParams`` (``end - start`` tokens, N documents clipped to the shard, the
         layout in ``local.cp_layout``). Set ``local.cp_group`` before the forward.
     """
-    from .params import PackedSeqParams
     cp_size = check_int("cp_size", cp_size, minimum=1)
     cp_rank = check_int("cp_rank", cp_rank, minimum=0)
     if cp_rank >= cp_size:
@@ -227,9 +228,13 @@ def _check_group(group, layout: ContextParallelLayout) -> None:
                              f"cp_group; shard with shard_for_context_parallel(params, {rank}, {size})")
 
 
-def resolve(params, total_tokens: int, device) -> ContextParallelRun | None:
+def resolve(params, total_tokens: int, device, build_local) -> ContextParallelRun | None:
     """The CP run of one forward (``None``: CP off), checking the group against the layout and,
-    collectively, that every rank holds the same layout (:mod:`ssm_pack.cp_layout_check`)."""
+    collectively, that every rank holds the same layout (:mod:`ssm_pack.cp_layout_check`).
+
+    ``build_local(cu_seqlens, total_tokens, device=...)`` builds the run's local, CP-free
+    metadata (:meth:`ssm_pack.VarlenBatch.build`, passed in by its caller).
+    """
     layout = getattr(params, "cp_layout", None)
     group = getattr(params, "cp_group", None)
     if layout is None:
@@ -250,9 +255,8 @@ def resolve(params, total_tokens: int, device) -> ContextParallelRun | None:
     if layout.size == 1:
         return None
     device = torch.device(device) if device is not None else torch.device("cpu")
-    from .cp_layout_check import check_layout_agreement
     check_layout_agreement(layout, group, device)       # one all-gather on a layout's first forward (default)
-    return ContextParallelRun(layout, group, device)
+    return ContextParallelRun(layout, group, device, build_local)
 
 
 class ContextParallelRun:
@@ -260,8 +264,9 @@ class ContextParallelRun:
     local row as the ops see it, and the order of this forward's collectives (``token``, see
     :mod:`mixers.ops.cp_exchange`)."""
 
-    def __init__(self, layout: ContextParallelLayout, group, device: torch.device):
+    def __init__(self, layout: ContextParallelLayout, group, device: torch.device, build_local):
         self.layout, self.group, self.device = layout, group, device
+        self._build_local = build_local
         self.token: torch.Tensor | None = None
 
     @property
@@ -272,19 +277,17 @@ class ContextParallelRun:
     def local_cover(self):
         """:class:`~ssm_pack.VarlenBatch` of the local row with N + 1 documents (the padding tail is
         document N), no CP: what each op's local pass runs on."""
-        from .varlen import VarlenBatch
         lay = self.layout
         cu = (lay.cover - lay.start).clamp(0, lay.local_tokens).to(device=self.device, dtype=torch.int32)
-        return VarlenBatch.build(cu, lay.local_tokens, device=self.device)
+        return self._build_local(cu, lay.local_tokens, device=self.device)
 
     @cached_property
     def after_first(self):
         """:class:`~ssm_pack.VarlenBatch` of the local row without its first segment's ``first_len``
         tokens (that segment empty, documents as in :attr:`local_cover`): for ops that run the
         continuing segment apart."""
-        from .varlen import VarlenBatch
         cu = (self.local_cover.cu_seqlens - self.first_len).clamp(min=0)
-        return VarlenBatch.build(cu, self.layout.local_tokens - self.first_len, device=self.device)
+        return self._build_local(cu, self.layout.local_tokens - self.first_len, device=self.device)
 
     @cached_property
     def owned(self) -> torch.Tensor:

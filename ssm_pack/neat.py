@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .checks import as_boundaries, check_boundaries, check_int, check_tensor, describe
-from .convert import _cu_seqlens_from_starts, max_seqlen_from_cu_seqlens
+from .checks import as_boundaries, check_boundaries, check_int, describe
+from .convert import max_seqlen_from_cu_seqlens
 from .params import PackedSeqParams
-from .seq_idx import _np
 from .varlen import VarlenBatch
 
 
@@ -32,29 +31,7 @@ def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:
     >>> p.cu_seqlens_q.tolist()
     [0, 2, 5, 6]
     """
-    check_tensor("doc_ids", doc_ids, ndim=2, integer=True)
-    rows, cols = doc_ids.shape
-    if rows * cols == 0:
-        raise ValueError(f"doc_ids must hold at least one token, got shape {tuple(doc_ids.shape)}")
-    cu = _cu_seqlens_from_starts(_segment_starts(doc_ids))
-    lowest = int(doc_ids.reshape(-1).index_select(0, cu[:-1]).min())  # one value per segment, not every token
-    if lowest < 0:
-        raise ValueError(f"doc_ids must be >= 0 (1-based documents, 0 = padding), got {lowest}")
-    longest = max_seqlen_from_cu_seqlens(cu)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=longest, max_seqlen_kv=longest, total_tokens=rows * cols,
-                           doc_ids=doc_ids)
-
-
-def _segment_starts(doc_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, S]`` bool: True where a segment starts (every row start, every change of value)."""
-    starts = torch.empty(doc_ids.shape, dtype=torch.bool, device=doc_ids.device)
-    starts[:, 0] = True
-    if doc_ids.device.type == "cpu" and _np is not None:  # numpy's compare is ~2x torch's into bool on CPU
-        _np.not_equal(doc_ids[:, 1:].numpy(), doc_ids[:, :-1].numpy(), out=starts[:, 1:].numpy())
-    else:
-        torch.ne(doc_ids[:, 1:], doc_ids[:, :-1], out=starts[:, 1:])
-    return starts
+    return PackedSeqParams.from_doc_ids(doc_ids)
 
 
 def _physical_boundaries(params, side: str) -> torch.Tensor | None:

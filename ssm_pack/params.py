@@ -28,7 +28,16 @@ from typing import Any
 import torch
 
 from .checks import as_boundaries, check_boundaries, check_int, check_tensor, describe
-from .convert import max_seqlen_from_cu_seqlens
+from .convert import (
+    as_cu_seqlens,
+    cu_seqlens_from_position_ids,
+    lengths_from_attention_mask,
+    lengths_to_cu_seqlens,
+    max_seqlen_from_cu_seqlens,
+    round_up_lengths,
+)
+from .doc_ids import doc_ids_fields
+from .hf_batch import hf_batch_fields
 from .seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens, seq_idx_of_checked
 
 _QKV_FORMATS = (None, "thd", "sbhd", "bshd")
@@ -36,9 +45,9 @@ _QKV_FORMATS = (None, "thd", "sbhd", "bshd")
 _TE_FIELDS = ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
               "cu_seqlens_kv_padded", "max_seqlen_q", "max_seqlen_kv", "pad_between_seqs")
 # fixed after construction: seq_idx and the validation depend on them
-_BOUNDARY_FIELDS = ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
-                    "max_seqlen_q", "max_seqlen_kv", "total_tokens", "seq_idx", "pad_between_seqs", "validate",
-                    "cp_layout")
+_FROZEN_FIELDS = ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+                  "max_seqlen_q", "max_seqlen_kv", "total_tokens", "seq_idx", "pad_between_seqs", "validate",
+                  "cp_layout")
 _TENSOR_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "seq_idx")
 
 
@@ -87,7 +96,7 @@ class PackedSeqParams:
         self._frozen = True
 
     def __setattr__(self, name, value):
-        if name in _BOUNDARY_FIELDS and self.__dict__.get("_frozen", False):
+        if name in _FROZEN_FIELDS and self.__dict__.get("_frozen", False):
             raise AttributeError(f"PackedSeqParams.{name} is fixed after construction (seq_idx and the "
                                  f"boundary checks depend on it); build a new one with "
                                  f"params.replace({name}=...)")
@@ -257,7 +266,6 @@ class PackedSeqParams:
         to the physical length; a larger value adds a tail that ``seq_idx`` treats as one
         extra document.
         """
-        from .convert import lengths_to_cu_seqlens, round_up_lengths
         real = lengths_to_cu_seqlens(lengths, device=device)
         padded_lengths = round_up_lengths(real[1:] - real[:-1], pad_to_multiple_of)
         padded = lengths_to_cu_seqlens(padded_lengths)
@@ -268,7 +276,6 @@ class PackedSeqParams:
     def from_cu_seqlens(cls, cu_seqlens, *, cu_seqlens_padded=None,
                         total_tokens: int | None = None) -> PackedSeqParams:
         """From offsets (a tensor or a list), optionally with a padded physical layout."""
-        from .convert import as_cu_seqlens
         real = as_cu_seqlens("cu_seqlens", cu_seqlens)
         padded = None if cu_seqlens_padded is None else as_cu_seqlens("cu_seqlens_padded",
                                                                       cu_seqlens_padded)
@@ -287,8 +294,7 @@ class PackedSeqParams:
     @classmethod
     def from_doc_ids(cls, doc_ids: torch.Tensor) -> PackedSeqParams:
         """NeMo AutoModel neat packing: see :func:`ssm_pack.packed_seq_params_from_doc_ids`."""
-        from .neat import packed_seq_params_from_doc_ids
-        return packed_seq_params_from_doc_ids(doc_ids)
+        return cls(**doc_ids_fields(doc_ids))
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> PackedSeqParams:
@@ -297,7 +303,6 @@ class PackedSeqParams:
         ``[B, S]`` rows are flattened in order, so ``total_tokens == B * S``; MRoPE
         ``[3, B, S]`` positions use their temporal plane.
         """
-        from .convert import cu_seqlens_from_position_ids
         return cls._from_boundaries(cu_seqlens_from_position_ids(position_ids), None, None)
 
     @classmethod
@@ -307,15 +312,13 @@ class PackedSeqParams:
 
         Pack the tensors themselves with :func:`ssm_pack.pack_padded`.
         """
-        from .convert import lengths_from_attention_mask
         return cls.from_lengths(lengths_from_attention_mask(attention_mask),
                                 pad_to_multiple_of=pad_to_multiple_of)
 
     @classmethod
     def from_hf_batch(cls, batch) -> PackedSeqParams:
         """From a Hugging Face ``DataCollatorWithFlattening`` batch, see :mod:`ssm_pack.hf`."""
-        from .hf import packed_seq_params_from_hf_batch
-        return packed_seq_params_from_hf_batch(batch)
+        return cls(**hf_batch_fields(batch))
 
     def __repr__(self) -> str:
         parts = []
@@ -326,3 +329,38 @@ class PackedSeqParams:
             shown = describe(value) if isinstance(value, torch.Tensor) else repr(value)
             parts.append(f"{f.name}={shown}")
         return f"PackedSeqParams({', '.join(parts)})"
+
+
+def build_packed_seq_idx(packed_seq_params, total_tokens: int) -> torch.Tensor:
+    """Per-token sequence index ``[1, total_tokens]`` (int32) for the varlen kernels.
+
+    Args:
+        packed_seq_params: a :class:`~ssm_pack.PackedSeqParams` (its padded boundaries are
+            preferred, see :func:`get_cu_seqlens`; its precomputed ``seq_idx`` is returned when
+            ``total_tokens`` matches), any object with Megatron-core's fields (its ``seq_idx`` is
+            not trusted: rebuilt from the boundaries) or a 1-D ``cu_seqlens`` tensor.
+        total_tokens: the sequence length the kernel really consumes, i.e. measured after any
+            sequence-parallel all-gather or context-parallel all-to-all, not the sharded
+            ``hidden_states.shape``.
+
+    ``[0, 5, 7, 11]`` with ``total_tokens=16`` gives
+    ``[[0,0,0,0,0, 1,1, 2,2,2,2, 3,3,3,3,3]]``: the 5 tokens after offset 11 are one extra
+    document.
+    """
+    if isinstance(packed_seq_params, torch.Tensor):
+        cu = packed_seq_params
+    elif packed_seq_params is None:
+        raise TypeError("packed_seq_params must be a PackedSeqParams or a cu_seqlens tensor, got None")
+    else:
+        if not hasattr(packed_seq_params, "cu_seqlens_q"):
+            raise TypeError("packed_seq_params must be a PackedSeqParams or a cu_seqlens tensor, "
+                            f"got {describe(packed_seq_params)}")
+        cu = get_cu_seqlens(packed_seq_params)
+        # only ssm-pack's own cache is reused: it was checked against the boundaries, which cannot
+        # change since; a foreign object's seq_idx is a second copy of the same fact, never trusted
+        cached = getattr(packed_seq_params, "seq_idx", None) if isinstance(packed_seq_params, PackedSeqParams) else None
+        if (cached is not None and getattr(packed_seq_params, "total_tokens", None) == total_tokens
+                and cached.shape == (1, total_tokens)):
+            packed_seq_params.check_unmodified()
+            return cached
+    return seq_idx_from_cu_seqlens(cu, total_tokens)

@@ -18,7 +18,7 @@ try:  # optional: numpy's repeat is the fastest CPU fill; the torch path below i
 except ImportError:  # pragma: no cover - numpy-less installs
     _np = None
 
-from .checks import check_boundaries, check_int, describe
+from .checks import check_boundaries, check_int
 
 
 def get_cu_seqlens(packed_seq_params) -> torch.Tensor:
@@ -76,43 +76,3 @@ def _seq_idx_numpy(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
     bounds = _np.append(cu_seqlens.numpy().astype(_np.int64), total_tokens)
     index = _np.arange(bounds.size - 1, dtype=_np.int32)
     return torch.from_numpy(_np.repeat(index, _np.diff(bounds))).unsqueeze(0)
-
-
-def _is_ours(packed_seq_params) -> bool:
-    from .params import PackedSeqParams  # params imports this module
-    return isinstance(packed_seq_params, PackedSeqParams)
-
-
-def build_packed_seq_idx(packed_seq_params, total_tokens: int) -> torch.Tensor:
-    """Per-token sequence index ``[1, total_tokens]`` (int32) for the varlen kernels.
-
-    Args:
-        packed_seq_params: a :class:`~ssm_pack.PackedSeqParams` (its padded boundaries are
-            preferred, see :func:`get_cu_seqlens`; its precomputed ``seq_idx`` is returned when
-            ``total_tokens`` matches), any object with Megatron-core's fields (its ``seq_idx`` is
-            not trusted: rebuilt from the boundaries) or a 1-D ``cu_seqlens`` tensor.
-        total_tokens: the sequence length the kernel really consumes, i.e. measured after any
-            sequence-parallel all-gather or context-parallel all-to-all, not the sharded
-            ``hidden_states.shape``.
-
-    ``[0, 5, 7, 11]`` with ``total_tokens=16`` gives
-    ``[[0,0,0,0,0, 1,1, 2,2,2,2, 3,3,3,3,3]]``: the 5 tokens after offset 11 are one extra
-    document.
-    """
-    if isinstance(packed_seq_params, torch.Tensor):
-        cu = packed_seq_params
-    elif packed_seq_params is None:
-        raise TypeError("packed_seq_params must be a PackedSeqParams or a cu_seqlens tensor, got None")
-    else:
-        if not hasattr(packed_seq_params, "cu_seqlens_q"):
-            raise TypeError("packed_seq_params must be a PackedSeqParams or a cu_seqlens tensor, "
-                            f"got {describe(packed_seq_params)}")
-        cu = get_cu_seqlens(packed_seq_params)
-        # only ssm-pack's own cache is reused: it was checked against the boundaries, which cannot
-        # change since; a foreign object's seq_idx is a second copy of the same fact, never trusted
-        cached = getattr(packed_seq_params, "seq_idx", None) if _is_ours(packed_seq_params) else None
-        if (cached is not None and getattr(packed_seq_params, "total_tokens", None) == total_tokens
-                and cached.shape == (1, total_tokens)):
-            packed_seq_params.check_unmodified()
-            return cached
-    return seq_idx_from_cu_seqlens(cu, total_tokens)

@@ -32,11 +32,12 @@ import torch
 
 from . import context_parallel
 from .checks import as_boundaries, check_boundaries, check_int, describe, is_numpy_array
+from .params import PackedSeqParams
 from .segments import Segments, segments_from_cu_seqlens
 from .seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens
 
 # the fields any Megatron-core style PackedSeqParams has (duck typing: no methods of ours needed)
-_BOUNDARY_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+_MCORE_CU_SEQLENS_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,13 +92,12 @@ class VarlenBatch:
 
     @classmethod
     def _from_params(cls, params, total_tokens: int, device) -> VarlenBatch:
-        from .params import PackedSeqParams
         ours = isinstance(params, PackedSeqParams)
         validate = getattr(params, "validate", True)
         if ours:
             params.check_unmodified()
         values = {}
-        for name in _BOUNDARY_FIELDS:
+        for name in _MCORE_CU_SEQLENS_FIELDS:
             value = getattr(params, name, None)
             values[name] = None if value is None else as_boundaries(name, value)
         if values["cu_seqlens_q"] is None:
@@ -121,7 +121,7 @@ class VarlenBatch:
         real = values["cu_seqlens_q"] if values["cu_seqlens_q_padded"] is not None else None
         batch = cls._assemble(physical, real, total_tokens, device, validate=validate, checked=True,
                               max_seqlen=limit if limit >= 0 else None, seq_idx=cached)
-        cp = context_parallel.resolve(params, total_tokens, batch.device)
+        cp = context_parallel.resolve(params, total_tokens, batch.device, cls.build)
         return batch if cp is None else dataclasses.replace(batch, cp=cp)
 
     @classmethod

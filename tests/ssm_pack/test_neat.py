@@ -49,16 +49,16 @@ def test_segments_reconstruct_the_map(rows, cols, data):
 def test_torch_path_equals_numpy_path(rows, cols, data):
     # CPU compares and finds the starts with numpy; every other device takes the torch ops
     import ssm_pack.convert as convert
-    import ssm_pack.neat as neat
+    import ssm_pack.doc_ids as doc_ids_module
     doc_ids = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 3), min_size=cols, max_size=cols),
                                               min_size=rows, max_size=rows)))
     fast = sp.packed_seq_params_from_doc_ids(doc_ids)
-    saved = convert._np, neat._np
-    convert._np = neat._np = None
+    saved = convert._np, doc_ids_module._np
+    convert._np = doc_ids_module._np = None
     try:
         plain = sp.packed_seq_params_from_doc_ids(doc_ids)
     finally:
-        convert._np, neat._np = saved
+        convert._np, doc_ids_module._np = saved
     assert plain.cu_seqlens_q.dtype == fast.cu_seqlens_q.dtype == torch.int32
     assert torch.equal(plain.cu_seqlens_q, fast.cu_seqlens_q) and torch.equal(plain.seq_idx, fast.seq_idx)
 

@@ -87,7 +87,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, causal=True, windo
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if varlen.cp is not None:                                 # context parallelism: cp.py
         from .cp import varlen_attention_cp
-        return varlen_attention_cp(q, k, v, varlen, causal, window, scale, backend)
+        return varlen_attention_cp(q, k, v, varlen, causal, window, scale, backend, varlen_attention)
     choice = _choose(q, causal, window, scale, backend)
     if choice == "torch_varlen":
         return torch_varlen_attention(q, k, v, varlen.covering_cu_seqlens, longest, causal, window, scale)

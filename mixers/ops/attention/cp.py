@@ -64,9 +64,10 @@ def _continuing(q1, keys, values, offset: int, left: int, scale: float) -> torch
     return torch.cat(outs)
 
 
-def varlen_attention_cp(q, k, v, varlen, causal, window, scale, backend):
-    """The CP version of :func:`mixers.ops.varlen_attention` (arguments resolved)."""
-    from . import varlen_attention
+def varlen_attention_cp(q, k, v, varlen, causal, window, scale, backend, local_op):
+    """The CP version of :func:`mixers.ops.varlen_attention` (arguments resolved).
+    ``local_op`` is the op itself, run on this rank's pieces without CP (passed in, so this module
+    does not import its package)."""
     if not causal:
         raise ValueError("varlen_attention: context parallelism needs causal=True (a query would need keys of "
                          "later ranks); run non-causal attention on the whole row")
@@ -80,7 +81,7 @@ def varlen_attention_cp(q, k, v, varlen, causal, window, scale, backend):
         recvs = {s: [(b - a, *k.shape[1:])] * 2 for (s, j), (a, b) in plan.items() if j == r}
         received = exchange(run, "attention", sends, recvs, k.dtype, anchors=(q, k, v))
     if not run.continues_in:
-        out = varlen_attention(q, k, v, run.local_cover, causal=True, window_size=window, softmax_scale=scale,
+        out = local_op(q, k, v, run.local_cover, causal=True, window_size=window, softmax_scale=scale,
                                backend=backend)
         return run.anchor(out)
     t1 = run.first_len
@@ -92,6 +93,6 @@ def varlen_attention_cp(q, k, v, varlen, causal, window, scale, backend):
                         window[0], scale).to(q.dtype)
     if t1 == q.shape[0]:
         return run.anchor(first)
-    rest = varlen_attention(q[t1:], k[t1:], v[t1:], run.after_first, causal=True, window_size=window,
+    rest = local_op(q[t1:], k[t1:], v[t1:], run.after_first, causal=True, window_size=window,
                             softmax_scale=scale, backend=backend)
     return run.anchor(torch.cat([first, rest]))

@@ -86,7 +86,7 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     if varlen is not None and varlen.cp is not None:          # context parallelism: cp.py
         from .cp import causal_conv1d_cp
         return causal_conv1d_cp(x, weight, bias, initial_states, init_per_doc, return_final_states, final_states_out,
-                                activation, varlen, backend, seq_idx)
+                                activation, varlen, backend, seq_idx, causal_conv1d_fn)
     choice = _choose(x, weight, initial_states, init_per_doc, backend, seq_idx)
     pad_mask = seq_idx < 0 if seq_idx is not None else None
     segs = final = None

@@ -29,9 +29,10 @@ def _shift(length: int, width: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def causal_conv1d_cp(x, weight, bias, initial_states, per_doc, return_final_states, final_states_out, activation,
-                     varlen, backend, seq_idx):
-    """The CP version of :func:`mixers.ops.causal_conv1d_fn` (same arguments, resolved)."""
-    from . import causal_conv1d_fn
+                     varlen, backend, seq_idx, local_op):
+    """The CP version of :func:`mixers.ops.causal_conv1d_fn` (same arguments, resolved).
+    ``local_op`` is the op itself, run on this rank's pieces without CP (passed in, so this module
+    does not import its package)."""
     run = varlen.cp
     lay, r = run.layout, run.rank
     n, state_len = lay.num_docs, weight.shape[1] - 1
@@ -49,7 +50,7 @@ def causal_conv1d_cp(x, weight, bias, initial_states, per_doc, return_final_stat
         f = lay.first_seg[r]
         inits = torch.cat([inits[:f], incoming[None], inits[f + 1:]])
     given = incoming is not None or initial_states is not None      # else none: the CUDA kernel stays eligible
-    result = causal_conv1d_fn(x, weight, bias, initial_states=inits if given else None,
+    result = local_op(x, weight, bias, initial_states=inits if given else None,
                               return_final_states=return_final_states, activation=activation,
                               cu_seqlens=run.local_cover, backend=backend)
     out = run.anchor(result[0] if return_final_states else result)

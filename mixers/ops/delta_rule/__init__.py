@@ -100,7 +100,7 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2nor
     if varlen is not None and varlen.cp is not None:          # context parallelism: cp.py
         from .cp import delta_rule_cp
         return delta_rule_cp(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, varlen,
-                             chunk_size, backend, nh)
+                             chunk_size, backend, nh, _PUBLIC[kind])
     name = {"gdn": "chunk_gated_delta_rule", "kda": "chunk_kda", "gdp": "chunk_gated_delta_product"}[kind]
     features = (("varlen",) if varlen is not None else ()) + (("grouped_values",) if v.shape[2] != q.shape[2] else ())
     choice = dispatch.select_backend(name, backend, on_cuda=dispatch.is_cuda(q),
@@ -147,4 +147,7 @@ def chunk_gated_delta_product(q, k, v, g, beta, num_householder, scale=None, ini
     nh = check_int("num_householder", num_householder, minimum=1)
     return _run("gdp", q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 cu_seqlens, chunk_size, backend, nh=nh)
+
+
+_PUBLIC = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda, "gdp": chunk_gated_delta_product}   # CP local passes
 

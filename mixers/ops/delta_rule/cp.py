@@ -32,13 +32,12 @@ from ..chunks import compute_dtype
 from ..cp_exchange import chain_scan
 
 
-def _local(kind, q, k, v, g, beta, scale, inits, l2norm, cover, chunk_size, backend, nh):
-    from . import chunk_gated_delta_product, chunk_gated_delta_rule, chunk_kda
+def _local(kind, local_op, q, k, v, g, beta, scale, inits, l2norm, cover, chunk_size, backend, nh):
     kwargs = dict(scale=scale, initial_state=inits, output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
                   cu_seqlens=cover, chunk_size=chunk_size, backend=backend)
     if kind == "gdp":
-        return chunk_gated_delta_product(q, k, v, g, beta, nh, **kwargs)
-    return (chunk_gated_delta_rule if kind == "gdn" else chunk_kda)(q, k, v, g, beta, **kwargs)
+        return local_op(q, k, v, g, beta, nh, **kwargs)
+    return local_op(q, k, v, g, beta, **kwargs)
 
 
 def _initial_states(run, initial_state, hv, kd, vd, compute, device):
@@ -54,7 +53,7 @@ def _steps(t, lo, hi, nh):
     return None if t is None else t[:, lo * nh:hi * nh]
 
 
-def _continuing(kind, q, k, v, g, beta, scale, l2norm, run, chunk_size, backend, nh, compute):
+def _continuing(kind, local_op, q, k, v, g, beta, scale, l2norm, run, chunk_size, backend, nh, compute):
     """The first segment's ``T1`` tokens alone, with K extra value columns: ``v = 0`` there and
     initial state ``[0 | I]``. Returns ``(o [1, T1, HV, V + K], final [HV, K, V + K])``."""
     from ssm_pack.varlen import VarlenBatch
@@ -64,14 +63,18 @@ def _continuing(kind, q, k, v, g, beta, scale, l2norm, run, chunk_size, backend,
     eye = torch.eye(kd, dtype=compute, device=v.device).expand(hv, kd, kd)
     inits = torch.cat([eye.new_zeros(hv, kd, v.shape[3]), eye], dim=-1)[None]
     one = VarlenBatch.build(torch.tensor([0, t1], dtype=torch.int32, device=v.device), t1, device=v.device)
-    o, final = _local(kind, q[:, :t1], _steps(k, 0, t1, nh), v1, _steps(g, 0, t1, 1), _steps(beta, 0, t1, nh),
+    o, final = _local(kind, local_op, q[:, :t1], _steps(k, 0, t1, nh), v1, _steps(g, 0, t1, 1), _steps(beta, 0, t1, nh),
                       scale, inits, l2norm, one, chunk_size, backend, nh)
     return o, final[0].to(compute)
 
 
 def delta_rule_cp(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, varlen, chunk_size,
-                  backend, nh=1):
-    """The CP version of the three delta-rule ops (arguments as in :func:`mixers.ops.delta_rule._run`)."""
+                  backend, nh, local_op):
+    """The CP version of the three delta-rule ops (arguments as in :func:`mixers.ops.delta_rule._run`).
+
+    ``local_op`` is the public op of ``kind``, run on this rank's pieces without CP (passed in, so
+    this module does not import its package).
+    """
     run = varlen.cp
     lay, r = run.layout, run.rank
     n, f, t = lay.num_docs, lay.first_seg[r], q.shape[1]
@@ -79,11 +82,12 @@ def delta_rule_cp(kind, q, k, v, g, beta, scale, initial_state, output_final_sta
     compute = compute_dtype(v.dtype)
     inits = _initial_states(run, initial_state, hv, kd, vd, compute, v.device)
     t1 = run.first_len if run.continues_in else 0
-    first = _continuing(kind, q, k, v, g, beta, scale, l2norm, run, chunk_size, backend, nh, compute) if t1 else None
+    first = _continuing(kind, local_op, q, k, v, g, beta, scale, l2norm, run, chunk_size, backend, nh,
+                        compute) if t1 else None
     rest = None
     if t1 < t:         # the documents starting on this rank (a continuing one is empty here)
         cover = run.after_first if t1 else run.local_cover
-        rest = _local(kind, q[:, t1:], _steps(k, t1, t, nh), _steps(v, t1, t, nh), _steps(g, t1, t, 1),
+        rest = _local(kind, local_op, q[:, t1:], _steps(k, t1, t, nh), _steps(v, t1, t, nh), _steps(g, t1, t, 1),
                       _steps(beta, t1, t, nh), scale, inits, l2norm, cover, chunk_size, backend, nh)
     closed = lay.last_starts_here
     element = None

@@ -84,7 +84,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     if varlen is not None and varlen.cp is not None:          # context parallelism: cp.py
         from .cp import ssd_cp
         return ssd_cp(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, per_doc, dt_softplus, dt_limit,
-                      return_final_states, return_varlen_states, varlen, backend, seq_idx)
+                      return_final_states, return_varlen_states, varlen, backend, seq_idx,
+                      mamba_chunk_scan_combined)
     batch, length, heads, _ = x.shape
     if length == 0:
         return _empty_result(x, B, initial_states, per_doc, varlen, return_final_states, return_varlen_states)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .chunk_scan import (
+from .chunk_scan_parts import (
     _blocks,
     _cols_to_heads,
     _decay,

@@ -35,9 +35,10 @@ def _replace_row(t: torch.Tensor, i: int, row: torch.Tensor) -> torch.Tensor:
 
 
 def ssd_cp(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, per_doc, dt_softplus, dt_limit,
-           return_final_states, return_varlen_states, varlen, backend, seq_idx):
-    """The CP version of :func:`mixers.ops.mamba_chunk_scan_combined` (same arguments, resolved)."""
-    from . import mamba_chunk_scan_combined
+           return_final_states, return_varlen_states, varlen, backend, seq_idx, local_op):
+    """The CP version of :func:`mixers.ops.mamba_chunk_scan_combined` (same arguments, resolved).
+    ``local_op`` is the op itself, run on this rank's pieces without CP (passed in, so this module
+    does not import its package)."""
     run = varlen.cp
     lay, r = run.layout, run.rank
     n, f = lay.num_docs, lay.first_seg[run.rank]
@@ -55,7 +56,7 @@ def ssd_cp(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, per_doc, d
         inits = torch.cat([initial_states, initial_states.new_zeros(1, heads, head_dim, state)])
         if run.continues_in:
             inits = _replace_row(inits, f, inits.new_zeros(heads, head_dim, state))
-    res = mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, dt_bias=dt_bias, initial_states=inits,
+    res = local_op(x, dt, A, B, C, chunk_size, dt_bias=dt_bias, initial_states=inits,
                                     cu_seqlens=run.local_cover, dt_softplus=dt_softplus, dt_limit=dt_limit,
                                     return_final_states=True, return_varlen_states=return_varlen_states,
                                     backend=backend)

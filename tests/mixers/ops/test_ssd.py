@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mixers.ops import mamba_chunk_scan_combined
-from mixers.ops.ssd import chunk_scan, reference
+from mixers.ops.ssd import chunk_scan_parts, reference
 from ssm_pack import lengths_to_cu_seqlens
 from tests.oracles import check_close, design_lengths, documents, ssm_oracle
 
@@ -97,7 +97,7 @@ def test_layouts_fp64(lengths, tail, chunk):
 def test_many_blocks_fp64(elements, monkeypatch):
     """The chunk scan and the segmented sum over blocks of a few chunks (the defaults hold every
     chunk of these small sizes at once): masks converted per block, states carried between them."""
-    monkeypatch.setattr(chunk_scan, "_BLOCK_ELEMENTS", elements)      # H * L * L per chunk
+    monkeypatch.setattr(chunk_scan_parts, "_BLOCK_ELEMENTS", elements)      # H * L * L per chunk
     monkeypatch.setattr(reference, "_MASK_BLOCK", elements // H)       # L * L per chunk (one row)
     cu, leaves = make([7, 9, 17, 33, 0, 40], 3, torch.float64, d_2d=True)
     (out, final, states, grads), (ref_out, ref_states, ref_grads), _ = run_both(cu, leaves, 8)
@@ -115,7 +115,7 @@ def test_rows_over_blocks_fp64(elements, monkeypatch):
     """Several rows (seq_idx resets) over blocks that split a row (the state and its gradient carried
     from block to block) or hold whole rows: output, final states and every gradient against the
     token-by-token oracle, row by row."""
-    monkeypatch.setattr(chunk_scan, "_BLOCK_ELEMENTS", elements)      # H * L * L per chunk
+    monkeypatch.setattr(chunk_scan_parts, "_BLOCK_ELEMENTS", elements)      # H * L * L per chunk
     g = torch.Generator().manual_seed(3)
     rows, length = 3, 37                                                # 5 chunks of 8 per row
     layouts = [[5, 20, 12], [37], [0, 30, 7]]                           # documents per row
