@@ -150,12 +150,12 @@ def recurrence(p: Prep, states: torch.Tensor, n: int, delta: torch.Tensor | None
     contiguous)."""
     N, length, kd = p.k.shape
     bh, vd = N // n, p.v.shape[-1]
-    R, T = p.R.view(n, bh, length, kd + vd), p.T.view(n, bh, length, length)
+    R_w, R_u, T = p.R_w.view(n, bh, length, kd), p.R_u.view(n, bh, length, vd), p.T.view(n, bh, length, length)
     k_out, kappa = p.k_out.view(n, bh, length, kd), p.kappa.view(n, bh, -1, 1)
     delta = states.new_empty(n, bh, length, vd) if delta is None else delta.view(n, bh, length, vd)
     corrected = states.new_empty(bh, length, vd)                                # R_U - R_W S of one chunk
     # the per-chunk views taken in one call each (indexing inside the loop costs a call per view)
-    R_w, R_u, T = R[..., :kd].unbind(), R[..., kd:].unbind(), T.unbind()
+    R_w, R_u, T = R_w.unbind(), R_u.unbind(), T.unbind()
     S, d, kappa = states.unbind(), delta.unbind(), kappa.unbind()
     k_out_t = k_out.transpose(2, 3).unbind()
     for j in range(n):
@@ -253,7 +253,7 @@ def _block_backward(p: Prep, entering, delta, d_o, d_state, n, scale, norms=None
     # delta = T (R_U - R_W S) (see :func:`recurrence`): S's gradient through it is -R_W^T T^T d_delta,
     # and T^T d_delta is all that the WY system's backward needs (``prep_backward``'s ``read``)
     T_t = p.T.view(n, bh, length, length).transpose(2, 3)
-    R_w_t = p.R.view(n, bh, length, kd).transpose(2, 3)
+    R_w_t = p.R_w.view(n, bh, length, kd).transpose(2, 3)
     # every product below writes a contiguous buffer: a strided ``out=`` makes bmm fall back to one
     # matmul per batch entry
     dd = d_o.new_empty(bh, length, vd)                                           # d delta of one chunk

@@ -139,12 +139,13 @@ def _chunked(q, k, v, g, beta, seg_id, chunk, initial_state, extra, keep_interme
     s_enter, delta, state = _composed(U, p, h0, extra, seg)
     o = p.q_read @ s_enter + p.qk @ delta
     if extra is not None:
-        o = o + extra.reads(p.G, qc * p.decay_in)
+        o = o + extra.reads(p.G, qc * p.exp_G)
     return _tokens(o, b, c, L, t), DeltaIntermediates(s_final=state, chunk=L, G=p.G, gate=p.gate, keys=kc,
                                                       delta=delta, enter_seg=enter_seg, s_enter=s_enter)
 
 
-_PREP_OUTPUTS = ("G", "gate", "qk", "W", "w_read", "U", "q_read", "k_out", "kappa", "decay_in")
+# the prep's outputs under autograd, as fields of :class:`.prep.Prep`: named here once
+_PREP_OUTPUTS = ("G", "gate", "qk", "W", "w_read", "U", "q_read", "k_out", "kappa", "exp_G")
 
 
 class PrepFunction(torch.autograd.Function):
@@ -165,25 +166,21 @@ class PrepFunction(torch.autograd.Function):
         ctx.save_for_backward(qc, kc, vc, gc, bc, seg, enter)
         p = PrepFunction._prep(qc, kc, vc, gc, bc, seg, enter)
         lead = kc.shape[:3]
-        outs = (p.G, p.gate, p.qk, p.W, p.w_read, p.U, p.q_read, p.k_out, p.kappa, p.decay_in)
-        return tuple(x.reshape(*lead, *x.shape[1:]) for x in outs)
+        return tuple(getattr(p, name).reshape(*lead, *getattr(p, name).shape[1:]) for name in _PREP_OUTPUTS)
 
     @staticmethod
-    def backward(ctx, dG, dgate, dqk, dW, dw_read, dU, dq_read, dk_out, dkappa, ddecay):
+    def backward(ctx, *grads):
         qc, kc, vc, gc, bc, seg, enter = ctx.saved_tensors
         p = PrepFunction._prep(qc, kc, vc, gc, bc, seg, enter)
-        flat = [None if d is None else d.reshape(-1, *d.shape[3:]) for d in
-                (dG, dgate, dqk, dW, dw_read, dU, dq_read, dk_out, dkappa, ddecay)]
-        dG, dgate, dqk, dW, dw_read, dU, dq_read, dk_out, dkappa, ddecay = flat
+        d = {name: None if g is None else g.reshape(-1, *g.shape[3:]) for name, g in zip(_PREP_OUTPUTS, grads)}
 
-        def given(d, like):
-            return torch.zeros_like(like) if d is None else d
-        dW = given(dW, p.W)
-        if dw_read is not None:
-            dW = dW + _reads(p, dw_read)
-        dq, dk, dv, dbeta, dg = prep_backward(p, dW, given(dU, p.U), given(dq_read, p.q_read), given(dqk, p.qk),
-                                              given(dk_out, p.k_out), given(dkappa, p.kappa),
-                                              d_G=dG, d_gate=dgate, d_decay_in=ddecay)
+        def given(name):
+            return torch.zeros_like(getattr(p, name)) if d[name] is None else d[name]
+        dW = given("W")
+        if d["w_read"] is not None:
+            dW = dW + _reads(p, d["w_read"])
+        dq, dk, dv, dbeta, dg = prep_backward(p, dW, given("U"), given("q_read"), given("qk"), given("k_out"),
+                                              given("kappa"), d_G=d["G"], d_gate=d["gate"], d_exp_G=d["exp_G"])
         b, c, h, L = kc.shape[:4]
         dg = dg.view(b, c, L, h, -1).permute(0, 1, 3, 2, 4)
         return (*(x.reshape(b, c, h, L, -1) for x in (dq, dk, dv)), dg, dbeta.reshape(b, c, h, L), None, None)

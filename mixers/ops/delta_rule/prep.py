@@ -108,7 +108,9 @@ def _per_head(t: torch.Tensor, x: int) -> torch.Tensor:
 
 @dataclass
 class Prep:
-    """The per-chunk quantities (``[N, ...]``) and what the backward needs."""
+    """The per-chunk quantities (``[N, ...]``) and what the backward needs. Each field means one thing;
+    a field only one path forms is ``None`` on the other: ``full_w`` (the composed path, every row of
+    ``[W | U]``) or the fast path (``delta = T (R_U - R_W S)`` chunk by chunk)."""
 
     m: Masks
     heads: int
@@ -121,17 +123,16 @@ class Prep:
     gate: torch.Tensor | None  # [N, L, Kg] floored (``full_w`` only)
     step: torch.Tensor      # [N, L, Kg] exp(gate): each token's decay
     G: torch.Tensor | None  # [N, L, Kg] (``full_w`` only)
-    decay_in: torch.Tensor  # [N, L, Kg] exp(G) (fast path: on the entering segment's tokens)
+    exp_G: torch.Tensor | None  # [N, L, Kg] exp(G) on every token (``full_w`` only)
     read_in: torch.Tensor   # [N, L, Kg] exp(G) on the entering segment's tokens, else 0
     tail_out: torch.Tensor  # [N, L, Kg] exp(suf) on the chunk's last segment's tokens, else 0 (suf: log-decay
                             # from after t to the chunk's end)
-    s2: torch.Tensor        # [N, 2, L, L] (qk, beta kk) decayed; [N, 1, L, L] (qk) given ``inverse``, scalar gate
+    qk: torch.Tensor        # [N, L, L] the decayed Gram of queries and keys
     decay: torch.Tensor | None  # [N, L, L] scalar gate: the decay matrix
     T: torch.Tensor         # [N, L, L] (I + strict(beta kk))^-1
-    R: torch.Tensor         # [N, L, K + V] = [beta exp(G) k (* reads unless full_w) | beta v]; [N, L, K] given
-                            # ``inverse`` (the backward needs R_W only)
-    X: torch.Tensor | None  # [N, L, K + V] = [W | U] = T @ R with ``full_w``; None on the fast path (its
-                            # recurrence applies T per chunk: delta = T (R_U - R_W S))
+    R_w: torch.Tensor | None  # [N, L, K] beta k exp(G) on the entering segment's rows, else 0 (fast path only)
+    R_u: torch.Tensor | None  # [N, L, V] beta v (fast path without ``inverse``: the backward needs R_W only)
+    wu: torch.Tensor | None   # [N, L, K + V] = [W | U] = T [beta exp(G) k | beta v], every row (``full_w`` only)
     q_read: torch.Tensor    # [N, L, K]
     k_out: torch.Tensor     # [N, L, K]
     kappa: torch.Tensor     # [N, Kg, 1]
@@ -141,22 +142,19 @@ class Prep:
         return self.left[:, :self.k.shape[1]]
 
     @property
-    def qk(self):
-        return self.s2[:, 0]
-
-    @property
     def W(self):
-        assert self.X is not None, "[W | U] is not formed on the fast path"
-        return self.X[..., :self.k.shape[-1]]
+        assert self.wu is not None, "[W | U] is not formed on the fast path"
+        return self.wu[..., :self.k.shape[-1]]
 
     @property
     def w_read(self):
-        return self.W if not self.full_w else self.W * _flat(self.m.reads, self.heads)
+        """``W`` on the entering segment's rows, else 0 (``full_w`` only)."""
+        return self.W * _flat(self.m.reads, self.heads)
 
     @property
     def U(self):
-        assert self.X is not None, "[W | U] is not formed on the fast path"
-        return self.X[..., self.k.shape[-1]:]
+        assert self.wu is not None, "[W | U] is not formed on the fast path"
+        return self.wu[..., self.k.shape[-1]:]
 
 
 def _flat(mask: torch.Tensor, heads: int) -> torch.Tensor:
@@ -188,12 +186,13 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, inverse
         running = None
     else:
         s2, *running = channel_grams(left, k, step, m.keep)
-    G = gate = None
+    G = gate = exp_G = None
     if full_w:
         sums = torch.bmm(m.sums, gate_tm)                                       # [X, 2L, H*Kg]
         # heads-major exponentials straight from the token-major sums (one pass each)
-        decay_in, tail = _exp_to_head_rows(sums[:, :length], heads), _exp_to_head_rows(sums[:, length:], heads)
+        exp_G, tail = _exp_to_head_rows(sums[:, :length], heads), _exp_to_head_rows(sums[:, length:], heads)
         G, gate = _to_head_rows(sums[:, :length], heads), _to_head_rows(gate_tm, heads)
+        decay_in = exp_G
     else:
         # read only on the entering segment's tokens (exp(G)) and the last segment's (exp(suf)):
         # no reset lies between those and the chunk's start or end, so both are running products
@@ -205,13 +204,15 @@ def prep_forward(left, k, v, beta, g, m: Masks, *, full_w: bool = False, inverse
     read_in = _per_head(decay_in, x).mul(m.reads).view(n, length, -1)         # exp(G) on read rows
     tail_out = _per_head(tail, x).mul(m.last).view(n, length, -1)             # exp(suf) on last rows
     R = k.new_empty(n, length, kd + (v.shape[-1] if inverse is None else 0))
-    into(R[..., :kd], torch.mul, bk, decay_in if full_w else read_in)
+    into(R[..., :kd], torch.mul, bk, exp_G if full_w else read_in)
     if inverse is None:
         into(R[..., kd:].view(v.shape), torch.mul, v, beta.view(*v.shape[:-1], 1))   # v may be [n, B, H, L, V]
     wu = torch.bmm(T, R) if full_w else None
     kappa = _per_head(decay_in[:, -1:].transpose(1, 2), x).mul(m.keep_state).view(n, -1, 1)
+    fast = not full_w
     return Prep(m=m, heads=heads, full_w=full_w, left=left, k=k, v=v, beta=beta, g=g, gate=gate, step=step, G=G,
-                decay_in=decay_in, read_in=read_in, tail_out=tail_out, s2=s2, decay=decay, T=T, R=R, X=wu,
+                exp_G=exp_G, read_in=read_in, tail_out=tail_out, qk=s2[:, 0], decay=decay, T=T,
+                R_w=R[..., :kd] if fast else None, R_u=R[..., kd:] if fast and inverse is None else None, wu=wu,
                 q_read=q * read_in, k_out=k * tail_out, kappa=kappa)
 
 
@@ -234,12 +235,12 @@ def _reduce(t: torch.Tensor, kg: int) -> torch.Tensor:
     return t if kg != 1 else t.sum(-1, keepdim=True)
 
 
-def prep_backward(p: Prep, d_w, d_u, d_q_read, d_qk, d_k_out, d_kappa, d_G=None, d_gate=None, d_decay_in=None,
+def prep_backward(p: Prep, d_w, d_u, d_q_read, d_qk, d_k_out, d_kappa, d_G=None, d_gate=None, d_exp_G=None,
                   *, read=None):
     """Gradients ``(dq, dk, dv, dbeta [N, L, 1], dg [X, L, H*Kg])`` from those of the prep's
     outputs: ``d_w [N, L, K]`` and ``d_u [N, L, V]`` (of ``W`` and ``U``, ``full_w``), ``d_q_read``,
     ``d_qk``, ``d_k_out``, ``d_kappa`` and, optionally (``None``: zero), ``d_G``, ``d_gate``,
-    ``d_decay_in``.
+    ``d_exp_G``.
 
     The fast path passes ``d_w = d_u = None`` and ``read = (dR_u, S, delta)``, ``[N, L, V]``,
     ``[N, K, V]``, ``[N, L, V]``: ``W`` and ``U`` enter nothing but ``delta = U - w_read S`` (``S``
@@ -265,10 +266,11 @@ def prep_backward(p: Prep, d_w, d_u, d_q_read, d_qk, d_k_out, d_kappa, d_G=None,
     dv = dR_u * p.beta
     dbeta = (dR_u.view(p.v.shape) * p.v).sum(-1, keepdim=True).view(n, length, 1)
     d_dec += _masked(_reduce(d_q_read * p.q, kg), m.reads, x)
-    if d_decay_in is not None:
-        d_dec = d_dec + d_decay_in
+    if d_exp_G is not None:
+        d_dec = d_dec + d_exp_G
     d_suf = _reduce(d_k_out * p.k, kg).mul_(p.tail_out)
-    dG = d_dec.mul_(p.decay_in)
+    # the fast path's d_dec lies on the entering segment's rows only, where exp(G) = read_in
+    dG = d_dec.mul_(p.exp_G if p.full_w else p.read_in)
     dG[:, -1] += (d_kappa * p.kappa).squeeze(-1)
     if d_G is not None:
         dG = dG + d_G
@@ -278,7 +280,7 @@ def prep_backward(p: Prep, d_w, d_u, d_q_read, d_qk, d_k_out, d_kappa, d_G=None,
         d_left, dk, dG_g = channel_grams_backward(d_s2, p.left, p.k, p.step, m.keep)
     dG += dG_g
     dq = d_left[:, :length].addcmul_(d_q_read, p.read_in)
-    d_bk = d_left[:, length:].addcmul_(dR_w, p.decay_in if p.full_w else p.read_in)
+    d_bk = d_left[:, length:].addcmul_(dR_w, p.exp_G if p.full_w else p.read_in)
     dk.addcmul_(d_k_out, p.tail_out).addcmul_(d_bk, p.beta)
     dbeta += (d_bk * p.k).sum(-1, keepdim=True)
     both = torch.cat([_from_head_rows(dG, p.heads), _from_head_rows(d_suf, p.heads)], dim=1)   # [X, 2L, H*Kg]
