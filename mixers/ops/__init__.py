@@ -1,7 +1,9 @@
 """Packed-sequence ops: each keeps the signature of the upstream kernel it stands in for.
 
-Every op runs an exact pure-PyTorch reference (any device, fp64 capable, differentiable) or the
-upstream CUDA kernel, chosen by ``backend="auto" | "kernel" | "reference"``.
+Every op folder holds ``naive.py``, the algorithm as its paper states it, one document at a time:
+the specification the rest is tested against. A call runs either the torch backend (exact, any
+device, fp64 capable, differentiable; ``backend="reference"``) or the upstream CUDA kernel, chosen
+by ``backend="auto" | "kernel" | "reference"``.
 """
 
 from .attention import varlen_attention

@@ -7,9 +7,10 @@ form one more segment) or the forward's prebuilt :class:`ssm_pack.VarlenBatch`, 
 (the longest document, as flash-attn wants it; optional with a ``VarlenBatch``), ``causal``,
 ``window_size=(left, right)`` (-1 = unbounded; flash-attn's sliding window) and
 ``softmax_scale`` (default ``D ** -0.5``). Returns ``[T, Hq, D]``. The CUDA kernels, in order:
-PyTorch's own ``varlen_attn`` (:mod:`.torch_varlen`), flash-attn's varlen function; the reference
-is :func:`.segment.blockwise_attention`
-(the same blockwise core as :func:`mixers.ops.segment_attention`).
+PyTorch's own ``varlen_attn`` (:mod:`.torch_varlen`), flash-attn's varlen function; the torch
+backend (``backend="reference"``) is :func:`.segment.blockwise_attention` (the same blockwise core
+as :func:`mixers.ops.segment_attention`). The specification, softmax attention of each document
+alone, is :mod:`.naive`.
 """
 
 from __future__ import annotations
