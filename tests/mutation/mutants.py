@@ -1,9 +1,9 @@
 """The planted changes of the mutation check (see ``run.py``): each one is a small, realistic bug.
 
 A mutant is one or more exact text edits (``file``, ``old``, ``new``; ``old`` must occur exactly
-once in ``file``) in one ``area``, and the test paths that should catch it, run one after another
-with ``-x`` until one fails: put the most likely killers first and a whole folder last, so tests
-added to it later count too. A mutant no test catches is a hole in the suite.
+once in ``file``, or in one of several candidate files when code moves) in one ``area``, and the
+test files that should catch it, run in this order with ``-x`` (put the most likely killers
+first). A mutant no test catches is a hole in the suite.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Edit:
-    file: str
+    file: str | tuple[str, ...]            # candidates: the one holding ``old`` exactly once is edited
     old: str
     new: str
 
@@ -31,20 +31,20 @@ INFERENCE = "tests/mixers/inference"
 
 
 def _inference(*files: str) -> tuple[str, ...]:
-    """The likely killers in ``tests/mixers/inference`` first, then the rest of that folder."""
-    return tuple(f"{INFERENCE}/{name}.py" for name in files) + (INFERENCE,)
+    return tuple(f"{INFERENCE}/{name}.py" for name in files)
 
 
-CONTINUATION = _inference("test_continuation", "test_mixer_cache")
-CACHE_WRITES = _inference("test_mixer_cache", "test_model_cache")
-GENERATION = _inference("test_inference_api", "test_model_cache")
-DECODE = _inference("test_decode_ops", "test_mixer_cache")
-SLOT_CHECKS = _inference("test_inference_api", "test_mixer_cache")
+CONTINUATION = _inference("test_continuation", "test_mixer_cache", "test_model_cache")
+CACHE_WRITES = _inference("test_cache_api", "test_mixer_cache", "test_model_cache")
+GENERATION = _inference("test_sampling", "test_inference_api", "test_cache_api", "test_model_cache")
+DECODE = _inference("test_mamba2_decode", "test_decode_ops", "test_cache_api", "test_mixer_cache")
+SLOT_CHECKS = _inference("test_cache_api", "test_inference_api", "test_mixer_cache")
 VARLEN_TESTS = ("tests/ssm_pack/test_varlen.py", "tests/ssm_pack/test_metadata_hardening.py",
                 "tests/ssm_pack/test_seq_idx.py")
 CONVERTER_TESTS = tuple(f"tests/mixers/checkpoints/{name}.py" for name in (
     "test_upstream_layouts", "test_convert", "test_upstream_equality", "test_readme"))
-HF_TESTS = ("tests/mixers/integrations",)
+HF_TESTS = tuple(f"tests/mixers/integrations/test_{name}.py" for name in (
+    "transformers_packing", "transformers_attention", "hf_attention", "transformers_load"))
 
 
 def _m(name, area, tests, what, *edits):
@@ -86,7 +86,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "eos_token_id=eos_token_id, generator=generator, cache=None)")),
     _m("mamba2-decode-drops-dt-limit", "inference", DECODE,
        "the Mamba2 decode step ignores the layer's dt_limit",
-       ("mixers/layers/mamba2_cache.py", "state_batch_indices=batch.slots, dt_limit=c.dt_limit, ",
+       ("mixers/layers/mamba2.py", "state_batch_indices=batch.slots, dt_limit=c.dt_limit, ",
         "state_batch_indices=batch.slots, ")),
     _m("bool-cache-slots-accepted", "inference", SLOT_CHECKS,
        "a bool tensor passed as cache_slots is read as slots 0 / 1",

@@ -3,18 +3,18 @@
     python -m tests.mutation.run [--area inference] [--only NAME ...] [--timeout 240] [--json out.json]
 
 The repository is copied once (without ``.git``, virtual environments and caches) into a
-temporary directory; each mutant's edits are applied there, its test paths run one after another
-with ``-x`` until one fails (a folder after a file in it leaves that file out), in the copy, no
-bytecode written, and the file restored. The runs are forked from one parent that has imported
-the heavy third-party packages (torch, transformers, fla) but nothing of the project, so each run
-imports the project afresh from the copy (``--no-fork``: a new interpreter per run). First a
-baseline run of every named test path on the unmutated copy: tests failing there are deselected
-for the mutants, so a test that already fails never counts as a kill. A mutant is *killed* when
-pytest reports a failure, *survived* when every test passes, *timeout* when the run exceeds
-``--timeout``, *stale* when its text no longer occurs exactly once. Prints one line per mutant
-and the kill rate per area; exits 0 (it reports, it does not gate).
+temporary directory; each mutant's edits are applied there, its test files run in the given order
+with ``-x`` (in the copy, no bytecode written), and the files restored. The runs are forked from
+one parent that has imported the heavy third-party packages (torch, transformers, fla) but nothing
+of the project, so each run imports the project afresh from the copy (``--no-fork``: a new
+interpreter per run). A test that kills a mutant is then run on the unmutated copy: one that
+fails there too is left out and the mutant run again, so a test that already fails never counts
+as a kill (``--baseline``: run every named file unmutated first instead).
 
-Not collected by the default test run (no ``test_*`` files here); run it by hand.
+A mutant is *killed* when pytest reports a failure, *survived* when every test passes,
+*timeout* when the run exceeds ``--timeout``, *stale* when its text no longer occurs exactly
+once. Prints one line per mutant and the kill rate per area; exits 0 (it reports, it does not
+gate). Not collected by the default test run (no ``test_*`` files here); run it by hand.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from tests.mutation.mutants import MUTANTS, Mutant
+from tests.mutation.mutants import MUTANTS, Edit, Mutant
 
 ROOT = Path(__file__).resolve().parents[2]
 IGNORED = (".git", ".venv", "venv", "env", "__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache",
@@ -69,6 +69,7 @@ PRELOAD = ("numpy", "torch", "hypothesis", "pytest", "safetensors.torch", "trans
            "transformers.models.kimi_linear.modeling_kimi_linear")
 OURS = ("mixers", "ssm_pack", "tests", "benchmarks")
 _CHILD: list[int] = []                                          # the forked run in progress, if any
+_CONFIRMED: set[str] = set()                                    # killing tests seen passing unmutated
 
 
 def preload() -> None:
@@ -152,22 +153,6 @@ def pytest(repo: Path, paths, *, timeout: float, first_failure: bool, deselect=(
     return status, output, time.monotonic() - start
 
 
-def staged(repo: Path, paths, *, timeout: float, deselect, fork: bool) -> tuple[str, str, float]:
-    """Run ``paths`` one after another with ``-x``, stopping at the first that does not pass; a later
-    path (a folder) leaves out the earlier ones under it, so the likely killers run first, once."""
-    total, done = 0.0, []
-    status, output = "passed", ""
-    for path in paths:
-        earlier = [p for p in done if Path(p).is_relative_to(path) and p != path]
-        status, output, seconds = pytest(repo, [path], timeout=timeout, first_failure=True,
-                                         deselect=list(deselect) + earlier, fork=fork)
-        total += seconds
-        done.append(path)
-        if status != "passed":
-            break
-    return status, output, total
-
-
 def failing_nodes(output: str) -> list[str]:
     """The failing tests (``FAILED``) and the files that failed to collect (``ERROR``) of a ``-rf`` run."""
     return re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.M)
@@ -178,15 +163,24 @@ def exclusions(nodes) -> list[str]:
     return [f"--deselect={n}" if "::" in n else f"--ignore={n}" for n in dict.fromkeys(nodes)]
 
 
+def _target(repo: Path, edit: Edit) -> Path | None:
+    """The file (of the edit's candidate paths) holding ``edit.old`` exactly once, else ``None``."""
+    for name in (edit.file,) if isinstance(edit.file, str) else edit.file:
+        path = repo / name
+        if path.exists() and path.read_text().count(edit.old) == 1:
+            return path
+    return None
+
+
 def apply(repo: Path, mutant: Mutant) -> dict[Path, str] | None:
     """Apply the edits; returns the original texts to restore, or ``None`` (nothing left applied) if stale."""
     originals: dict[Path, str] = {}
     for edit in mutant.edits:
-        path = repo / edit.file
-        current = path.read_text() if path.exists() else ""
-        if current.count(edit.old) != 1:
+        path = _target(repo, edit)
+        if path is None:
             restore(originals)
             return None
+        current = path.read_text()
         originals.setdefault(path, current)
         path.write_text(current.replace(edit.old, edit.new))
     return originals
@@ -203,6 +197,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", action="append", help="only these mutant names (repeatable)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per pytest run")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--baseline", action="store_true",
+                        help="first run every named test path unmutated and leave out what fails there")
     parser.add_argument("--no-fork", action="store_true",
                         help="a fresh interpreter per run (slower: re-imports torch, transformers and fla each time)")
     args = parser.parse_args(argv)
@@ -214,37 +210,54 @@ def main(argv=None) -> int:
         fork = not args.no_fork and hasattr(os, "fork")
         if fork:
             preload()
-        paths = list(dict.fromkeys(p for m in mutants for p in m.tests))
-        status, output, seconds = pytest(repo, paths, timeout=4 * args.timeout, first_failure=False,
-                                         fork=fork)
-        broken = failing_nodes(output)
-        print(f"baseline: {status} in {seconds:.0f} s" + (f"; deselected (fail unmutated): {broken}" if broken else ""),
-              flush=True)
-        if status in ("timeout", "error") or (status == "failed" and not broken):
-            print("the baseline run did not complete cleanly; fix the tests first\n" + output[-3000:])
-            return 0
-        results = []
-        for mutant in mutants:
-            originals = apply(repo, mutant)
-            if originals is None:
-                status, seconds, killer = "stale", 0.0, ""
-            else:
-                try:
-                    status, output, seconds = staged(repo, mutant.tests, timeout=args.timeout, deselect=broken,
-                                                     fork=fork)
-                finally:
-                    restore(originals)
-                killer = (failing_nodes(output) or [""])[0] if status == "failed" else ""
-                status = {"failed": "killed", "passed": "survived"}.get(status, status)
-            results.append(dict(name=mutant.name, area=mutant.area, status=status, seconds=round(seconds, 1),
-                                killed_by=killer, what=mutant.what))
-            print(f"{status:9} {mutant.area:11} {mutant.name:34} {seconds:5.0f} s  {killer}", flush=True)
+        broken: list[str] = []
+        if args.baseline:
+            paths = list(dict.fromkeys(p for m in mutants for p in m.tests))
+            status, output, seconds = pytest(repo, paths, timeout=4 * args.timeout, first_failure=False, fork=fork)
+            broken = failing_nodes(output)
+            print(f"baseline: {status} in {seconds:.0f} s" + (f"; left out (fail unmutated): {broken}" if broken
+                                                               else ""), flush=True)
+            if status in ("timeout", "error") or (status == "failed" and not broken):
+                print("the baseline run did not complete cleanly; fix the tests first\n" + output[-3000:])
+                return 0
+        results = [run_mutant(repo, m, broken, timeout=args.timeout, fork=fork) for m in mutants]
         summary(results)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
     finally:
         shutil.rmtree(repo.parent, ignore_errors=True)
     return 0
+
+
+def run_mutant(repo: Path, mutant: Mutant, broken: list[str], *, timeout: float, fork: bool) -> dict:
+    """Plant ``mutant``, run its tests, restore. A kill counts only if the killing test passes on the
+    unmutated copy (checked once per test); a test that fails there joins ``broken`` (left out from
+    then on) and the mutant runs again without it."""
+    seconds, killer, status = 0.0, "", "stale"
+    while True:
+        originals = apply(repo, mutant)
+        if originals is None:
+            break
+        try:
+            status, output, spent = pytest(repo, mutant.tests, timeout=timeout, first_failure=True,
+                                           deselect=broken, fork=fork)
+        finally:
+            restore(originals)
+        seconds += spent
+        killer = (failing_nodes(output) or ["(no test named)"])[0] if status == "failed" else ""
+        if status != "failed" or killer in _CONFIRMED or killer.startswith("("):
+            break
+        check, _, spent = pytest(repo, [killer], timeout=timeout, first_failure=True, fork=fork)
+        seconds += spent
+        if check == "passed":
+            _CONFIRMED.add(killer)
+            break
+        print(f"          {killer} fails on the unmutated tree too: left out", flush=True)
+        broken.append(killer)
+    status = {"failed": "killed", "passed": "survived"}.get(status, status)
+    print(f"{status:9} {mutant.area:11} {mutant.name:34} {seconds:5.0f} s  {killer}", flush=True)
+    return dict(name=mutant.name, area=mutant.area, status=status, seconds=round(seconds, 1), killed_by=killer,
+                what=mutant.what)
 
 
 def _stop(signum, frame):
