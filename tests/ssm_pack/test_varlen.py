@@ -18,10 +18,8 @@ def oracle(physical: list[int], real: list[int], total: int) -> dict:
     n = len(physical) - 1
     doc, pos, is_real = [], [], []
     for t in range(total):
-        d = max(i for i in range(n + 1) if physical[i] <= t) if t < physical[-1] else n
-        if d < n:
-            while physical[d + 1] <= t:                      # skip empty documents sharing a start
-                d += 1
+        # the last document starting at or before t (so empty documents sharing its start are skipped)
+        d = max(i for i in range(n) if physical[i] <= t) if t < physical[-1] else n
         start = physical[d] if d < n else physical[-1]
         doc.append(d)
         pos.append(t - start)
