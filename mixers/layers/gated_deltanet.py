@@ -1,6 +1,11 @@
 """``GatedDeltaNetMixer``: fla's ``GatedDeltaNet`` (scalar decay per value head), packed.
 
     g = -exp(A_log) * softplus(a_proj(x) + dt_bias)      [B, T, HV]
+
+Made of: everything but the gate lives in :mod:`.delta_base` (projections, short convs, scan call,
+norm and out_proj, the cache); the scalar gate in :class:`.delta_base.ScalarGateMixer`, its
+initialisation in :mod:`._init`; sizes in :class:`.config.GatedDeltaNetConfig`; the scan is
+:func:`mixers.ops.chunk_gated_delta_rule`.
 """
 
 from __future__ import annotations

@@ -3,6 +3,11 @@ token, one scalar decay per token), packed.
 
     k, v, beta: ``[B, T * nh, ...]`` (each token's sub-steps interleaved, fla's layout)
     g = -exp(A_log) * softplus(a_proj(x) + dt_bias)      [B, T, H]
+
+Made of: everything but the gate lives in :mod:`.delta_base` (projections with ``nh`` steps per
+token, short convs, scan call, norm and out_proj, the cache); the scalar gate in
+:class:`.delta_base.ScalarGateMixer`; sizes in :class:`.config.GatedDeltaProductConfig`; the
+scan is :func:`mixers.ops.chunk_gated_delta_product`.
 """
 
 from __future__ import annotations

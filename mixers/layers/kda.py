@@ -1,6 +1,10 @@
 """``KDAMixer``: fla's ``KimiDeltaAttention`` (per-channel decay), packed.
 
     g = -exp(A_log[h]) * softplus(f_proj(x) + dt_bias)   [B, T, HV, K], f_proj low rank
+
+Made of: everything but the gate lives in :mod:`.delta_base` (projections, short convs, scan call,
+norm and out_proj, the cache); the low-rank per-channel gate is below, its initialisation in
+:mod:`._init`; sizes in :class:`.config.KDAConfig`; the scan is :func:`mixers.ops.chunk_kda`.
 """
 
 from __future__ import annotations

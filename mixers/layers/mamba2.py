@@ -7,6 +7,31 @@ in_proj -> [z | x B C | dt]; short conv (SiLU) over ``x B C`` with the packed ``
 ``x``, ``B`` and ``C`` as separate tensors through both: no ``[T, conv_dim]`` concatenation); SSD
 scan with ``A = -exp(A_log)``, ``D`` skip, ``dt_bias`` and softplus, reset at every document
 through ``seq_idx``; gated RMS norm ``rmsnorm(y * silu(z))`` per group; out_proj.
+
+Made of (where each piece lives):
+
+* constructor preamble, kernel plan, packing metadata: :class:`.base.MixerBase`;
+* sizes: :class:`.config.Mamba2Config`; ``dt`` / ``A`` initialisation: :mod:`._init`;
+* in_proj as three linears over one input: :func:`.projections.shared_input_linear`;
+* short conv: :class:`.short_conv.ShortConvolution` (cached: :func:`.short_conv_cache.conv_cached`);
+* SSD scan: :func:`mixers.ops.mamba_chunk_scan_combined` (decoding:
+  :func:`mixers.ops.selective_state_update`);
+* gated norm and out_proj as one function: :class:`.norm.GatedRMSNorm`, :func:`.norm_linear.norm_linear`;
+* cache allocation and the cached forward's preamble: :class:`.cached.CachedMixin`; this
+  mixer's cache and cached forward: the methods after ``forward``.
+
+Inference: per-slot conv and SSM states, packed prefill, chunks and decoding.
+
+    S = slots, N = documents / rows of one call (one slot each), E = d_inner, H = heads,
+    P = head dim, G = groups, Ns = state size, W = conv width
+
+The cache holds ``conv [S, E + 2 G Ns, W-1]`` (the last W-1 inputs of the short conv, in the
+activations' dtype) and ``ssm [S, H, P, Ns]`` (mamba-ssm's layout, in the compute dtype: fp32 for
+fp16 / bf16). Decoding runs :func:`mixers.ops.selective_state_update` (mamba-ssm's Triton kernel
+with ``state_batch_indices``, in place on the pool); a packed call runs the SSD scan with
+``cu_seqlens`` and per-document initial states (mamba-ssm's kernel cannot take those: the
+reference then; when every slot is fresh there are none and the kernel runs), rows of t tokens
+with per-row initial and final states (the kernel takes those).
 """
 
 from __future__ import annotations
@@ -14,22 +39,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import mamba_chunk_scan_combined
+from ..inference.layer_cache import LayerCache
+from ..inference.slots import SlotBatch
+from ..ops import mamba_chunk_scan_combined, selective_state_update
+from ..ops.chunks import compute_dtype
 from ._init import inverse_softplus_dt
 from .base import SHORT_CONV, MixerBase
+from .cached import CachedMixin
 from .config import Mamba2Config
-from .mamba2_cache import Mamba2Cached
 from .norm import GatedRMSNorm, upcast
 from .norm_linear import norm_linear
 from .projections import shared_input_linear
 from .short_conv import ShortConvolution
+from .short_conv_cache import conv_cached
 
 
-class Mamba2Mixer(Mamba2Cached, MixerBase):
+class Mamba2Mixer(CachedMixin, MixerBase):
     """Mamba2 mixer: ``forward(hidden_states [B, T, D], packed_seq_params=None) -> [B, T, D]``.
 
     Inference: ``allocate_inference_cache`` and ``forward(..., cache=, cache_slots=)``
-    (:mod:`mixers.layers.mamba2_cache`).
+    (the methods after ``forward``).
 
     Build it from ``hidden_size`` alone (``Mamba2Mixer(512)``), with overrides
     (``Mamba2Mixer(512, state_size=128)``) or from a :class:`Mamba2Config`. ``backend``:
@@ -38,6 +67,10 @@ class Mamba2Mixer(Mamba2Cached, MixerBase):
     """
 
     PLAN = (("short conv", SHORT_CONV), ("SSD scan", (("mamba_ssd", ("seq_idx",)),)))
+    INFERENCE_PLAN = (
+        ("conv decode", (("causal_conv1d", ("update_indices",)), ("fla_conv", ("update",)))),
+        ("SSD decode", (("mamba_decode", ("state_batch_indices",)),)),
+    )
 
     def __init__(self, hidden_size: int | None = None, *, config: Mamba2Config | None = None, backend: str = "auto",
                  **overrides):
@@ -65,7 +98,7 @@ class Mamba2Mixer(Mamba2Cached, MixerBase):
 
     def forward(self, hidden_states: torch.Tensor, packed_seq_params=None, *, cache=None,
                 cache_slots=None) -> torch.Tensor:
-        if cache is not None or cache_slots is not None:   # inference: mamba2_cache.py
+        if cache is not None or cache_slots is not None:   # inference: _cached below
             return self._forward_cached(hidden_states, packed_seq_params, cache, cache_slots)
         c = self.config
         varlen = self.varlen(hidden_states, packed_seq_params)
@@ -80,3 +113,38 @@ class Mamba2Mixer(Mamba2Cached, MixerBase):
             D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=c.dt_limit, cu_seqlens=varlen,
             backend=self.backend)
         return norm_linear(self.norm, y.reshape(b, t, c.d_inner), z, self.out_proj)
+
+    def _cache_states(self, slots, max_seqlen, dtype, device):
+        c = self.config
+        conv_dim = c.d_inner + 2 * c.num_groups * c.state_size
+        return {"conv": torch.zeros(slots, conv_dim, c.conv_size - 1, dtype=dtype, device=device),
+                "ssm": torch.zeros(slots, c.num_heads, c.head_dim, c.state_size, dtype=compute_dtype(dtype),
+                                   device=device)}
+
+    def _cached(self, hidden_states, varlen, cache: LayerCache, batch: SlotBatch) -> torch.Tensor:
+        c = self.config
+        b, t, _ = hidden_states.shape
+        heads, p, groups, ns = c.num_heads, c.head_dim, c.num_groups, c.state_size
+        z, xbc, dt = self._in_projections(hidden_states)
+        xbc = conv_cached(self.conv, xbc, cache, "conv", batch)
+        x, B, C = torch.split(xbc, [c.d_inner, groups * ns, groups * ns], -1)
+        A = -torch.exp(upcast(self.A_log))
+        if batch.decode:
+            y = selective_state_update(
+                cache["ssm"], x.reshape(b, heads, p), dt.reshape(b, heads, 1).expand(b, heads, p),
+                A[:, None, None].expand(heads, p, ns), B.reshape(b, groups, ns), C.reshape(b, groups, ns),
+                D=self.D[:, None].expand(heads, p), dt_bias=self.dt_bias[:, None].expand(heads, p),
+                dt_softplus=True, state_batch_indices=batch.slots, dt_limit=c.dt_limit, backend=self.backend)
+            return self.out_proj(self.norm(y.reshape(b, 1, c.d_inner), z))
+        initial = None if batch.all_fresh else cache.gather("ssm", batch)
+        args = (x.reshape(b, t, heads, p), dt, A, B.reshape(b, t, groups, ns), C.reshape(b, t, groups, ns),
+                c.chunk_size)
+        kwargs = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=c.dt_limit, backend=self.backend)
+        if batch.packed:
+            y, states = mamba_chunk_scan_combined(*args, initial_states=batch.spread(initial),
+                                                  cu_seqlens=batch.state_varlen, return_varlen_states=True, **kwargs)
+            states = batch.pick(states)
+        else:
+            y, states = mamba_chunk_scan_combined(*args, initial_states=initial, return_final_states=True, **kwargs)
+        cache.write("ssm", batch, states)
+        return self.out_proj(self.norm(y.reshape(b, t, c.d_inner), z))
