@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# tolerances per dtype (DESIGN "Numbers that define correct"): the tests' own table, never the product's
+# tolerances per dtype: the tests' own table, never the product's
 from tests.tolerances import BF16_FWD_REL, BF16_GRAD_REL, FP32_REL, FP64_ABS  # noqa: F401
 
 
@@ -34,7 +34,7 @@ def check_close(got, want, dtype, *, grad=False, what=""):
 
 
 def design_lengths(chunk: int, width: int = 4) -> list[int]:
-    """DESIGN's length grid: 1, 2, W-1, W, chunk-1, chunk, chunk+1, 2*chunk, with empty documents."""
+    """The length grid: 1, 2, W-1, W, chunk-1, chunk, chunk+1, 2*chunk, with empty documents."""
     return [1, 2, 0, width - 1, width, chunk - 1, 0, chunk, chunk + 1, 2 * chunk, 3, 0]
 
 

@@ -131,7 +131,7 @@ def _steps(subject, key):
 @pytest.mark.parametrize("subject", [pytest.param(s, id=s)
                                      for s in OPS])
 def test_a_nan_stays_in_its_document(ranks, subject):
-    """DESIGN's isolation under CP: a NaN in the document spanning the 4 ranks (token 20, rank 1)
+    """NaN isolation under CP: a NaN in the document spanning the 4 ranks (token 20, rank 1)
     leaves every other document's outputs, gradients and final states finite and bitwise as
     without it, on every rank; it does reach its own document's later tokens (negative control)."""
     per_rank = _load(ranks(4), f"{subject}-spanning-p4", 4)

@@ -112,7 +112,7 @@ def test_flattened_batch_equals_each_document_alone(monkeypatch, factory, collat
     enable_packing(model)
     assert any(isinstance(m, PackedMixer) for m in model.modules())
     after, packed, alone = _leak(model, docs, batch)
-    assert rel_rms(packed, alone) <= 1e-5, after     # fp32 exactness (DESIGN: relative RMS <= 1e-5)
+    assert rel_rms(packed, alone) <= 1e-5, after     # fp32 exactness: relative RMS <= 1e-5
 
 
 @pytest.mark.parametrize("factory", MODELS[:2])

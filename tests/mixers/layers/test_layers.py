@@ -1,4 +1,4 @@
-"""State-reset regression suite: every mixer, every dtype, DESIGN's length grid, padded layouts."""
+"""State-reset regression suite: every mixer, every dtype, the length grid, padded layouts."""
 
 import pytest
 import torch

@@ -26,7 +26,7 @@ H, K, V, NH = 2, 8, 4, 2
 CHUNK = 16
 LENGTHS = [5, 0, 32, 3, 50]          # an empty document, documents straddling chunks
 NEG_INF = float("-inf")
-# own numbers (DESIGN): fp64 max abs error, fp32 relative RMS error
+# own numbers: fp64 max abs error, fp32 relative RMS error
 FP64_ABS, FP32_REL = 1e-10, 1e-5
 
 
