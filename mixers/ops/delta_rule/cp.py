@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from ssm_pack.varlen import VarlenBatch
+
 from ..chunks import compute_dtype
 from ..cp_exchange import chain_scan
 
@@ -56,7 +58,6 @@ def _steps(t, lo, hi, nh):
 def _continuing(kind, local_op, q, k, v, g, beta, scale, l2norm, run, chunk_size, backend, nh, compute):
     """The first segment's ``T1`` tokens alone, with K extra value columns: ``v = 0`` there and
     initial state ``[0 | I]``. Returns ``(o [1, T1, HV, V + K], final [HV, K, V + K])``."""
-    from ssm_pack.varlen import VarlenBatch
     t1, (hv, kd) = run.first_len, (v.shape[2], q.shape[3])
     v1 = _steps(v, 0, t1, nh)
     v1 = torch.cat([v1, v1.new_zeros(*v1.shape[:3], kd)], dim=-1)
