@@ -5,7 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixers.ops import chunk_gated_delta_product, chunk_gated_delta_rule, chunk_kda
+from mixers.ops import (
+    chunk_gated_delta_product,
+    chunk_gated_delta_rule,
+    chunk_kda,
+    fused_recurrent_gated_delta_product,
+    fused_recurrent_gated_delta_rule,
+    fused_recurrent_kda,
+)
 from mixers.ops.delta_rule.naive import gated_delta_rule_naive
 from ssm_pack import lengths_to_cu_seqlens
 from tests.mixers.ops.naive_compare import assert_same
@@ -93,3 +100,25 @@ def test_spec_resets_at_boundaries():
     joined, _ = gated_delta_rule_naive(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 7], dtype=torch.int32))
     torch.testing.assert_close(apart[:, :3], joined[:, :3])
     assert (apart[:, 3:] - joined[:, 3:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind", [pytest.param("gdn", id="gdn"), pytest.param("kda", id="kda"),
+                                  pytest.param("gdp", id="gdp")])
+def test_decode_step_matches_spec(kind):
+    """The decode form (one token per row, ``fused_recurrent_*``): rows are documents."""
+    nh = 2 if kind == "gdp" else 1
+    _, (q, k, v, g, beta, _) = _inputs(kind, [3], 0, 2, 2, nh)
+    q, g = q.reshape(3, 1, *q.shape[2:]), g.reshape(3, 1, *g.shape[2:])
+    k, v, beta = (t.reshape(3, nh, *t.shape[2:]) for t in (k, v, beta))
+    init = torch.randn(3, 2, K, V, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    step = {"gdn": fused_recurrent_gated_delta_rule, "kda": fused_recurrent_kda}
+
+    def backend(q, k, v, g, beta, s):
+        if kind == "gdp":
+            return fused_recurrent_gated_delta_product(q, k, v, g, beta, nh, initial_state=s, output_final_state=True)
+        return step[kind](q, k, v, g, beta, initial_state=s, output_final_state=True)
+
+    def spec(q, k, v, g, beta, s):
+        return gated_delta_rule_naive(q, k, v, g, beta, initial_state=s, output_final_state=True, num_householder=nh)
+
+    assert_same(backend, spec, (q, k, v, g, beta, init), what=f"{kind} decode step")
