@@ -135,21 +135,27 @@ class PackStream(IterableDataset):
         return p
 
     def _refill(self, p: _Pass) -> None:
-        buffer = p.planner.buffer
-        while len(buffer) < self.lookahead and not p.source_done:
-            item = p.source.next()
+        buffer, source, counters, planner = p.planner.buffer, p.source, p.counters, p.planner
+        capacity, align_to, room = planner.capacity, self.align_to, self.lookahead - len(buffer)
+        while room > 0 and not p.source_done:
+            item = source.next()
             if item is None:
                 p.source_done = True
                 break
             index, doc = item
             length = document_length(index, doc)
             p.checksum = checksum(p.checksum, length)
-            p.counters["documents"] += 1
+            counters["documents"] += 1
             if length == 0:
-                p.counters["empty_documents"] += 1
+                counters["empty_documents"] += 1
                 continue
-            self._admit(p, Doc(index, doc, length, p.planner.units(length)))
-        p.counters["max_buffered_tokens"] = max(p.counters["max_buffered_tokens"], buffer.tokens)
+            units = -(-length // align_to)
+            if units <= capacity:
+                buffer.add(Doc(index, doc, length, units))
+            else:
+                self._admit(p, Doc(index, doc, length, units))
+            room -= 1
+        counters["max_buffered_tokens"] = max(counters["max_buffered_tokens"], buffer.tokens)
 
     def _admit(self, p: _Pass, item: Doc) -> None:
         """Into the buffer; a document longer than a pack per ``split_long``."""

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class Doc:
     """A document waiting in the buffer (``tokens`` is the source's object, unconverted)."""
 
@@ -31,7 +31,7 @@ class Doc:
     units: int
 
 
-@dataclass
+@dataclass(slots=True)
 class Piece:
     """``length`` tokens of document ``index`` from token ``offset`` on."""
 

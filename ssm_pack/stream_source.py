@@ -22,8 +22,13 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 _CHECKSUM_MOD = (1 << 61) - 1
 
 
+_SIZED = (bytes, list, tuple, bytearray)       # their len() is the length; ids are checked when packed
+
+
 def document_length(index: int, doc) -> int:
     """Tokens of ``doc`` (``documents[index]``), read without converting it."""
+    if type(doc) in _SIZED:
+        return len(doc)
     if isinstance(doc, torch.Tensor):
         if doc.dim() != 1:
             raise ValueError(f"documents[{index}] must be a 1-D sequence of token ids, got a tensor of shape "
