@@ -102,8 +102,8 @@ def run(args: argparse.Namespace) -> dict:
     print(f"  loss:   {losses[0]:.3f} -> {min(losses[-5:]):.3f} (first step -> best of the last 5)")
     tput = throughput(model, batches, repeat=min(3, len(batches)))
     print(f"  speed:  packed {tput['packed']:,.0f} tok/s vs padded {tput['padded']:,.0f} tok/s "
-          f"({tput['packed'] / tput['padded']:.2f}x; real tokens per second of a training step, rows of "
-          f"{packs.padded_width}, fastest of 3 alternating runs)")
+          f"({tput['packed'] / tput['padded']:.2f}x; real tokens per second of a training step, padded "
+          "rows as long as each pack's longest piece, fastest of 3 alternating runs)")
     checked = leakage_check(model, documents, device, ALIGN)
     print(f"  leaks:  none (bitwise, {checked} perturbations; the negative control without metadata leaks)")
     generation_demo(model, documents)                        # continuous batching + the recompute check

@@ -24,7 +24,8 @@ class Batch:
     """One pack of :func:`ssm_pack.pack_stream`: ``input_ids [1, T]``, ``labels [1, T]`` (``-100`` on
     padding and each piece's first token), its metadata and the whole pack dict (``targets``,
     ``documents``, ``continues`` / ``continued``: what :class:`mixers.carry.CarriedStates` reads),
-    plus the same pieces right-padded to ``[B, S]`` rows, ``S`` the stream's longest piece (static shapes)."""
+    plus the same pieces right-padded to ``[B, S]`` rows, ``S`` the pack's longest piece (as a collator
+    pads a batch to its longest sequence)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -44,8 +45,7 @@ class StreamFigures:
     tokens: int
     packs: int
     max_tokens: int
-    padded_width: int          # S: the padded batch's rows are as long as the longest piece
-    pieces: int                # rows of the padded batch over all packs
+    padded_tokens: int         # B * S summed over packs: one piece per row, rows of the pack's longest
     split_documents: int
     pieces_carried: int        # pieces that start from a carried state
 
@@ -55,7 +55,7 @@ class StreamFigures:
 
     @property
     def padding_padded(self) -> float:
-        return 1 - self.tokens / (self.pieces * self.padded_width)
+        return 1 - self.tokens / self.padded_tokens
 
     @property
     def padding_removed(self) -> float:
@@ -99,17 +99,16 @@ def make_batches(documents: list[bytes], max_tokens: int, align_to: int, device)
     stream = pack_stream(documents, max_tokens, align_to=align_to, split_long="carry")
     packs = list(stream)
     pieces = [_pieces(pack) for pack in packs]
-    width = max(len(piece) for each in pieces for piece in each)      # static shapes: the longest piece
     batches = []
     for pack, each in zip(packs, pieces):
-        padded_ids, padded_labels = _padded_rows(each, width)
+        padded_ids, padded_labels = _padded_rows(each, max(map(len, each)))
         moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in pack.items()}
         moved["packed_seq_params"] = _to(pack["packed_seq_params"], device)
         batches.append(Batch(moved["input_ids"], moved["labels"], moved["packed_seq_params"], moved,
                              padded_ids.to(device), padded_labels.to(device), sum(len(p) for p in each)))
     stats = stream.stats
     figures = StreamFigures(stats["documents"] - stats["empty_documents"], stats["real_tokens"], stats["packs"],
-                            max_tokens, width, sum(map(len, pieces)), stats["split_documents"],
+                            max_tokens, sum(b.padded_ids.numel() for b in batches), stats["split_documents"],
                             sum(bool(pack["continues"]) for pack in packs))
     return batches, figures
 
