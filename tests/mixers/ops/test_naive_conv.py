@@ -4,7 +4,7 @@ specification against the per-document ``F.conv1d`` oracle."""
 import pytest
 import torch
 
-from mixers.ops import causal_conv1d_fn
+from mixers.ops import causal_conv1d_fn, causal_conv1d_update
 from mixers.ops.causal_conv1d.naive import causal_conv1d_naive
 from ssm_pack import lengths_to_cu_seqlens
 from tests.mixers.ops.naive_compare import assert_same
@@ -67,3 +67,15 @@ def test_spec_resets_at_boundaries():
     joined = causal_conv1d_naive(x, weight, bias, cu_seqlens=torch.tensor([0, 7], dtype=torch.int32))
     torch.testing.assert_close(apart[..., :3], joined[..., :3])
     assert (apart[..., 3:] - joined[..., 3:]).abs().max() > 1e-3
+
+
+def test_decode_step_matches_spec():
+    """``causal_conv1d_update`` (two new tokens per row, rows as documents): output and state."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, DIM, 2, generator=g, dtype=torch.float64)
+    weight, bias = torch.randn(DIM, 4, generator=g, dtype=torch.float64), torch.randn(DIM, dtype=torch.float64)
+    state = torch.randn(3, DIM, 3, generator=g, dtype=torch.float64)
+    want, want_state = causal_conv1d_naive(x, weight, bias, state, True, "silu")
+    got_state = state.clone()
+    check_close(causal_conv1d_update(x, got_state, weight, bias, "silu"), want, torch.float64, what="out")
+    check_close(got_state, want_state, torch.float64, what="state")

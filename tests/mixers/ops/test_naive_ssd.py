@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixers.ops import mamba_chunk_scan_combined
+from mixers.ops import mamba_chunk_scan_combined, selective_state_update
 from mixers.ops.ssd.naive import mamba_chunk_scan_naive
 from ssm_pack import lengths_to_cu_seqlens
 from tests.mixers.ops.naive_compare import assert_same
@@ -80,3 +80,19 @@ def test_spec_resets_at_boundaries():
     joined = mamba_chunk_scan_naive(x, dt, A, B, C, 4, cu_seqlens=torch.tensor([0, 7], dtype=torch.int32))
     torch.testing.assert_close(apart[:, :3], joined[:, :3])
     assert (apart[:, 3:] - joined[:, 3:]).abs().max() > 1e-3
+
+
+def test_decode_step_matches_spec():
+    """``selective_state_update`` (one token per row, rows as documents, Mamba2's tied ``dt`` and
+    ``A``): output and state."""
+    _, (x, dt, A, B, C, D, z, dt_bias, _) = _inputs([3], 0)
+    x, dt, B, C, z = (t.reshape(3, 1, *t.shape[2:]) for t in (x, dt, B, C, z))
+    state = torch.randn(3, H, P, NS, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    want, want_state = mamba_chunk_scan_naive(x, dt, A, B, C, 4, D=D, z=z, dt_bias=dt_bias, initial_states=state,
+                                              dt_softplus=True, return_final_states=True)
+    got_state = state.clone()
+    dt_hp, A_hpn = dt[:, 0, :, None].expand(3, H, P), A[:, None, None].expand(H, P, NS)
+    got = selective_state_update(got_state, x[:, 0], dt_hp, A_hpn, B[:, 0], C[:, 0], D=D[:, None].expand(H, P),
+                                 z=z[:, 0], dt_bias=dt_bias[:, None].expand(H, P), dt_softplus=True)
+    check_close(got, want[:, 0], torch.float64, what="out")
+    check_close(got_state, want_state, torch.float64, what="state")
