@@ -2,7 +2,7 @@
 
 Each loader returns the function, or ``None`` with the reason in :data:`MISSING` (a benchmark
 prints the reason instead of a row; nothing here is required). ``pip install -e ".[bench]"``
-installs fla and transformers; mamba-ssm needs the ``cuda`` extra's build flags (README,
+installs fla and transformers; mamba-ssm needs the ``cuda`` extra's build flags (docs/gpu.md,
 "Installing the kernels").
 
 * fla's ``naive_chunk_gated_delta_rule`` / ``naive_chunk_kda`` (fla imports on CPU when triton

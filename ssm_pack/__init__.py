@@ -1,7 +1,7 @@
 """ssm-pack: packing metadata and helpers for hybrid SSM / linear-attention models.
 
 Imports torch only; the optional kernels (causal-conv1d, mamba-ssm, fla, flash-attn) are never
-imported here. See README for the representations and the support matrix.
+imported here. See docs/packing.md and docs/gpu.md.
 """
 
 from .context_parallel import ContextParallelLayout, shard_for_context_parallel

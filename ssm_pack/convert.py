@@ -1,4 +1,4 @@
-"""Conversions between the packed representations (see README, "Representations").
+"""Conversions between the packed representations (see docs/packing.md).
 
     B = rows of a padded batch, S = padded row length, N = documents, T = packed tokens
 

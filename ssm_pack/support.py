@@ -175,7 +175,7 @@ def triton_interpreter() -> bool:
     Triton kernels (mamba-ssm's SSD scan, fla's delta-rule scans and causal_conv1d) and their
     support checks accept the interpreter as the device. The CUDA C++ kernels (causal-conv1d,
     flash-attn) still need a real CUDA device. For tests only: the interpreter is orders of
-    magnitude slower than the reference (see README "Interpreter lane").
+    magnitude slower than the reference (see docs/testing.md).
     """
     return os.environ.get(TRITON_INTERPRET_SWITCH) == "1" and os.environ.get("TRITON_INTERPRET") == "1"
 

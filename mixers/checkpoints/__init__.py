@@ -1,4 +1,4 @@
-"""Converters between upstream layers' checkpoints and our mixers (see README "Bring your checkpoint").
+"""Converters between upstream layers' checkpoints and our mixers (see docs/checkpoints.md).
 
 ``SOURCES`` names every upstream layout; ``from_module`` / ``from_state_dict`` build our mixer,
 ``to_state_dict`` / ``to_module`` go back; ``load_checkpoint`` / ``select`` read files safely.
