@@ -139,3 +139,67 @@ def test_layer_kernel_matches_layer_reference(name, dtype):
     for packed in (params, None):
         a, b = kernel(x, packed_seq_params=packed), reference(x, packed_seq_params=packed)
         assert rel_rms(a.float(), b.float()) < 2 * TOL[dtype]
+
+
+def _naive_inputs(*tensors):
+    """The kernel's inputs as fp64 CPU tensors, for the specifications (``naive.py``)."""
+    return [None if t is None else t.detach().cpu().double() for t in tensors]
+
+
+def _close_to_spec(got, want, dtype, what):
+    err = rel_rms(got.detach().cpu().double(), want)
+    assert err < TOL[dtype], f"{what}: relative RMS error {err:.3e} against naive.py ({dtype})"
+
+
+@pytest.mark.parametrize("op", ["conv", "ssd"])
+def test_conv_and_ssd_kernels_match_spec(op):
+    """Each kernel against the op's specification, on the packed lengths above (empty and 1-token documents)."""
+    from mixers.ops.causal_conv1d.naive import causal_conv1d_naive
+    from mixers.ops.ssd.naive import mamba_chunk_scan_naive
+    cu = lengths_to_cu_seqlens([0, 15, 100, 300, 1], device=DEVICE)
+    dtype = torch.float32
+    if op == "conv":
+        need("causal_conv1d", ("seq_idx",))
+        x = torch.randn(1, 416, 64, device=DEVICE).transpose(1, 2)
+        w, b = torch.randn(64, 4, device=DEVICE), torch.randn(64, device=DEVICE)
+        out = causal_conv1d_fn(x, w, b, activation="silu", cu_seqlens=cu, backend="kernel")
+        want = causal_conv1d_naive(*_naive_inputs(x, w, b), activation="silu", cu_seqlens=cu.cpu())
+    else:
+        need("mamba_ssd", ("seq_idx",))
+        t, h, p, n = 416, 4, 32, 32
+        x, dt, B, C = (torch.randn(*s, device=DEVICE) for s in ((1, t, h, p), (1, t, h), (1, t, 1, n), (1, t, 1, n)))
+        A = -torch.rand(h, device=DEVICE)
+        out = mamba_chunk_scan_combined(x, dt, A, B, C, 64, cu_seqlens=cu, dt_softplus=True, backend="kernel")
+        want = mamba_chunk_scan_naive(*_naive_inputs(x, dt, A, B, C), 64, cu_seqlens=cu.cpu(), dt_softplus=True)
+    _close_to_spec(out, want, dtype, op)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda", "gdp", "attention"])
+def test_delta_rule_and_attention_kernels_match_spec(kind):
+    """fla's kernels (bf16) and flash attention against the specifications, outputs and final states."""
+    from mixers.ops import chunk_gated_delta_product, chunk_gated_delta_rule, chunk_kda, varlen_attention
+    from mixers.ops.attention.naive import varlen_attention_naive
+    from mixers.ops.delta_rule.naive import gated_delta_rule_naive
+    cu = lengths_to_cu_seqlens([0, 15, 100, 300, 1], device=DEVICE)
+    dtype, t, h, d = torch.bfloat16, 416, 4, 64
+    if kind == "attention":
+        need("flash_attn")
+        q, k, v = (torch.randn(t, h, d, device=DEVICE, dtype=dtype) for _ in range(3))
+        out = varlen_attention(q, k, v, cu, 300, backend="kernel")
+        _close_to_spec(out, varlen_attention_naive(*_naive_inputs(q, k, v), cu.cpu()), dtype, kind)
+        return
+    need("fla")
+    nh = 2 if kind == "gdp" else 1
+    q, k, v = (torch.randn(1, t * (1 if i == 0 else nh), h, d, device=DEVICE, dtype=dtype) for i in range(3))
+    beta = torch.rand(1, t * nh, h, device=DEVICE, dtype=dtype)
+    shape = (1, t, h, d) if kind == "kda" else (1, t, h)
+    g = torch.nn.functional.logsigmoid(torch.randn(*shape, device=DEVICE)).to(dtype)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu, backend="kernel")
+    if kind == "gdp":
+        o, s = chunk_gated_delta_product(q, k, v, g, beta, nh, **kw)
+    else:
+        o, s = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}[kind](q, k, v, g, beta, **kw)
+    want_o, want_s = gated_delta_rule_naive(*_naive_inputs(q, k, v, g, beta), output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True, cu_seqlens=cu.cpu(), num_householder=nh)
+    _close_to_spec(o, want_o, dtype, f"{kind} out")
+    _close_to_spec(s, want_s, dtype, f"{kind} final state")
