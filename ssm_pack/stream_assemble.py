@@ -51,7 +51,7 @@ def _params(real: list[int], physical: list[int], max_tokens: int) -> PackedSeqP
     assert tail >= 0, "the planner fills at most max_tokens"
     slots = [b - a for a, b in zip(physical, physical[1:])] + [tail]
     if _np is not None:
-        seq_idx = torch.from_numpy(_np.repeat(_np.arange(len(slots), dtype=_np.int32), slots)).unsqueeze(0)
+        seq_idx = torch.from_numpy(_np.repeat(_np.arange(len(slots), dtype=_np.int32), slots).reshape(1, -1))
     else:
         seq_idx = torch.repeat_interleave(torch.arange(len(slots), dtype=torch.int32), torch.tensor(slots),
                                           output_size=max_tokens).unsqueeze(0)
@@ -116,8 +116,9 @@ def assemble_pack(tokens: list[torch.Tensor], offsets: list[int], *, max_tokens:
         targets, positions = _edit_numpy(labels, physical, offsets, max_tokens, last, next_token)
     else:
         targets, positions = _edit_torch(labels, physical, offsets, params.seq_idx[0], last, next_token)
-    return {"input_ids": input_ids.unsqueeze(0), "labels": labels.unsqueeze(0), "targets": targets.unsqueeze(0),
-            "position_ids": positions.unsqueeze(0), "packed_seq_params": params}
+        targets, positions = targets.unsqueeze(0), positions.unsqueeze(0)
+    return {"input_ids": input_ids.unsqueeze(0), "labels": labels.unsqueeze(0), "targets": targets,
+            "position_ids": positions, "packed_seq_params": params}
 
 
 def _edit_torch(labels: torch.Tensor, physical: list[int], offsets: list[int], seq_idx: torch.Tensor,
@@ -138,7 +139,7 @@ def _edit_torch(labels: torch.Tensor, physical: list[int], offsets: list[int], s
 
 def _edit_numpy(labels: torch.Tensor, physical: list[int], offsets: list[int], max_tokens: int,
                 last: int | None, next_token: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_edit_torch` on numpy views of the same memory: the same values."""
+    """:func:`_edit_torch` on numpy views of the same memory: the same values, as ``[1, T]``."""
     lab = labels.numpy()
     lab[physical[:-1]] = IGNORE_INDEX
     targets = _np.empty_like(lab)
@@ -150,7 +151,7 @@ def _edit_numpy(labels: torch.Tensor, physical: list[int], offsets: list[int], m
     counts = [b - a for a, b in zip(physical, ends)]
     shift = [a - o for a, o in zip(physical, offsets)] + [physical[-1]]       # position = t - start + offset
     positions = _arange_np(max_tokens) - _np.repeat(_np.asarray(shift, dtype=_np.int64), counts)
-    return torch.from_numpy(targets), torch.from_numpy(positions)
+    return torch.from_numpy(targets.reshape(1, -1)), torch.from_numpy(positions.reshape(1, -1))
 
 
 @functools.lru_cache(maxsize=8)
