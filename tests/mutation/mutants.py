@@ -35,9 +35,10 @@ def _inference(*files: str) -> tuple[str, ...]:
 
 
 CONTINUATION = _inference("test_continuation", "test_mixer_cache", "test_model_cache")
-CACHE_WRITES = _inference("test_cache_api", "test_mixer_cache", "test_model_cache")
+CACHE_WRITES = _inference("test_continuation", "test_cache_api", "test_mixer_cache", "test_model_cache")
 GENERATION = _inference("test_sampling", "test_inference_api", "test_cache_api", "test_model_cache")
-DECODE = _inference("test_mamba2_decode", "test_decode_ops", "test_cache_api", "test_mixer_cache")
+DECODE = _inference("test_mamba2_decode", "test_decode_ops", "test_continuation", "test_cache_api",
+                    "test_mixer_cache")
 SLOT_CHECKS = _inference("test_cache_api", "test_inference_api", "test_mixer_cache")
 VARLEN_TESTS = ("tests/ssm_pack/test_varlen.py", "tests/ssm_pack/test_metadata_hardening.py",
                 "tests/ssm_pack/test_seq_idx.py")
