@@ -140,3 +140,14 @@ def test_docs_support_matrix_is_the_generated_one():
     found = MATRIX.search((ROOT / "docs" / "gpu.md").read_text())
     assert found, "docs/gpu.md lacks the generated support matrix between its markers"
     assert found.group(1) == support_matrix(), "regenerate it: python -m ssm_pack --matrix"
+
+
+def test_readme_stays_short():
+    """README is the ten-minute read; the detail lives in docs/ (a page per topic)."""
+    lines = README.read_text().count("\n")
+    assert lines <= 360, f"README.md has {lines} lines: move the detail into a docs/ page"
+
+
+def test_readme_links_only_pages_that_exist():
+    links = re.findall(r"\]\(((?:docs/)?[\w./-]+\.(?:md|png))(?:#[\w-]+)?\)", README.read_text())
+    assert links and all((ROOT / link).exists() for link in links), [x for x in links if not (ROOT / x).exists()]

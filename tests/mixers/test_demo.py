@@ -1,4 +1,4 @@
-"""The main job runs end to end (tiny settings), prints everything README shows on stdout, and
+"""The main job runs end to end (tiny settings), prints everything docs/demo.md shows on stdout, and
 reports every bad flag as one clear line before any work."""
 
 import io
@@ -13,7 +13,7 @@ from mixers.demo import build_parser, check_args, main
 from mixers.demo.corpus import load_documents
 from mixers.demo.train import Progress, make_batches
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "demo.md"      # its sample output
 
 
 def test_corpus_is_real_and_deterministic():
@@ -40,7 +40,7 @@ def test_demo_runs_on_one_stream_and_writes_its_outputs(tmp_path, capsys):
     for line in ("training: loss = mean cross-entropy", "step 4/4  loss", "tok/s", "loss:", "speed:",
                  "leaks:  none"):
         assert line in out
-    # every kind of line README's sample output shows is printed, in README's order
+    # every kind of line the docs' sample output shows is printed, in the sample's order
     sample = README.read_text().split("```\nssm-pack demo: ", 1)[1].split("```", 1)[0].splitlines()
     labels = [re.match(r"\s*(\[|[a-z]+:?)", line).group(1) for line in sample[1:]]
     positions = [out.index("  " + label) for label in dict.fromkeys(labels)]
