@@ -30,7 +30,7 @@ TOL = 1e-9
 FP32_REL = 1e-5
 # The per-head decay parameters' gradients are one sum over every token of cancelling terms: in
 # one process, fp32 rounding alone moves them by up to 3e-5 between chunk sizes 4 and 32 on this
-# case (README: up to ~7e-5 against upstream); each mixer alone under CP stays within 1e-6.
+# case (docs/checkpoints.md: up to ~7e-5 against upstream); each mixer alone under CP stays within 1e-6.
 DECAY_PARAMS, DECAY_REL = ("A_log", "dt_bias", "D"), 2e-4
 ROW_KEYS = ("out", "grad_x", "grad_q", "grad_k", "grad_v", "grad_g", "grad_beta", "grad_dt", "grad_B", "grad_C",
             "grad_z")

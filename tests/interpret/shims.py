@@ -63,7 +63,7 @@ def lane(*packages: tuple[str, str]) -> list:
                                                              "pytest -m interpret")]
     for module, dist in packages:
         marks.append(pytest.mark.skipif(not installed(module), reason=f"{dist} is not installed (the lane's "
-                                                                      "packages: see README 'Interpreter lane')"))
+                                                                      "packages: see docs/testing.md)"))
     return marks
 
 

@@ -120,7 +120,7 @@ def test_causal_conv1d_varlen_states(monkeypatch):
     its file (the package ``__init__`` imports the CUDA extension, absent here)."""
     spec = importlib.util.find_spec("causal_conv1d")
     if spec is None:
-        pytest.skip("causal-conv1d is not installed (the lane's packages: see README)")
+        pytest.skip("causal-conv1d is not installed (the lane's packages: see docs/testing.md)")
     path = spec.submodule_search_locations[0] + "/causal_conv1d_varlen.py"
     module_spec = importlib.util.spec_from_file_location("_lane_causal_conv1d_varlen", path)
     module = importlib.util.module_from_spec(module_spec)
