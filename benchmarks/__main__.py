@@ -5,7 +5,8 @@
     python -m benchmarks --full --out docs/benchmarks/
 
 The report goes to ``OUT/YYYY-MM-DD-<machine>.md`` (``-quick`` added at quick sizes), one dated
-file per machine class (:func:`benchmarks.common.machine_slug`), its plots beside it.
+file per machine class (:func:`benchmarks.common.machine_slug`), its plots beside it, and
+``OUT/index.md`` names the latest report of each machine class.
 
 Every figure is a ratio measured side by side in one run; nothing here is asserted. Benchmarks
 never run in CI.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import re
 import time
 from pathlib import Path
 
@@ -46,6 +48,26 @@ def collect(sizes: dict, log) -> list[Result]:
 def report_path(out: Path, machine_line: str, day: datetime.date, *, full: bool) -> Path:
     """``out/YYYY-MM-DD-<machine class>.md``; a quick run adds ``-quick`` so it never replaces a full one."""
     return Path(out) / f"{day.isoformat()}-{machine_slug(machine_line)}{'' if full else '-quick'}.md"
+
+
+REPORT_NAME = re.compile(r"^(\d{4}-\d{2}-\d{2})-(.+)\.md$")
+
+
+def write_index(out: Path) -> Path:
+    """``out/index.md``: the newest report of each machine class first, then every report, newest
+    first, so the docs can link one page that always names the latest figures."""
+    reports = sorted(((m.group(1), m.group(2), p.name) for p in Path(out).glob("*.md")
+                      if (m := REPORT_NAME.match(p.name))), reverse=True)
+    latest = {}
+    for day, machine_class, name in reports:
+        latest.setdefault(machine_class, (day, name))
+    lines = ["# Benchmark reports", "", "Written by `python -m benchmarks --out DIR`; figures vary with the machine.",
+             "", "## Latest per machine class", ""]
+    lines += [f"- [{machine_class}]({name}) ({day})" for machine_class, (day, name) in latest.items()]
+    lines += ["", "## All reports, newest first", ""] + [f"- [{name}]({name})" for _, _, name in reports]
+    index = Path(out) / "index.md"
+    index.write_text("\n".join(lines) + "\n")
+    return index
 
 
 def plot(results: list[Result], stem: Path) -> list[Path]:
@@ -122,6 +144,7 @@ def main(argv=None) -> int:
     pngs = plot(results, path.with_suffix(""))
     report += "\n" + "".join(f"![{p.stem}]({p.name})\n" for p in pngs)
     path.write_text(report)
+    write_index(out)
     print(report)
     print(f"wrote {path} and {', '.join(str(p) for p in pngs)} in {time.perf_counter() - started:.0f} s")
     return 0

@@ -40,3 +40,16 @@ def test_report_path_is_dated_and_marks_quick_runs(tmp_path):
 def test_machine_slug_of_this_machine_is_a_file_name():
     slug = machine_slug()
     assert slug and Path(slug).name == slug and slug == slug.lower()
+
+
+def test_index_names_the_latest_report_of_each_machine_class(tmp_path):
+    from benchmarks.__main__ import write_index
+    for name in ("2026-11-02-amd-epyc-2-threads.md", "2026-12-01-amd-epyc-2-threads.md",
+                 "2026-11-20-intel-xeon-2-threads-quick.md", "notes.md"):
+        (tmp_path / name).write_text("x")
+    text = write_index(tmp_path).read_text()
+    latest = text.split("## All reports")[0]
+    assert "[amd-epyc-2-threads](2026-12-01-amd-epyc-2-threads.md)" in latest
+    assert "2026-11-02" not in latest
+    assert "[intel-xeon-2-threads-quick](2026-11-20-intel-xeon-2-threads-quick.md)" in latest
+    assert "notes.md" not in text and text.index("2026-12-01") < text.index("2026-11-02")
