@@ -53,3 +53,20 @@ def test_index_names_the_latest_report_of_each_machine_class(tmp_path):
     assert "2026-11-02" not in latest
     assert "[intel-xeon-2-threads-quick](2026-11-20-intel-xeon-2-threads-quick.md)" in latest
     assert "notes.md" not in text and text.index("2026-12-01") < text.index("2026-11-02")
+
+
+def test_main_writes_the_dated_report_its_plots_and_the_index(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import benchmarks.__main__ as bench
+    from benchmarks.common import Result
+
+    fake = [Result("layers", "Mamba2: packed vs padded", 2.0, 1.0, 2.0, unit="tok/s"),
+            Result("layers", "Mamba2: packed vs padded loop", 2.0, 1.5, 1.3, unit="tok/s"),
+            Result("metadata", "seq_idx vs cumsum", 1e-3, 1e-3, 1.0, target=3.0, higher_is_better=False)]
+    monkeypatch.setattr(bench, "collect", lambda sizes, log: fake)         # no timing: the file layout only
+    assert bench.main(["--out", str(tmp_path)]) == 0
+    report = report_path(tmp_path, bench.machine(), datetime.date.today(), full=False)
+    text = report.read_text()
+    assert "Machine: " in text and "seq_idx vs cumsum" in text and f"]({report.stem}-ops.png)" in text
+    assert (tmp_path / f"{report.stem}-ops.png").exists() and (tmp_path / "index.md").exists()
+    assert report.name in (tmp_path / "index.md").read_text()
