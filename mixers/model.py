@@ -160,7 +160,7 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     with the same message, without its position."""
     if input_ids.numel() == 0:
         return
-    if policy_for(input_ids) != "cpu" or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or policy_for(input_ids) != "cpu":
         torch._assert_async(((input_ids >= 0) & (input_ids < vocab_size)).all(),
                             f"input_ids holds a token id outside the vocabulary of {vocab_size} tokens "
                             f"(0..{vocab_size - 1})")
