@@ -12,16 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _spans(cu_seqlens, rows: int, total: int) -> list[tuple[int, int, int, int | None]]:
-    """``(row, start, end, doc)`` of every segment; ``doc`` is ``None`` for a padding tail."""
-    if cu_seqlens is None:
-        return [(b, 0, total, b) for b in range(rows)]
-    bounds = [int(c) for c in cu_seqlens]
-    spans = [(0, s, e, i) for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
-    if total > bounds[-1]:
-        spans.append((0, bounds[-1], total, None))      # tokens after cu_seqlens[-1]: one more segment
-    return spans
+from ..naive_documents import document_spans
 
 
 def causal_conv1d_naive(x, weight, bias=None, initial_states=None, return_final_states=False, activation=None,
@@ -44,7 +35,7 @@ def causal_conv1d_naive(x, weight, bias=None, initial_states=None, return_final_
     width = weight.shape[1]
     out = torch.zeros_like(x)
     finals = {}
-    for row, start, end, doc in _spans(cu_seqlens, rows, total):
+    for row, start, end, doc in document_spans(cu_seqlens, rows, total):
         # 1. the document's history: its initial state, or zeros (a padding tail starts from zeros)
         if initial_states is not None and doc is not None:
             history = initial_states[doc]

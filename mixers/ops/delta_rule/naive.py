@@ -19,19 +19,12 @@ from __future__ import annotations
 
 import torch
 
+from ..naive_documents import document_spans
+
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     """fla's ``l2norm``: ``x / sqrt(sum_K x^2 + 1e-6)``."""
     return x / torch.sqrt(x.square().sum(-1, keepdim=True) + 1e-6)
-
-
-def _documents(cu_seqlens, rows: int, total: int) -> list[tuple[int, int, int, int | None]]:
-    """``(row, start, end, doc)`` of every segment; ``doc`` is ``None`` for a padding tail."""
-    if cu_seqlens is None:
-        return [(b, 0, total, b) for b in range(rows)]
-    bounds = [int(c) for c in cu_seqlens]
-    spans = [(0, s, e, i) for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
-    return spans + ([(0, bounds[-1], total, None)] if total > bounds[-1] else [])
 
 
 def _run_document(q, k, v, g, beta, S, scale: float, nh: int):
@@ -76,7 +69,7 @@ def gated_delta_rule_naive(q, k, v, g, beta, scale=None, initial_state=None, out
     o = v.new_zeros(rows, total, value_heads, vd)
     finals = {}
     # 3. every document and value head alone, from its own initial state
-    for row, s, e, doc in _documents(cu_seqlens, rows, total):
+    for row, s, e, doc in document_spans(cu_seqlens, rows, total):
         for h in range(value_heads):
             S = initial_state[doc, h] if initial_state is not None and doc is not None else v.new_zeros(kd, vd)
             hk = h // per_key

@@ -21,6 +21,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..naive_documents import document_spans
+
 
 def _segment_sums(a: torch.Tensor) -> torch.Tensor:
     """``[..., L] -> [..., L, L]``: entry ``(i, j)`` is ``a[j+1] + ... + a[i]`` for ``j <= i``, else ``-inf``."""
@@ -58,15 +60,6 @@ def _ssd_document(x, a, B, C, chunk: int, h0):
     return y.reshape(-1, *y.shape[2:])[:length], h_final
 
 
-def _documents(cu_seqlens, rows: int, total: int) -> list[tuple[int, int, int, int | None]]:
-    """``(row, start, end, doc)`` of every segment; ``doc`` is ``None`` for a padding tail."""
-    if cu_seqlens is None:
-        return [(b, 0, total, b) for b in range(rows)]
-    bounds = [int(c) for c in cu_seqlens]
-    spans = [(0, s, e, i) for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
-    return spans + ([(0, bounds[-1], total, None)] if total > bounds[-1] else [])
-
-
 def mamba_chunk_scan_naive(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                            cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf), return_final_states=False,
                            return_varlen_states=False):
@@ -95,7 +88,7 @@ def mamba_chunk_scan_naive(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=N
     zero = x.new_zeros(heads, x.shape[-1], B.shape[-1])
     row_final = [zero] * rows
     doc_final = {}
-    for row, s, e, doc in _documents(cu_seqlens, rows, total):
+    for row, s, e, doc in document_spans(cu_seqlens, rows, total):
         h0 = initial_states[doc] if initial_states is not None and doc is not None else zero
         if e > s:
             y_doc, h = _ssd_document(xdt[row, s:e], a[row, s:e], Bh[row, s:e], Ch[row, s:e], chunk_size, h0)
