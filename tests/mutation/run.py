@@ -1,6 +1,8 @@
 """Mutation check: plant each bug of ``mutants.py`` in a scratch copy and see whether the tests catch it.
 
     python -m tests.mutation.run [--area inference] [--only NAME ...] [--timeout 240] [--json out.json]
+    python -m tests.mutation.run --list                         # the planted changes
+    python -m tests.mutation.run --only NAME --tests PATH ...   # other tests instead of the mutant's own
 
 The repository is copied once (without ``.git``, virtual environments and caches) into a
 temporary directory; each mutant's edits are applied there, its test files run in the given order
@@ -13,8 +15,9 @@ as a kill (``--baseline``: run every named file unmutated first instead).
 
 A mutant is *killed* when pytest reports a failure, *survived* when every test passes,
 *timeout* when the run exceeds ``--timeout``, *stale* when its text no longer occurs exactly
-once. Prints one line per mutant and the kill rate per area; exits 0 (it reports, it does not
-gate). Not collected by the default test run (no ``test_*`` files here); run it by hand.
+once. ``--area inference`` also selects its sub-areas (``inference/slots``, ...). Prints one line
+per mutant and the kill rate per area (and per parent of sub-areas); exits 0 (it reports, it
+does not gate). Not collected by the default test run (no ``test_*`` files here); run it by hand.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 from tests.mutation.mutants import MUTANTS, Edit, Mutant
@@ -191,19 +195,33 @@ def restore(originals: dict[Path, str]) -> None:
         path.write_text(text)
 
 
+def in_areas(area: str, chosen) -> bool:
+    """Whether ``area`` is one of ``chosen`` (all when empty) or a sub-area (``inference/slots``) of one."""
+    return not chosen or any(area == a or area.startswith(a.rstrip("/") + "/") for a in chosen)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--area", action="append", help="only these areas (repeatable)")
+    parser.add_argument("--area", action="append", help="only these areas and their sub-areas (repeatable)")
     parser.add_argument("--only", action="append", help="only these mutant names (repeatable)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per pytest run")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--list", action="store_true", help="print the chosen mutants and exit")
+    parser.add_argument("--tests", nargs="+", metavar="PATH",
+                        help="run these tests for every mutant instead of its own")
     parser.add_argument("--baseline", action="store_true",
                         help="first run every named test path unmutated and leave out what fails there")
     parser.add_argument("--no-fork", action="store_true",
                         help="a fresh interpreter per run (slower: re-imports torch, transformers and fla each time)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)
-    mutants = [m for m in MUTANTS if (not args.area or m.area in args.area) and (not args.only or m.name in args.only)]
+    mutants = [m for m in MUTANTS if in_areas(m.area, args.area) and (not args.only or m.name in args.only)]
+    if args.tests:
+        mutants = [replace(m, tests=tuple(args.tests)) for m in mutants]
+    if args.list:
+        for m in mutants:
+            print(f"{m.area:20} {m.name:34} {m.what}")
+        return 0
     repo = scratch_copy()
     try:
         check_imports(repo)
@@ -255,7 +273,7 @@ def run_mutant(repo: Path, mutant: Mutant, broken: list[str], *, timeout: float,
         print(f"          {killer} fails on the unmutated tree too: left out", flush=True)
         broken.append(killer)
     status = {"failed": "killed", "passed": "survived"}.get(status, status)
-    print(f"{status:9} {mutant.area:11} {mutant.name:34} {seconds:5.0f} s  {killer}", flush=True)
+    print(f"{status:9} {mutant.area:20} {mutant.name:34} {seconds:5.0f} s  {killer}", flush=True)
     return dict(name=mutant.name, area=mutant.area, status=status, seconds=round(seconds, 1), killed_by=killer,
                 what=mutant.what)
 
@@ -271,12 +289,15 @@ def summary(results: list[dict]) -> None:
     by_area = defaultdict(list)
     for r in results:
         by_area[r["area"]].append(r)
-    print("\narea        killed / planted   survived")
+    for r in results:                                           # a row for each parent of sub-areas
+        if "/" in r["area"]:
+            by_area[r["area"].split("/")[0] + " (all)"].append(r)
+    print(f"\n{'area':20} killed / planted   survived")
     for area, rows in by_area.items():
         killed = sum(r["status"] == "killed" for r in rows)
         counted = sum(r["status"] in ("killed", "survived") for r in rows)
         others = [f"{r['name']} ({r['status']})" for r in rows if r["status"] not in ("killed",)]
-        print(f"{area:11} {killed:3d} / {counted:<3d}           {', '.join(others) or '-'}")
+        print(f"{area:20} {killed:3d} / {counted:<3d}           {', '.join(others) or '-'}")
 
 
 if __name__ == "__main__":
