@@ -7,7 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from mixers.integrations.transformers import PackedMixer, disable_packing, enable_packing  # noqa: E402
-from tests.mixers.checkpoints.upstream import kimi_config, transformers_torch_paths  # noqa: E402
+from tests.mixers.integrations import hf_models  # noqa: E402
 from tests.oracles import rel_rms  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -15,44 +15,15 @@ VOCAB = 64
 LENGTHS = [5, 17, 1, 30]                     # uneven; a 1-token document; crosses Mamba2's chunk of 8
 
 
-def mamba2(monkeypatch):
-    return transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
-        hidden_size=32, num_heads=4, head_dim=16, expand=2, state_size=8, n_groups=2, chunk_size=8,
-        num_hidden_layers=2, vocab_size=VOCAB))
+def _sdpa(name):
+    """The tiny model ``name`` of :mod:`tests.mixers.integrations.hf_models` with sdpa attention."""
+    def factory(monkeypatch):
+        return hf_models.FACTORIES[name](monkeypatch, "sdpa")
+    factory.__name__ = name
+    return factory
 
 
-def qwen3_next(monkeypatch):
-    from transformers.models.qwen3_next import modeling_qwen3_next as q
-    transformers_torch_paths(monkeypatch, q, "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
-    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
-        hidden_size=32, intermediate_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=16, num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"], num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, num_experts=0, vocab_size=VOCAB, attn_implementation="sdpa"))
-
-
-def bamba(monkeypatch):
-    return transformers.BambaForCausalLM(transformers.BambaConfig(
-        hidden_size=32, intermediate_size=64, mamba_n_heads=4, mamba_d_head=16, mamba_expand=2, mamba_d_state=8,
-        mamba_n_groups=2, mamba_chunk_size=8, num_hidden_layers=2, attn_layer_indices=[1], num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=VOCAB, attn_implementation="sdpa"))
-
-
-def kimi_linear(monkeypatch):
-    from transformers.models.kimi_linear import modeling_kimi_linear as k
-    transformers_torch_paths(monkeypatch, k, "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
-    config = kimi_config(num_hidden_layers=2, intermediate_size=64, attn_implementation="sdpa", pad_token_id=0,
-                         num_key_value_heads=2, mlp_layer_types=["dense", "dense"],
-                         linear_attn_config={"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4,
-                                             "kda_layers": [1], "full_attn_layers": [2]})
-    model = transformers.KimiLinearForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            gate = getattr(layer.self_attn, "forget_gate", None)
-            if gate is not None:
-                gate.A_log.copy_(torch.empty_like(gate.A_log).uniform_(1, 4).log())
-                gate.dt_bias.normal_()
-    return model
+mamba2, qwen3_next, bamba, kimi_linear = (_sdpa(n) for n in ("mamba2", "qwen3_next", "bamba", "kimi_linear"))
 
 
 MODELS = [pytest.param(mamba2, id="mamba2"), pytest.param(qwen3_next, id="qwen3_next"),
