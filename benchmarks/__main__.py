@@ -20,7 +20,7 @@ import re
 import time
 from pathlib import Path
 
-from benchmarks import bench_conv_ssd, bench_delta_rule, bench_inference, bench_layers, bench_metadata
+from benchmarks import bench_conv_ssd, bench_delta_rule, bench_inference, bench_layers, bench_metadata, bench_stream
 from benchmarks.common import Result, machine, machine_slug, results_table
 
 QUICK = dict(meta=(2**19, 5000), conv_ssd=(2048, 256), delta=(2048, [64], 1024), layers=(4, 256), repeat=3)
@@ -42,7 +42,9 @@ def collect(sizes: dict, log) -> list[Result]:
     layer_results, _ = bench_layers.run(*sizes["layers"], repeat, log=log)
     log("inference ...")
     inference_results = bench_inference.run(quick=sizes is QUICK, rounds=max(3, repeat + 2), log=log)
-    return results + layer_results + inference_results
+    log("stream packer ...")
+    stream_results = bench_stream.run(quick=sizes is QUICK, repeat=repeat, log=log)
+    return results + layer_results + inference_results + stream_results
 
 
 def report_path(out: Path, machine_line: str, day: datetime.date, *, full: bool) -> Path:

@@ -25,7 +25,7 @@ import time
 import torch
 
 import ssm_pack as sp
-from benchmarks.common import machine, table
+from benchmarks.common import Result, machine, table
 
 LOOKAHEADS = (16, 64, 256, 1024, 4096, 16384)
 
@@ -127,6 +127,49 @@ def balance_row(name: str, docs, budget: int, lookahead: int, world: int = 8) ->
         real.append(stream.stats["real_tokens"])
         packs.add(stream.stats["packs"])
     return [name, world, ", ".join(str(p) for p in sorted(packs)), f"{max(real) / (sum(real) / world):.4f}"]
+
+
+THROUGHPUT_TARGET = 20.0      # M tokens of documents per second, one core, all packs built
+BALANCE_TARGET = 1.01         # real tokens per rank, max / mean
+PADDING_TARGET = 0.5          # percentage points over the offline first-fit-decreasing plan
+
+
+def corpora_for(quick: bool, budget: int = 4096) -> dict:
+    limit = 5_000 if quick else 100_000
+    docstrings_, functions = stdlib_corpora(limit)
+    return {"stdlib docstrings": docstrings_, "stdlib functions": functions,
+            "synthetic heavy tail": synthetic(5_000 if quick else 50_000)}
+
+
+def run(quick: bool = True, repeat: int = 3, log=None, budget: int = 4096, lookahead: int = 4096) -> list[Result]:
+    """The graded figures per corpus: padding over the offline plan (pp, truncate), throughput with
+    all packs built (M tokens/s of one thread, best of ``repeat``, the rounds as spread) and the
+    per-rank token balance at 8 ranks."""
+    torch.set_num_threads(1)
+    results = []
+    for name, docs in corpora_for(quick, budget).items():
+        if log:
+            log(f"stream: {name} ...")
+        lengths = [min(len(d), budget) for d in docs if len(d)]
+        offline = 1 - sum(lengths) / (len(sp.plan_packs(lengths, budget).packs) * budget)
+        pad, _ = stream_padding(docs, budget, lookahead=lookahead, split_long="truncate")
+        pp = (pad - offline) * 100
+        results.append(Result("stream", f"{name}: padding over offline FFD, lookahead {lookahead}", pad * 100,
+                              offline * 100, pp, PADDING_TARGET, False, unit="%", ratio_unit=" pp", bound=None))
+        tokens, rates = sum(len(d) for d in docs), []
+        for _ in range(repeat):
+            stream = sp.pack_stream(docs, budget, lookahead=lookahead)
+            start = time.process_time()
+            for _ in stream:
+                pass
+            rates.append(tokens / max(time.process_time() - start, 1e-9) / 1e6)
+        best = max(rates)
+        results.append(Result("stream", f"{name}: plan + build, one core, max_tokens {budget}", best, None, best,
+                              THROUGHPUT_TARGET, True, unit="M tok/s", ratio_unit=" M tok/s", rounds=rates))
+        ratio = float(balance_row(name, docs, budget, lookahead)[-1])
+        results.append(Result("stream", f"{name}: per-rank real tokens max / mean, 8 ranks", ratio, None, ratio,
+                              BALANCE_TARGET, False, unit="", ratio_unit="", bound=None))
+    return results
 
 
 def main() -> None:
