@@ -22,7 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-CHEAP = "conv decode step|varlen_attn|AttentionMixer|SSD vs mamba-ssm"
+CHEAP = ("conv decode step|varlen_attn|AttentionMixer|SSD vs mamba-ssm|GatedDeltaProductMixer under|HybridLM .* under"
+         "|context")
 
 
 def python3_only_path(tmp_path: Path) -> str:
@@ -76,6 +77,13 @@ def test_dry_run_runs_every_stage_and_writes_the_summaries(tmp_path):
         assert conv_step["status"] == "skipped" and conv_step["detail"].startswith("skipped: ")
     assert cases["torch varlen_attn direct [fp32]"]["status"] == "skipped"      # CUDA only
     assert "AttentionMixer packed vs padded" in cases
+    layer = cases["GatedDeltaProductMixer under autocast [fp16]"]          # kernel vs reference, both autocast
+    if layer["status"] == "passed":
+        assert 0 < layer["figures"]["out"] <= 5e-3 and layer["figures"]["dx"] <= 1e-2, layer
+    else:
+        assert layer["status"] == "skipped", layer
+    assert cases["HybridLM MGKPA step under autocast [fp16]"]["status"] in ("passed", "skipped")
+    assert "not covered by the one-GPU check" in cases["context parallelism"]["detail"]
     for case in cases.values():
         assert case["status"] != "skipped" or case["detail"].startswith("skipped: "), case
     summary = (out / "summary.md").read_text()

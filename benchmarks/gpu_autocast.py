@@ -1,0 +1,128 @@
+"""Autocast cases of the GPU check's correctness stage: every mixer layer and one ``HybridLM("MGKPA")``
+training step under ``torch.autocast`` (bf16 on CUDA; on the CPU dry run, CPU autocast to fp16: the
+Triton interpreter computes bf16 as garbage, numpy has no bf16), built
+twice with the same weights, ``backend="kernel"`` against ``backend="reference"`` under the same
+autocast.
+
+Both sides see autocast's bf16 projections, so the figure is the kernels' difference from the
+references in the dtype a mixed-precision user trains in: the layer's output, the gradient of its
+input and of every parameter (relative RMS, bf16 / fp16 limits 5e-3 forward / 1e-2 gradients). A kernel
+that refuses the inputs makes the case ``skipped`` with its reason.
+
+    T = packed tokens, D = hidden
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.gpu_report import Skip
+
+BF16 = torch.bfloat16
+SMALL = {"M": {"head_dim": 16, "state_size": 8, "chunk_size": 16}, "G": {"head_dim": 8, "chunk_size": 16},
+         "K": {"head_dim": 8, "chunk_size": 16}, "P": {"head_dim": 8, "chunk_size": 16}, "A": {"head_dim": 8}}
+
+
+def _sizes(setup):
+    """``(hidden, mixer overrides, document lengths)``: tiny on the dry run, empty and 1-token documents."""
+    if setup.dry:
+        return 32, SMALL, [0, 5, 1, 0, 13]
+    return 256, {}, [0, 1, 300, 0, 1000, 1, 77, 2]
+
+
+def autocast_dtype(setup) -> torch.dtype:
+    return torch.float16 if setup.dry else BF16
+
+
+def _twins(build):
+    """The same module built twice from one seed: ``{"kernel": ..., "reference": ...}``; a kernel
+    the layer refuses at construction (package missing, no device) is :class:`Skip`."""
+    twins = {}
+    for backend in ("kernel", "reference"):
+        torch.manual_seed(0)
+        try:
+            twins[backend] = build(backend)
+        except (ValueError, RuntimeError) as err:
+            if backend == "kernel" and _refused(err):
+                raise Skip(str(err)) from err
+            raise
+    return twins
+
+
+def _refused(err: Exception) -> bool:
+    from benchmarks.gpu_correctness import kernel_refusal
+    return kernel_refusal(err)
+
+
+def _grade(setup, kernel: dict, reference: dict):
+    """``(detail, figures, ok)`` over matching named tensors, bf16 limits (``out*`` forward, the rest gradients)."""
+    from benchmarks.gpu_correctness import LIMITS, rel_rms
+    dtype = autocast_dtype(setup)
+    fwd, bwd = LIMITS[dtype]
+    figures = {}
+    for name, want in reference.items():
+        got = kernel.get(name)
+        figures[name] = float("inf") if got is None or want is None else rel_rms(got, want)
+    bad = [n for n, e in figures.items() if not e <= (fwd if n.startswith("out") else bwd)]
+    worst = max(figures, key=figures.get)
+    detail = f"autocast {str(dtype)[6:]}: worst {worst} {figures[worst]:.2e} (limits {fwd:.0e} / {bwd:.0e})"
+    return detail + (f"; over the limit: {bad}" if bad else ""), figures, not bad
+
+
+def _run_side(setup, backend, step):
+    """Run ``step()`` under autocast; a kernel refusal becomes :class:`Skip`."""
+    try:
+        with torch.autocast(setup.device, dtype=autocast_dtype(setup)):
+            return step()
+    except (ValueError, RuntimeError) as err:
+        if backend == "kernel" and _refused(err):
+            raise Skip(str(err)) from err
+        raise
+
+
+def case_layer_autocast(setup, letter: str):
+    """One mixer layer, packed: forward under autocast, backward of a fixed projection of its output."""
+    from mixers.model import MIXERS
+    from ssm_pack import PackedSeqParams
+    hidden, overrides, lengths = _sizes(setup)
+    layers = _twins(lambda b: MIXERS[letter](hidden, backend=b, **overrides.get(letter, {})).to(setup.device))
+    params = PackedSeqParams.from_lengths(lengths, device=setup.device)
+    T = int(params.total_tokens)
+    gen = torch.Generator().manual_seed(1)
+    x0, g_out = torch.randn(1, T, hidden, generator=gen), torch.randn(1, T, hidden, generator=gen)
+    results = {}
+    for backend, layer in layers.items():
+        x = x0.to(setup.device).requires_grad_()
+        out = _run_side(setup, backend, lambda: layer(x, packed_seq_params=params))  # noqa: B023 - called at once
+        (out.float() * g_out.to(setup.device)).sum().backward()
+        results[backend] = {"out": out, "dx": x.grad, **{f"d{n}": p.grad for n, p in layer.named_parameters()}}
+    return _grade(setup, results["kernel"], results["reference"])
+
+
+def case_model_autocast(setup):
+    """One ``HybridLM("MGKPA")`` training step on a packed batch under autocast: loss, logits, every gradient."""
+    from mixers import HybridLM
+    from ssm_pack import PackedSeqParams
+    hidden, overrides, lengths = _sizes(setup)
+    vocab = 64 if setup.dry else 32000
+    models = _twins(lambda b: HybridLM(vocab, hidden, "MGKPA", backend=b, mixer_overrides=overrides)
+                    .to(setup.device))
+    params = PackedSeqParams.from_lengths(lengths, device=setup.device)
+    ids = torch.randint(0, vocab, (1, int(params.total_tokens)), generator=torch.Generator().manual_seed(2))
+    ids = ids.to(setup.device)
+    results = {}
+    for backend, model in models.items():
+        out = _run_side(setup, backend, lambda: model(ids, params, labels=ids))  # noqa: B023 - called at once
+        out["loss"].backward()
+        results[backend] = {"out_loss": out["loss"].reshape(1), "out_logits": out["logits"],
+                            **{f"d{n}": p.grad for n, p in model.named_parameters()}}
+    return _grade(setup, results["kernel"], results["reference"])
+
+
+def autocast_cases(setup):
+    """``[(name, function, args)]``: one per mixer layer, then the model step."""
+    from mixers.model import MIXERS
+    tag = "fp16" if setup.dry else "bf16"
+    cases = [(f"{MIXERS[letter].__name__} under autocast [{tag}]", case_layer_autocast, (setup, letter))
+             for letter in MIXERS]
+    return cases + [(f"HybridLM MGKPA step under autocast [{tag}]", case_model_autocast, (setup,))]
