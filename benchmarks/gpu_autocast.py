@@ -62,8 +62,11 @@ def _grade(setup, kernel: dict, reference: dict):
     figures = {}
     for name, want in reference.items():
         got = kernel.get(name)
-        figures[name] = float("inf") if got is None or want is None else rel_rms(got, want)
+        if want is not None:                                   # a gradient the kernel side lacks fails
+            figures[name] = float("inf") if got is None else rel_rms(got, want)
     bad = [n for n, e in figures.items() if not e <= (fwd if n.startswith("out") else bwd)]
+    bad += [f"{n} is {kernel[n].dtype}, the reference's {t.dtype}" for n, t in reference.items()
+            if n.startswith("out") and kernel[n].dtype != t.dtype]              # autocast's dtype kept
     worst = max(figures, key=figures.get)
     detail = f"autocast {str(dtype)[6:]}: worst {worst} {figures[worst]:.2e} (limits {fwd:.0e} / {bwd:.0e})"
     return detail + (f"; over the limit: {bad}" if bad else ""), figures, not bad

@@ -19,6 +19,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
@@ -179,3 +180,58 @@ def test_a_correctness_case_grades_the_kernel(tmp_path, kernel, expected):
     case = json.loads((tmp_path / "correctness.json").read_text())["cases"][0]
     assert case["status"] == expected, case
     assert recorder.exit_code() == (1 if expected == "failed" else 0)
+
+
+class _FakeMixer(torch.nn.Module):
+    """A mixer whose ``backend="kernel"`` twin behaves as ``KERNEL`` says (the reference is exact)."""
+
+    KERNEL = "matches"
+
+    def __init__(self, hidden, backend="auto"):
+        super().__init__()
+        if backend == "kernel" and self.KERNEL == "refuses-at-construction":
+            raise RuntimeError("FakeMixer(backend='kernel'): its scan cannot run here: fake is not installed")
+        self.backend = backend
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x, packed_seq_params=None):
+        y = self.proj(x)
+        if self.backend != "kernel":
+            return y
+        if self.KERNEL == "refuses-the-inputs":
+            raise ValueError("scan: the upstream kernel cannot do this; use backend='reference' (or 'auto')")
+        if self.KERNEL == "ignores-autocast":
+            with torch.autocast(x.device.type, enabled=False):
+                return torch.nn.functional.linear(x.float(), self.proj.weight, self.proj.bias)
+        if self.KERNEL == "off-by-1e-2":
+            return y * 1.01
+        if self.KERNEL == "drops-the-input-gradient":
+            return self.proj(x.detach())
+        return y
+
+
+@pytest.mark.parametrize("kernel, expected", [
+    pytest.param("matches", "passed", id="matches"),
+    pytest.param("ignores-autocast", "failed", id="ignores-autocast"),
+    pytest.param("off-by-1e-2", "failed", id="off-by-1e-2"),
+    pytest.param("drops-the-input-gradient", "failed", id="drops-the-input-gradient"),
+    pytest.param("refuses-the-inputs", "skipped", id="refuses-the-inputs"),
+    pytest.param("refuses-at-construction", "skipped", id="refuses-at-construction"),
+])
+def test_an_autocast_layer_case_grades_the_kernel_twin(tmp_path, monkeypatch, kernel, expected):
+    """The layer is built twice from one seed and run under the same autocast: a kernel side that
+    computes outside autocast or loses a gradient fails, one that refuses is skipped with its reason."""
+    from benchmarks.gpu_autocast import case_layer_autocast
+    from benchmarks.gpu_correctness import Setup
+    from benchmarks.gpu_report import Recorder
+    from mixers import model
+
+    monkeypatch.setitem(model.MIXERS, "Z", type("FakeMixer", (_FakeMixer,), {"KERNEL": kernel}))
+    recorder = Recorder(tmp_path, "correctness", {})
+    recorder.run("fake", case_layer_autocast, Setup(dry_run=True), "Z")
+    case = json.loads((tmp_path / "correctness.json").read_text())["cases"][0]
+    assert case["status"] == expected, case
+    if expected == "skipped":
+        assert "backend='kernel'" in case["detail"] or "use backend='reference'" in case["detail"], case
+    if expected == "passed":
+        assert case["figures"] == {"out": 0.0, "dx": 0.0, "dproj.weight": 0.0, "dproj.bias": 0.0}, case
