@@ -326,7 +326,8 @@ def all_cases(setup: Setup):
     if setup.dry:      # fla's Gated DeltaProduct refuses fp32 and the interpreter has no bf16 arithmetic
         out += [("gdp packed, per-document states [fp16]", case_delta, (setup, torch.float16, "gdp"))]
     from benchmarks.gpu_autocast import autocast_cases
-    return out + autocast_cases(setup) + [("context parallelism", case_context_parallel, (setup,))]
+    out += [("context parallelism", case_context_parallel, (setup,))]     # before the slow cases: always reported
+    return out + autocast_cases(setup)
 
 
 def main(argv=None) -> int:
