@@ -4,11 +4,13 @@
 
 Packing is best-fit decreasing over a lookahead buffer of documents (:mod:`ssm_pack.stream_plan`);
 memory is bounded by the buffer. Every rank and DataLoader worker reads the whole stream's
-lengths and plans the same global sequence of packs; pack ``g`` belongs to rank ``g % world`` and,
-within the rank, to worker ``(g // world) % num_workers``, and only its owner converts its tokens.
-So every document is packed exactly once over all ranks and workers, packs dealt round-robin are
-balanced in tokens, and at the end of an epoch the ranks with one pack fewer get one padding pack
-(all padding, labels -100): every rank yields ``ceil(P / world)`` packs per epoch. A carried
+lengths and plans the same global sequence of packs, in rounds of ``world``; each round gives one
+pack to each rank, balancing real tokens (:func:`ssm_pack.stream_plan.deal`; the epoch's last
+round spreads the remaining documents over every rank when they fit), and round ``r`` belongs to
+worker ``r % num_workers``; only a pack's owner converts its tokens. So every document is packed
+exactly once over all ranks and workers, and at the end of an epoch the ranks with one pack fewer
+get one padding pack (all padding, labels -100): every rank yields ``ceil(P / world)`` packs per
+epoch; ``pack_index`` is ``round * world + rank``. A carried
 document stays on its rank, so when the stream runs dry while one rank still carries one, the
 others get empty packs until it ends (at most ``ceil(longest / max_tokens)`` per epoch).
 """
@@ -20,7 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .checks import check_int, describe
 from .stream_assemble import assemble_pack
-from .stream_plan import Doc, Piece, Planner
+from .stream_plan import Doc, Piece, Planner, deal
 from .stream_source import (
     Source,
     check_token_ids,
@@ -49,6 +51,7 @@ class _Pass:
         self.g = 0                      # next global pack to plan
         self.total = None               # packs planned in the epoch, once known
         self.pad_next = 0               # next rank-local index to consider for padding packs
+        self.rank_tokens = [0] * stream.world       # real tokens dealt to each rank so far (all shards agree)
         self.done = False
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self.cache: dict[int, torch.Tensor] = {}    # converted long documents, by source index
@@ -106,14 +109,9 @@ class PackStream(IterableDataset):
         if p.done:
             raise StopIteration
         while p.total is None:
-            self._refill(p)
-            if p.source_done and p.planner.idle():
-                p.total = p.g
-                break
-            g, pieces = p.g, p.planner.plan(p.g)
-            p.g += 1
-            if g % self.world == self.rank and (g // self.world) % p.num_workers == p.worker:
-                return self._build(p, pieces, g)
+            start, round_ = p.g, self._plan_round(p)
+            if round_ is not None:
+                return self._build(p, round_, start + self.rank)
         mine = (p.total - self.rank + self.world - 1) // self.world      # this rank's planned packs
         per_rank = (p.total + self.world - 1) // self.world
         for k in range(max(p.pad_next, mine), per_rank):
@@ -123,6 +121,37 @@ class PackStream(IterableDataset):
                 return self._build(p, [], k * self.world + self.rank)
         p.done = True
         raise StopIteration
+
+    def _plan_round(self, p: _Pass) -> list[Piece] | None:
+        """Plan the next round of ``world`` packs (fewer at the end of the epoch) and deal them to
+        ranks; this shard's pack of the round if it is this worker's round, else ``None``."""
+        planned = []
+        self._refill(p)
+        last = p.planner.spread(p.rank_tokens) if self.world > 1 and p.source_done else None
+        if last is not None:                       # the epoch's last round, one pack per rank
+            for pieces in last:
+                p.rank_tokens[len(planned)] += sum(piece.length for piece in pieces)
+                planned.append(pieces)
+            p.g += self.world
+            p.total = p.g
+            if (p.g - 1) // self.world % p.num_workers != p.worker:
+                return None
+            return planned[self.rank]
+        for _ in range(self.world):
+            self._refill(p)
+            if p.source_done and p.planner.idle():
+                p.total = p.g
+                break
+            planned.append(p.planner.plan(p.g))
+            p.g += 1
+        if not planned:
+            return None
+        tokens = [sum(piece.length for piece in pieces) for pieces in planned]
+        pinned = [bool(pieces) and (pieces[0].offset > 0 or pieces[-1].continued) for pieces in planned]
+        ranks = deal(tokens, pinned, p.rank_tokens)
+        if ((p.g - 1) // self.world) % p.num_workers != p.worker or self.rank not in ranks:
+            return None
+        return planned[ranks.index(self.rank)]
 
     def _begin(self) -> _Pass:
         info = get_worker_info()
@@ -242,7 +271,7 @@ class PackStream(IterableDataset):
         state["pass"] = {
             "worker": p.worker, "num_workers": p.num_workers, "position": p.source.position,
             "source_done": p.source_done, "checksum": p.checksum, "g": p.g, "total": p.total,
-            "pad_next": p.pad_next, "counters": dict(p.counters), "lanes": lanes,
+            "pad_next": p.pad_next, "counters": dict(p.counters), "lanes": lanes, "rank_tokens": list(p.rank_tokens),
             "buffer": [[d.index, d.length, d.units > p.planner.capacity] for d in p.planner.buffer.items()],
         }
         return state
@@ -281,6 +310,7 @@ class PackStream(IterableDataset):
                 p.planner.lanes[lane] = Piece(index, found[index], offset, length, True)
         p.source_done, p.checksum, p.g = saved["source_done"], saved["checksum"], saved["g"]
         p.total, p.pad_next, p.counters = saved["total"], saved["pad_next"], dict(saved["counters"])
+        p.rank_tokens = list(saved["rank_tokens"])
 
 
 def _byte_pieces(pieces: list[Piece], *, split: bool) -> tuple[list[torch.Tensor], int | None]:

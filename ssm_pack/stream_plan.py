@@ -10,9 +10,11 @@ fits what is left, until nothing fits (the best-fit decreasing of Ding et al., 2
 Truncations Improve Language Modeling", over a window instead of the whole corpus).
 
 Packs are planned in one global order on every rank and worker (only lengths are read), so every
-shard agrees on the plan without communicating; pack ``g`` belongs to rank ``g % world``.
-Documents longer than a pack (``split_long="carry"``) wait in a FIFO queue; their head fills the
-room a pack has left and the rest continues at the start of the same rank's next pack (its lane).
+shard agrees on the plan without communicating. Packs are planned in rounds of ``world``; slot
+``j`` of a round plans with lane ``j`` and :func:`deal` gives the round's packs to ranks (one
+each) to balance real tokens. Documents longer than a pack (``split_long="carry"``) wait in a
+FIFO queue; their head fills the room a pack has left and the rest continues at the start of the
+same rank's next pack (its lane), so a pack that touches a lane stays on that lane's rank.
 """
 
 from __future__ import annotations
@@ -109,6 +111,30 @@ class Planner:
     def units(self, length: int) -> int:
         return -(-length // self.align_to)
 
+    def spread(self, totals: list[int]) -> list[list[Piece]] | None:
+        """The last round of an epoch (nothing left to read, no long document, no carry): every
+        buffered document, largest first, into the pack of the rank with the fewest real tokens so far
+        (``totals`` plus this round) that has room; one pack per rank, so the epoch ends balanced.
+        ``None`` (buffer untouched) when the documents do not fit ``len(totals)`` packs that way."""
+        buffer, world = self.buffer, len(totals)
+        if buffer.long or any(lane is not None for lane in self.lanes) or not len(buffer):
+            return None
+        items = sorted(buffer.items(), key=lambda d: -d.units)
+        if sum(d.units for d in items) > world * self.capacity:
+            return None
+        packs: list[list[Piece]] = [[] for _ in range(world)]
+        load, room = list(totals), [self.capacity] * world
+        for d in items:
+            fits = [r for r in range(world) if room[r] >= d.units]
+            if not fits:
+                return None
+            r = min(fits, key=lambda r: load[r])
+            packs[r].append(Piece(d.index, d.doc, 0, d.length, False))
+            load[r] += d.length
+            room[r] -= d.units
+        self.buffer = Buffer()
+        return packs
+
     def plan(self, g: int) -> list[Piece]:
         """The pieces of pack ``g`` in layout order (a carried piece first, a split head last)."""
         lane = g % len(self.lanes)
@@ -136,3 +162,20 @@ class Planner:
                 pieces.append(Piece(item.index, item.doc, 0, take, True))
                 self.lanes[lane] = Piece(item.index, item.doc, take, item.length - take, True)
         return pieces
+
+
+def deal(tokens: list[int], pinned: list[bool], totals: list[int]) -> list[int]:
+    """Ranks for one round's packs: ``tokens[j]`` real tokens in slot ``j``, ``pinned[j]`` when the
+    pack carries a document in or out (it stays on rank ``j``); the others, fullest first, go to the
+    free ranks with the fewest real tokens so far (``totals``, per rank, updated in place; ties by
+    the lower slot / rank). Returns ``rank[j]`` for ``j < len(tokens)``, a permutation of those slots."""
+    n = len(tokens)
+    free = [j for j in range(n) if not pinned[j]]
+    ranks = list(range(n))
+    by_size = sorted(free, key=lambda j: -tokens[j])
+    by_total = sorted(free, key=lambda r: totals[r])
+    for j, r in zip(by_size, by_total):
+        ranks[j] = r
+    for j in range(n):
+        totals[ranks[j]] += tokens[j]
+    return ranks
