@@ -6,8 +6,7 @@ A mixer feeds its hidden state to several projections (q, k, v, beta, gates; Mam
 row blocks). Through autograd each one's backward builds its own ``[N, D]`` input gradient and
 the engine sums them out of place: 2n - 1 tensors of the input's size for n projections. At
 T = 65,536 each is a fresh mapping (glibc serves every block above 32 MB with its own ``mmap``)
-that the kernel faults in and zeroes page by page: ~8 ms per 32 MB on a 2-core machine, for
-nothing. One autograd function does the n products instead:
+that the kernel faults in and zeroes page by page, for nothing. One autograd function does the n products instead:
 
 1. forward: ``y_i = x W_i^T (+ b_i)``, each its own contiguous ``[N, O_i]`` (a conv reads it
    without a copy);
