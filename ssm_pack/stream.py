@@ -24,9 +24,10 @@ from .checks import check_int, describe
 from .stream_assemble import assemble_pack
 from .stream_plan import Doc, Piece, Planner, deal
 from .stream_source import (
+    _CHECKSUM_MOD,
+    _SIZED,
     Source,
     check_token_ids,
-    checksum,
     document_length,
     document_tokens,
     fingerprint,
@@ -164,26 +165,39 @@ class PackStream(IterableDataset):
         return p
 
     def _refill(self, p: _Pass) -> None:
+        """Read documents until the buffer holds ``lookahead`` (or the source ends); lengths only."""
         buffer, source, counters, planner = p.planner.buffer, p.source, p.counters, p.planner
         capacity, align_to, room = planner.capacity, self.align_to, self.lookahead - len(buffer)
-        while room > 0 and not p.source_done:
-            item = source.next()
-            if item is None:
-                p.source_done = True
-                break
-            index, doc = item
-            length = document_length(index, doc)
-            p.checksum = checksum(p.checksum, length)
-            counters["documents"] += 1
-            if length == 0:
-                counters["empty_documents"] += 1
-                continue
-            units = -(-length // align_to)
-            if units <= capacity:
-                buffer.add(Doc(index, doc, length, units))
-            else:
-                self._admit(p, Doc(index, doc, length, units))
-            room -= 1
+        if room <= 0 or p.source_done:
+            return
+        fitting, read, empty, check = [], 0, 0, p.checksum
+        take, sized = source.next, _SIZED
+        try:                                  # a bad document raises: what was read stays read
+            while room > 0:
+                item = take()
+                if item is None:
+                    p.source_done = True
+                    break
+                index, doc = item
+                length = len(doc) if type(doc) in sized else document_length(index, doc)
+                check = (check * 1_000_003 + length + 1) % _CHECKSUM_MOD
+                read += 1
+                if length == 0:
+                    empty += 1
+                    continue
+                units = -(-length // align_to)
+                if units <= capacity:
+                    fitting.append(Doc(index, doc, length, units))
+                else:
+                    buffer.extend(fitting)
+                    fitting = []
+                    self._admit(p, Doc(index, doc, length, units))
+                room -= 1
+        finally:
+            buffer.extend(fitting)
+            p.checksum = check
+            counters["documents"] += read
+            counters["empty_documents"] += empty
         counters["max_buffered_tokens"] = max(counters["max_buffered_tokens"], buffer.tokens)
 
     def _admit(self, p: _Pass, item: Doc) -> None:

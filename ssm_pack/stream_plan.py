@@ -70,6 +70,20 @@ class Buffer:
             self.mask |= 1 << item.units
         bucket.append(item)
 
+    def extend(self, items: list[Doc]) -> None:
+        """:meth:`add` for each of ``items`` (documents that fit a pack), in order."""
+        buckets, mask = self.buckets, self.mask
+        for item in items:
+            bucket = buckets.get(item.units)
+            if bucket is None:
+                bucket = buckets[item.units] = deque()
+            if not bucket:
+                mask |= 1 << item.units
+            bucket.append(item)
+            self.tokens += item.length
+        self.mask = mask
+        self.count += len(items)
+
     def take_largest(self, room: int) -> Doc | None:
         """The oldest of the largest documents of at most ``room`` units, removed; ``None`` if none fits."""
         fits = self.mask & ((2 << room) - 1)
