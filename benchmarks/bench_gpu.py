@@ -17,8 +17,6 @@ interpreter; its figures say nothing about speed and carry no target.
 
 from __future__ import annotations
 
-import argparse
-import re
 import sys
 
 import torch
@@ -26,7 +24,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import alternate
 from benchmarks.gpu_correctness import kernel_refusal
-from benchmarks.gpu_report import Recorder, Skip
+from benchmarks.gpu_report import Skip, stage_main
 
 
 class Sizes:
@@ -184,24 +182,7 @@ def all_cases(sizes: Sizes):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--cases", default="", help="run only the cases whose name matches this regex")
-    args = parser.parse_args(argv)
-    from benchmarks import gpu_loading
-    context = {"loading": "; ".join(gpu_loading.prepare(args.dry_run))}
-    if not args.dry_run and torch.cuda.is_available():
-        context["device"] = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    recorder = Recorder(args.out, "speed", context)
-    if not args.dry_run and not torch.cuda.is_available():
-        recorder.add("CUDA device", "failed", "torch.cuda.is_available() is False (use --dry-run on a CPU)")
-        return 1
-    sizes = Sizes(args.dry_run)
-    for name, case, case_args in all_cases(sizes):
-        if re.search(args.cases, name):
-            recorder.run(name, case, *case_args)
-    return recorder.exit_code()
+    return stage_main("speed", __doc__.splitlines()[0], argv, lambda dry_run: all_cases(Sizes(dry_run)))
 
 
 if __name__ == "__main__":

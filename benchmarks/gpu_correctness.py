@@ -18,15 +18,13 @@ Gated DeltaProduct) or whose package is missing (``RuntimeError: ... unavailable
 
 from __future__ import annotations
 
-import argparse
 import math
-import re
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu_report import Recorder, Skip
+from benchmarks.gpu_report import Skip, stage_main
 from ssm_pack.testing import TOLERANCES
 
 LIMITS = {dtype: TOLERANCES[dtype] for dtype in (torch.float32, torch.bfloat16, torch.float16)}   # (forward, grads)
@@ -331,22 +329,7 @@ def all_cases(setup: Setup):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--cases", default="", help="run only the cases whose name matches this regex")
-    args = parser.parse_args(argv)
-    from benchmarks import gpu_loading
-    context = {"loading": "; ".join(gpu_loading.prepare(args.dry_run))}
-    recorder = Recorder(args.out, "correctness", context)
-    setup = Setup(args.dry_run)
-    if not args.dry_run and not torch.cuda.is_available():
-        recorder.add("CUDA device", "failed", "torch.cuda.is_available() is False (use --dry-run on a CPU)")
-        return 1
-    for name, case, case_args in all_cases(setup):
-        if re.search(args.cases, name):
-            recorder.run(name, case, *case_args)
-    return recorder.exit_code()
+    return stage_main("correctness", __doc__.splitlines()[0], argv, lambda dry_run: all_cases(Setup(dry_run)))
 
 
 if __name__ == "__main__":

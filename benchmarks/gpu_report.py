@@ -60,6 +60,36 @@ class Recorder:
         return 1 if any(c["status"] == "failed" for c in self.data["cases"]) else 0
 
 
+def stage_main(stage: str, description: str, argv, cases) -> int:
+    """The command line every measuring stage shares: ``--out DIR [--dry-run] [--cases REGEX]``.
+    Loads the kernels (:func:`benchmarks.gpu_loading.prepare`), then runs each ``(name, case, args)``
+    of ``cases(dry_run)`` whose name matches through one :class:`Recorder`; returns its exit code
+    (1 without a CUDA device unless ``--dry-run``)."""
+    import argparse
+    import re
+
+    import torch
+
+    from benchmarks import gpu_loading
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--cases", default="", help="run only the cases whose name matches this regex")
+    args = parser.parse_args(argv)
+    context = {"loading": "; ".join(gpu_loading.prepare(args.dry_run))}
+    if not args.dry_run and torch.cuda.is_available():
+        context["device"] = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    recorder = Recorder(args.out, stage, context)
+    if not args.dry_run and not torch.cuda.is_available():
+        recorder.add("CUDA device", "failed", "torch.cuda.is_available() is False (use --dry-run on a CPU)")
+        return 1
+    for name, case, case_args in cases(args.dry_run):
+        if re.search(args.cases, name):
+            recorder.run(name, case, *case_args)
+    return recorder.exit_code()
+
+
 def _stage_rows(out: Path) -> list[dict]:
     rows = []
     table = out / "stages.tsv"
