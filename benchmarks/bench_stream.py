@@ -60,6 +60,7 @@ def synthetic(n: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 def greedy_packs(lengths: list[int], budget: int) -> int:
+    """Packs next-fit needs: documents in arrival order, a new pack whenever the next one does not fit."""
     packs, room = 0, 0
     for n in lengths:
         if n > room:

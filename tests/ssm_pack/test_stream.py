@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ssm_pack as sp
+from benchmarks.bench_stream import greedy_packs
 from tests.ssm_pack.stream_helpers import corpus, documents_of, pieces_of, same_packs
 
 
@@ -143,19 +144,10 @@ def test_padding_close_to_the_offline_first_fit_decreasing_plan():
     stream = sp.pack_stream(docs, 2048, lookahead=1024)
     packs = sum(1 for _ in stream)
     offline = len(sp.plan_packs(lengths, 2048).packs)
-    greedy = _greedy_packs(lengths, 2048)
+    greedy = greedy_packs(lengths, 2048)
     assert packs <= offline * 1.01 + 1, (packs, offline)
     assert packs < greedy
     assert stream.stats["max_buffered_tokens"] <= 1024 * 2048
-
-
-def _greedy_packs(lengths, budget):
-    packs, room = 0, 0
-    for n in lengths:
-        if n > room:
-            packs, room = packs + 1, budget
-        room -= n
-    return packs
 
 
 @pytest.mark.parametrize("align_to", [pytest.param(1, id="align1"), pytest.param(4, id="align4")])
