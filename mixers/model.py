@@ -153,11 +153,11 @@ class HybridLM(CachedLM, nn.Module):
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
     """Refuse token ids outside ``0 .. vocab_size - 1`` (before the embedding reads them).
 
-    Under the CPU device policy (:func:`mixers.ops.device_policy.policy_for`) one min/max reduction, and the
-    first bad position is named in a ``ValueError``; under the accelerator policy, and under ``torch.compile``,
-    a device-side assert (``torch._assert_async``) so a
-    forward costs no host sync and no graph break: a bad id then fails at the next synchronisation
-    with the same message, without its position."""
+    Under the CPU device policy (:func:`mixers.ops.device_policy.policy_for`) one min/max reduction, and
+    the first bad position is named in a ``ValueError``; under the accelerator policy, and under
+    ``torch.compile``, a device-side assert (``torch._assert_async``), so a forward costs no host sync
+    and no graph break: a bad id then fails at the next synchronisation with the same message,
+    without its position."""
     if input_ids.numel() == 0:
         return
     if torch.compiler.is_compiling() or policy_for(input_ids) != "cpu":
