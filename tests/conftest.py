@@ -1,5 +1,5 @@
 """Shared test settings: deterministic seeds, the `cuda` marker skipped without a GPU (or run up to the
-first kernel call with ``SSM_PACK_FAKE_CUDA=1``, see ``tests/fake_device.py``)."""
+first kernel call with ``SSM_PACK_FAKE_CUDA=1``, see ``tests/support/fake_device.py``)."""
 
 import os
 
@@ -34,7 +34,7 @@ def _seed():
 @pytest.fixture(autouse=True)
 def _fake_device(request, monkeypatch):
     if FAKE_DEVICE and "cuda" in request.keywords:
-        from tests import fake_device
+        from tests.support import fake_device
         fake_device.install(monkeypatch)
 
 
@@ -42,5 +42,5 @@ def _fake_device(request, monkeypatch):
 def pytest_pyfunc_call(pyfuncitem):
     outcome = yield
     if FAKE_DEVICE and "cuda" in pyfuncitem.keywords:
-        from tests import fake_device
+        from tests.support import fake_device
         fake_device.settle(outcome)

@@ -11,7 +11,7 @@ import torch
 from mixers.ops import causal_conv1d_fn
 from ssm_pack import lengths_to_cu_seqlens
 from tests.interpret import shims
-from tests.oracles import check_close
+from tests.support.oracles import check_close
 
 pytestmark = shims.lane(("fla", "flash-linear-attention"))
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from mixers.ops import chunk_gated_delta_product, chunk_gated_delta_rule, chunk_kda
 from ssm_pack import lengths_to_cu_seqlens
 from tests.interpret import shims
-from tests.oracles import check_close
+from tests.support.oracles import check_close
 
 pytestmark = shims.lane(("fla", "flash-linear-attention"))
 OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}

@@ -24,7 +24,7 @@ from mixers.ops import (
 from ssm_pack import PackedSeqParams, lengths_to_cu_seqlens
 from tests.interpret import shims
 from tests.mixers.inference.common import make_mixer
-from tests.oracles import check_close
+from tests.support.oracles import check_close
 
 pytestmark = shims.lane(("fla", "flash-linear-attention"), ("mamba_ssm", "mamba-ssm"), ("einops", "einops"))
 

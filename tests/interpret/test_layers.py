@@ -11,7 +11,7 @@ import torch
 from ssm_pack.pytest_plugin import layout
 from tests.interpret import shims
 from tests.mixers.layers.test_layers import HIDDEN, LAYERS
-from tests.oracles import check_close
+from tests.support.oracles import check_close
 
 pytestmark = shims.lane(("fla", "flash-linear-attention"), ("mamba_ssm", "mamba-ssm"), ("einops", "einops"))
 # (layer, dtype, upstream calls of one forward): Gated DeltaProduct's kernel refuses fp32, and the

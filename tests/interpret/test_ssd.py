@@ -12,7 +12,7 @@ from mixers.ops import mamba_chunk_scan_combined
 from ssm_pack import lengths_to_cu_seqlens
 from ssm_pack.seq_idx import seq_idx_from_cu_seqlens
 from tests.interpret import shims
-from tests.oracles import check_close, rel_rms
+from tests.support.oracles import check_close, rel_rms
 
 pytestmark = shims.lane(("mamba_ssm", "mamba-ssm"), ("einops", "einops"))
 H, P, G, N, CHUNK = 4, 8, 2, 8, 16          # 2 heads per group, so the split dB backward runs

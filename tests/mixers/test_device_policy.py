@@ -26,7 +26,7 @@ from mixers.ops.delta_rule import l2norm
 from mixers.ops.delta_rule.l2norm import l2_normalize
 from mixers.ops.device_policy import ENV_VAR, device_policy, policy_for, read_environment, whole_tensor
 from ssm_pack import PackedSeqParams
-from tests.oracles import check_close
+from tests.support.oracles import check_close
 
 ROWS, WIDTH = 37, 16
 

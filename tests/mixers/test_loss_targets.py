@@ -11,7 +11,7 @@ import torch
 from mixers import HybridLM
 from mixers.model import IGNORE_INDEX, next_token_targets
 from ssm_pack import PackedSeqParams, VarlenBatch
-from tests.megatron_standin import megatron_copy
+from tests.support.megatron_standin import megatron_copy
 
 FORMS = [
     pytest.param(lambda p: p, id="PackedSeqParams"),

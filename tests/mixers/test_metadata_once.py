@@ -3,7 +3,7 @@
 * One ``HybridLM("MGKPA")`` forward and backward over a packed row builds the references' segment
   structure exactly once (it used to be built 15 times), and reads the boundaries once.
 * With ``validate=False`` metadata, every layer's kernel path (the fake kernels of
-  ``tests/fakes.py`` standing in for upstream) performs no host read of a tensor value: no
+  ``tests/support/fakes.py`` standing in for upstream) performs no host read of a tensor value: no
   ``.item()``, ``.tolist()``, ``bool/int/float(tensor)``, ``.numpy()``, ``torch.equal``,
   ``nonzero`` or ``unique`` (each a device synchronisation on a GPU).
 """
@@ -17,8 +17,8 @@ from torch.overrides import TorchFunctionMode
 from mixers import HybridLM
 from mixers.ops.device_policy import device_policy
 from ssm_pack import PackedSeqParams, VarlenBatch, segments
-from tests import fakes
 from tests.mixers.layers.test_layers import HIDDEN, LAYERS
+from tests.support import fakes
 
 OVERRIDES = {"M": {"head_dim": 16, "state_size": 8, "chunk_size": 16}, "G": {"head_dim": 8, "chunk_size": 16},
              "K": {"head_dim": 8, "chunk_size": 16}, "P": {"head_dim": 8, "chunk_size": 16}, "A": {"head_dim": 8}}

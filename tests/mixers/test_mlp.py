@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from mixers import mlp
 from mixers.mlp import SwiGLU
-from tests.dispatch import OutputShapes
-from tests.oracles import check_close
-from tests.tolerances import FP64_ABS
+from tests.support.oracles import check_close
+from tests.support.output_shapes import OutputShapes
+from tests.support.tolerances import FP64_ABS
 
 HIDDEN = 24                     # I = 64, so a block of 2^9 numbers in [rows, 2I] is 4 rows
 

@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ssm_pack as sp
-from tests.megatron_standin import megatron_copy
+from tests.support.megatron_standin import megatron_copy
 
 
 def collator_batch(lengths, *, flash=True, seq_idx=True):

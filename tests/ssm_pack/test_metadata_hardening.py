@@ -8,7 +8,7 @@ import torch
 from mixers import GatedDeltaNetMixer, Mamba2Mixer
 from mixers.ops import chunk_gated_delta_rule, varlen_attention
 from ssm_pack import PackedSeqParams, VarlenBatch, build_packed_seq_idx
-from tests.megatron_standin import MegatronPackedSeqParams
+from tests.support.megatron_standin import MegatronPackedSeqParams
 
 HIDDEN = 32
 

@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ssm_pack as sp
-from tests.megatron_standin import MegatronPackedSeqParams, megatron_copy
+from tests.support.megatron_standin import MegatronPackedSeqParams, megatron_copy
 
 
 def test_seed_example():

@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ssm_pack import PackedSeqParams, VarlenBatch, build_packed_seq_idx, get_cu_seqlens, seq_idx_from_cu_seqlens
-from tests.megatron_standin import megatron_copy
+from tests.support.megatron_standin import megatron_copy
 
 
 def loop_seq_idx(cu, total):

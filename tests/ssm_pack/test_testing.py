@@ -23,7 +23,7 @@ from ssm_pack.testing import (
     bitwise_equal,
     document_spans,
 )
-from tests.megatron_standin import megatron_copy
+from tests.support.megatron_standin import megatron_copy
 
 D = 4
 # documents of 3, 5, 4 and 6 tokens in slots of 4, 8, 4 and 8, then a 2-token tail:

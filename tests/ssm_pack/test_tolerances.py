@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ssm_pack import testing
-from tests.tolerances import TOLERANCES
+from tests.support.tolerances import TOLERANCES
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -39,10 +39,10 @@ def test_no_test_reads_the_product_table():
     here = Path(__file__).resolve()
     offenders = [str(path.relative_to(TESTS)) for path in sorted(TESTS.rglob("*.py"))
                  if path.resolve() != here and _reads_product_tolerances(ast.parse(path.read_text()))]
-    assert offenders == [], f"these tests read ssm_pack.testing.TOLERANCES; use tests.tolerances: {offenders}"
+    assert offenders == [], f"these tests read ssm_pack.testing.TOLERANCES; use tests.support.tolerances: {offenders}"
 
 
 def test_the_scan_sees_both_spellings():
     assert _reads_product_tolerances(ast.parse("from ssm_pack.testing import TOLERANCES"))
     assert _reads_product_tolerances(ast.parse("import ssm_pack.testing as t\nx = t.TOLERANCES"))
-    assert not _reads_product_tolerances(ast.parse("from tests.tolerances import TOLERANCES"))
+    assert not _reads_product_tolerances(ast.parse("from tests.support.tolerances import TOLERANCES"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ssm_pack import PackedSeqParams, VarlenBatch
-from tests.megatron_standin import MegatronPackedSeqParams
+from tests.support.megatron_standin import MegatronPackedSeqParams
 
 LAZY = ("max_seqlen", "seq_idx", "cu_seqlens_long", "position_ids", "segments", "covering_cu_seqlens",
         "nonempty_layout", "real_tokens")

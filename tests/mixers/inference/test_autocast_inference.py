@@ -16,8 +16,8 @@ from mixers.ops import (
 )
 from ssm_pack import PackedSeqParams
 from tests.mixers.inference.common import SMALL
-from tests.oracles import rel_rms
-from tests.tolerances import BF16_FWD_REL
+from tests.support.oracles import rel_rms
+from tests.support.tolerances import BF16_FWD_REL
 
 BF16 = torch.bfloat16
 

@@ -21,7 +21,7 @@ from tests.mixers.inference.common import (
     sequences,
     slot_states,
 )
-from tests.tolerances import FP64_ABS
+from tests.support.tolerances import FP64_ABS
 
 EXACT = FP64_ABS
 # first piece, second piece per sequence: a fresh slot continued, length-1 pieces, pieces inside

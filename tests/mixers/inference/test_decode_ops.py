@@ -22,7 +22,7 @@ from mixers.ops import (
     varlen_attention,
 )
 from ssm_pack import lengths_to_cu_seqlens
-from tests.oracles import check_close
+from tests.support.oracles import check_close
 
 F64 = torch.float64
 

@@ -7,7 +7,7 @@ import torch
 import mixers.demo.generation as generation
 from mixers import HybridLM
 from tests.mixers.inference.common import SMALL
-from tests.tolerances import FP32_REL
+from tests.support.tolerances import FP32_REL
 
 DOCS = [bytes(range(65, 65 + 26)) * 3, b"hello world, " * 8, b"packed sequences " * 5, b"0123456789" * 9,
         b"slots and states " * 5, b"continuous batching " * 4, b"short"]

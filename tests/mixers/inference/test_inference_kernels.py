@@ -10,11 +10,11 @@ import torch
 from mixers import HybridLM
 from mixers.ops import causal_conv1d_update, dispatch, fused_recurrent_gated_delta_rule, selective_state_update
 from ssm_pack import PackedSeqParams
-from tests.fakes import of_kind
-from tests.mixers.inference import fakes
 from tests.mixers.inference.common import SMALL
-from tests.oracles import rel_rms
-from tests.tolerances import BF16_FWD_REL
+from tests.support import decode_fakes as fakes
+from tests.support.fakes import of_kind
+from tests.support.oracles import rel_rms
+from tests.support.tolerances import BF16_FWD_REL
 
 BF16 = torch.bfloat16
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from mixers.model import MIXERS
 from mixers.ops import selective_state_update
 from tests.mixers.inference.common import HIDDEN, SMALL, full, max_error, packed_call, sequences
-from tests.tolerances import FP64_ABS
+from tests.support.tolerances import FP64_ABS
 
 F64 = torch.float64
 LIMITED = (0.05, 0.3)

@@ -20,8 +20,8 @@ from tests.mixers.inference.common import (
     slot_states,
     snapshot,
 )
-from tests.oracles import rel_rms
-from tests.tolerances import FP32_REL, FP64_ABS
+from tests.support.oracles import rel_rms
+from tests.support.tolerances import FP32_REL, FP64_ABS
 
 EXACT = FP64_ABS
 # 1, W-1, chunk-1, chunk, chunk+1, across two chunk boundaries, inside the conv window

@@ -9,7 +9,7 @@ from mixers import HybridLM
 from mixers.inference import ContinuousBatcher, check_against_recompute
 from ssm_pack import PackedSeqParams
 from tests.mixers.inference.common import CHUNK, SMALL, max_error, same, snapshot
-from tests.tolerances import FP32_REL, FP64_ABS
+from tests.support.tolerances import FP32_REL, FP64_ABS
 
 EXACT = FP64_ABS
 

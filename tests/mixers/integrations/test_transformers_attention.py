@@ -10,7 +10,7 @@ import torch
 
 from mixers.integrations.transformers import PackedMixer, disable_packing, enable_packing
 from tests.mixers.integrations.hf_models import FACTORIES, VOCAB, build, transformers
-from tests.oracles import rel_rms
+from tests.support.oracles import rel_rms
 
 LENGTHS = [5, 17, 1, 30]                     # uneven; a 1-token document; crosses Mamba2's chunk of 8
 ATTENTION = [m for m in FACTORIES if m != "mamba2"]

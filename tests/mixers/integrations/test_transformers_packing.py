@@ -8,7 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 from mixers.integrations.transformers import PackedMixer, disable_packing, enable_packing  # noqa: E402
 from tests.mixers.integrations import hf_models  # noqa: E402
-from tests.oracles import rel_rms  # noqa: E402
+from tests.support.oracles import rel_rms  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 VOCAB = 64

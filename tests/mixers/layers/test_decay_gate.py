@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from mixers.layers import _init
 from mixers.layers._init import decay_gate
 from mixers.ops import chunks
-from tests.oracles import check_close
+from tests.support.oracles import check_close
 
 
 def plain(pre, bias, A):

@@ -14,8 +14,8 @@ from mixers.ops import dispatch, varlen_attention
 from mixers.report import mixer_backends
 from ssm_pack import support
 from ssm_pack.pytest_plugin import layout
-from tests import fakes
 from tests.mixers.layers.test_layers import HIDDEN, LAYERS
+from tests.support import fakes
 
 EXTENSIONS = {"causal_conv1d_cuda", "selective_scan_cuda", "flash_attn_2_cuda"}
 NEWEST = {"causal-conv1d": "1.7.0", "mamba-ssm": "2.2.6.post3", "triton": "3.4.0", "flash-linear-attention": "0.6.0",

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ssm_pack.pytest_plugin import layout
-from tests.fakes import install
 from tests.mixers.layers.test_layers import HIDDEN, LAYERS
-from tests.oracles import rel_rms
+from tests.support.fakes import install
+from tests.support.oracles import rel_rms
 
 EXPECTED = {"mamba2": {"conv", "ssd"}, "gdn": {"conv", "gdn"}, "kda": {"conv", "kda"}, "gdp": {"conv", "gdp"},
             "attention": {"flash"}}

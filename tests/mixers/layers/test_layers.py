@@ -9,7 +9,7 @@ from mixers.layers.config import AttentionConfig, GatedDeltaNetConfig, KDAConfig
 from ssm_pack import PackedSeqParams
 from ssm_pack.pytest_plugin import layout
 from ssm_pack.testing import LeakageCheckInconclusive, assert_no_cross_document_leakage, assert_packed_equals_unpacked
-from tests.oracles import design_lengths
+from tests.support.oracles import design_lengths
 
 HIDDEN, CHUNK = 32, 16
 LAYERS = {

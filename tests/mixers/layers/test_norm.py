@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from mixers.layers import norm
 from mixers.layers.norm import GatedRMSNorm, RMSNorm
 from mixers.ops import chunks
-from tests.oracles import check_close
+from tests.support.oracles import check_close
 
 GATED = [
     pytest.param(dict(norm_before_gate=True, activation="swish"), id="fla-swish"),

@@ -15,7 +15,7 @@ from mixers.layers import norm_linear as nl
 from mixers.layers.norm import GatedRMSNorm
 from mixers.layers.norm_linear import norm_linear
 from mixers.ops import chunks
-from tests.oracles import check_close
+from tests.support.oracles import check_close
 
 CASES = [
     pytest.param(dict(heads=3, dim=8, norm_before_gate=True, activation="swish"), True, id="fla-3-heads-swish"),

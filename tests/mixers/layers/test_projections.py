@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixers import GatedDeltaNetMixer, KDAMixer
 from mixers.layers.projections import project, shared_input_linear
-from tests.oracles import check_close
+from tests.support.oracles import check_close
 
 WIDTHS = [17, 1, 40]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mixers.layers.rotary import rotary
-from tests.oracles import check_close
+from tests.support.oracles import check_close
 
 
 def plain(x, positions, theta):

@@ -6,7 +6,7 @@ import torch
 
 from mixers.layers.short_conv import ShortConvolution
 from ssm_pack import PackedSeqParams, VarlenBatch
-from tests.oracles import check_close
+from tests.support.oracles import check_close
 
 WIDTHS = [10, 3, 3]
 

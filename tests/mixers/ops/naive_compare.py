@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.oracles import check_close
+from tests.support.oracles import check_close
 
 
 def leaves(*tensors):

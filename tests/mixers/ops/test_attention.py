@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from mixers.ops import varlen_attention
 from ssm_pack import lengths_to_cu_seqlens
-from tests.oracles import check_close, documents
+from tests.support.oracles import check_close, documents
 
 
 def oracle(q, k, v, cu, causal, window, scale=None):
@@ -73,7 +73,7 @@ def test_low_precision(dtype):
 
 
 def test_perturbing_a_document_leaves_the_others_bitwise_unchanged():
-    from tests.leakage import perturbation_report
+    from tests.support.leakage import perturbation_report
     cu = lengths_to_cu_seqlens([1, 15, 0, 300, 2, 3, 40])
     total = int(cu[-1]) + 5
     q, k, v = (torch.randn(total, 4, 8) for _ in range(3))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from mixers.ops import causal_conv1d_fn, chunks
 from mixers.ops.causal_conv1d import reference
 from ssm_pack import lengths_to_cu_seqlens
-from tests.oracles import check_close, conv_oracle, design_lengths
+from tests.support.oracles import check_close, conv_oracle, design_lengths
 
 DIM = 8
 
@@ -221,8 +221,8 @@ def test_batch_with_cu_seqlens_is_refused():
 
 
 def test_perturbing_a_document_leaves_the_others_bitwise_unchanged():
-    from tests.leakage import perturbation_report
-    from tests.oracles import documents
+    from tests.support.leakage import perturbation_report
+    from tests.support.oracles import documents
     lengths = [1, 15, 0, 100, 2, 3, 40]
     cu = lengths_to_cu_seqlens(lengths)
     total = int(cu[-1]) + 6                           # a padding tail

@@ -1,7 +1,7 @@
 """Real kernels vs the reference on a GPU (skipped without CUDA; run by benchmarks/gpu_check.sh).
 
 On a CPU machine ``SSM_PACK_FAKE_CUDA=1`` runs every test here up to its first kernel call
-(``tests/fake_device.py``; CI does, in ``test_cuda_start.py``), so a test that could not start on a
+(``tests/support/fake_device.py``; CI does, in ``test_cuda_start.py``), so a test that could not start on a
 GPU fails there. The tensors live on :data:`DEVICE` (``"cuda"``, the CPU in that mode).
 """
 
@@ -10,8 +10,8 @@ import torch
 
 from mixers.ops import causal_conv1d_fn, dispatch, mamba_chunk_scan_combined
 from ssm_pack import kernels, lengths_to_cu_seqlens
-from tests.fake_device import DEVICE
-from tests.oracles import rel_rms
+from tests.support.fake_device import DEVICE
+from tests.support.oracles import rel_rms
 
 pytestmark = pytest.mark.cuda
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}   # kernel and reference round differently in low precision

@@ -1,4 +1,4 @@
-"""The cuda-marked tests can start on a GPU: run on CPU with the device faked (``tests/fake_device.py``),
+"""The cuda-marked tests can start on a GPU: run on CPU with the device faked (``tests/support/fake_device.py``),
 every one is collected and reaches its first kernel call (the strict fakes check upstream's contract
 there), or skips for a reason that holds on any GPU."""
 

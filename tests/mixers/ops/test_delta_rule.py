@@ -16,8 +16,8 @@ from mixers.ops import (
 )
 from mixers.ops.delta_rule import blocked
 from ssm_pack import lengths_to_cu_seqlens
-from tests.dispatch import OutputShapes
-from tests.oracles import check_close, check_grads, delta_oracle, design_lengths, documents
+from tests.support.oracles import check_close, check_grads, delta_oracle, design_lengths, documents
+from tests.support.output_shapes import OutputShapes
 
 H, HV, K, V = 2, 4, 4, 3
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -297,7 +297,7 @@ def test_step_form_decodes_like_the_chunked_op(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_perturbing_a_document_leaves_the_others_bitwise_unchanged(kind):
-    from tests.leakage import perturbation_report
+    from tests.support.leakage import perturbation_report
     lengths = [1, 15, 0, 70, 2, 3, 40]
     cu, leaves = make(kind, lengths, 5, torch.float32, init=False)
     total = leaves["q"].shape[1]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import mixers.ops.delta_rule.kernel as fla_kernel
 from mixers.ops import chunk_gated_delta_product, chunk_gated_delta_rule, chunk_kda, dispatch
 from ssm_pack import lengths_to_cu_seqlens
-from tests import fakes
+from tests.support import fakes
 
 H, K, V = 2, 8, 8
 LAYOUTS = [

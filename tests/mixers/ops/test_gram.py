@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mixers.ops.delta_rule.gram import channel_grams
-from tests.tolerances import FP32_REL, FP64_ABS
+from tests.support.tolerances import FP32_REL, FP64_ABS
 
 N, K = 3, 5
 

@@ -10,8 +10,8 @@ import mixers.ops.causal_conv1d.kernel as conv_kernel
 import mixers.ops.ssd.kernel as ssd_kernel
 from mixers.ops import causal_conv1d_fn, dispatch, mamba_chunk_scan_combined
 from ssm_pack import lengths_to_cu_seqlens
-from tests import fakes
-from tests.fakes import of_kind
+from tests.support import fakes
+from tests.support.fakes import of_kind
 
 
 @pytest.fixture

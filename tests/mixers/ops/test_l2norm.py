@@ -14,7 +14,7 @@ import torch
 from mixers.ops import chunks
 from mixers.ops.delta_rule import l2norm
 from mixers.ops.delta_rule.l2norm import l2_normalize
-from tests.oracles import check_close
+from tests.support.oracles import check_close
 
 
 def plain(x):

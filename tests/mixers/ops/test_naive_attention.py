@@ -9,7 +9,7 @@ from mixers.ops import varlen_attention
 from mixers.ops.attention.naive import varlen_attention_naive
 from ssm_pack import lengths_to_cu_seqlens
 from tests.mixers.ops.naive_compare import assert_same
-from tests.oracles import check_close, documents
+from tests.support.oracles import check_close, documents
 
 D = 4
 

@@ -8,7 +8,7 @@ from mixers.ops import causal_conv1d_fn, causal_conv1d_update
 from mixers.ops.causal_conv1d.naive import causal_conv1d_naive
 from ssm_pack import lengths_to_cu_seqlens
 from tests.mixers.ops.naive_compare import assert_same
-from tests.oracles import check_close, conv_oracle
+from tests.support.oracles import check_close, conv_oracle
 
 DIM = 3
 

@@ -16,7 +16,7 @@ from mixers.ops import (
 from mixers.ops.delta_rule.naive import gated_delta_rule_naive
 from ssm_pack import lengths_to_cu_seqlens
 from tests.mixers.ops.naive_compare import assert_same
-from tests.oracles import check_close, delta_oracle
+from tests.support.oracles import check_close, delta_oracle
 
 K, V = 4, 3
 

@@ -9,7 +9,7 @@ from mixers.ops import mamba_chunk_scan_combined, selective_state_update
 from mixers.ops.ssd.naive import mamba_chunk_scan_naive
 from ssm_pack import lengths_to_cu_seqlens
 from tests.mixers.ops.naive_compare import assert_same
-from tests.oracles import check_close, ssm_oracle
+from tests.support.oracles import check_close, ssm_oracle
 
 H, P, G, NS = 2, 3, 1, 4
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from mixers.ops import mamba_chunk_scan_combined
 from mixers.ops.ssd import chunk_scan_parts, reference
 from ssm_pack import lengths_to_cu_seqlens
-from tests.oracles import check_close, design_lengths, documents, ssm_oracle
+from tests.support.oracles import check_close, design_lengths, documents, ssm_oracle
 
 H, P, G, N = 4, 3, 2, 5
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
@@ -217,7 +217,7 @@ def test_dt_limit_and_no_softplus():
 
 
 def test_perturbing_a_document_leaves_the_others_bitwise_unchanged():
-    from tests.leakage import perturbation_report
+    from tests.support.leakage import perturbation_report
     lengths = [1, 15, 0, 70, 2, 3, 40]
     cu = lengths_to_cu_seqlens(lengths)
     total = int(cu[-1]) + 5

@@ -21,8 +21,8 @@ from mixers.ops import (
     mamba_chunk_scan_combined,
 )
 from ssm_pack import lengths_to_cu_seqlens
-from tests.oracles import delta_oracle
-from tests.tolerances import FP64_ABS
+from tests.support.oracles import delta_oracle
+from tests.support.tolerances import FP64_ABS
 
 CHUNK = 8
 # documents around the chunk length, a one-token and an empty one; split points: first token alone,

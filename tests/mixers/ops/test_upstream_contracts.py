@@ -1,5 +1,5 @@
-"""Upstream checks a GPU run would hit, caught on CPU: the strict fakes (``tests/fakes.py``,
-``tests/mixers/inference/fakes.py``) refuse what upstream refuses, and the decode kernels (no backward)
+"""Upstream checks a GPU run would hit, caught on CPU: the strict fakes (``tests/support/fakes.py``,
+``tests/support/decode_fakes.py``) refuse what upstream refuses, and the decode kernels (no backward)
 never hand back a silently detached output."""
 
 import pytest
@@ -17,8 +17,8 @@ from mixers.ops import (
     fused_recurrent_kda,
     selective_state_update,
 )
-from tests.fakes import of_kind
-from tests.mixers.inference import fakes
+from tests.support import decode_fakes as fakes
+from tests.support.fakes import of_kind
 
 BF16 = torch.bfloat16
 
@@ -202,7 +202,7 @@ def test_causal_conv1d_gets_bias_in_weight_dtype(monkeypatch, decode):
 def test_fake_torch_varlen_is_strict_and_computes_the_reference():
     """The fake-device run's stand-in for PyTorch's varlen_attn (negative control and its own result)."""
     from mixers.ops import varlen_attention
-    from tests.fakes import fake_torch_varlen
+    from tests.support.fakes import fake_torch_varlen
     g = torch.Generator().manual_seed(4)
     q, kv = torch.randn(12, 4, 8, generator=g).to(BF16), torch.randn(12, 2, 8, generator=g).to(BF16)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 # tolerances per dtype: the tests' own table, never the product's
-from tests.tolerances import BF16_FWD_REL, BF16_GRAD_REL, FP32_REL, FP64_ABS  # noqa: F401
+from tests.support.tolerances import BF16_FWD_REL, BF16_GRAD_REL, FP32_REL, FP64_ABS  # noqa: F401
 
 
 def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -4,7 +4,7 @@ With ``SSM_PACK_FAKE_CUDA=1`` (``tests/conftest.py`` reads it) the cuda-marked t
 their tensors live on the CPU (:data:`DEVICE`), every optional package of the requirements table is
 reported installed at its newest minimum with a device, ``dispatch.is_cuda`` answers yes (and
 PyTorch's ``varlen_attn`` sees a CUDA tensor), and every upstream kernel is replaced by its strict
-fake (``tests/fakes.py``, ``tests/mixers/inference/fakes.py``), which checks upstream's contract and
+fake (``tests/support/fakes.py``, ``tests/support/decode_fakes.py``), which checks upstream's contract and
 then stops the test with :class:`KernelReached`. A test that stops there passes; one that errors
 before (a support check naming no kernel, a bad argument, a contract the fake refuses) or ends
 without reaching a kernel fails. So a cuda test that could not start on a GPU fails on CPU, at the
@@ -42,8 +42,8 @@ def install(monkeypatch) -> None:
     from mixers.ops import dispatch
     from mixers.ops.attention import torch_varlen
     from ssm_pack import kernels, support
-    from tests import fakes as training_fakes
-    from tests.mixers.inference import fakes
+    from tests.support import decode_fakes as fakes
+    from tests.support import fakes as training_fakes
 
     minimums = kernels.strictest_minimums()
 

@@ -1,6 +1,6 @@
 """Fake upstream decode kernels for CPU tests: each asserts upstream's contract, records the call and
 computes through ssm-pack's reference (in place where upstream is). ``install`` adds them to the
-training kernels' fakes (``tests/fakes.py``).
+training kernels' fakes (``tests/support/fakes.py``).
 
 None of the upstream decode kernels has a backward (fla's ``FusedRecurrentFunction.backward`` raises,
 ``fused_recurrent_kda`` is no autograd function, the CUDA C++ and Triton updates are plain calls), so
@@ -22,7 +22,7 @@ from mixers.ops import (
     chunk_kda,
     selective_state_update,
 )
-from tests import fakes
+from tests.support import fakes
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
