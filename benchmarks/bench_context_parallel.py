@@ -35,7 +35,7 @@ from mixers.layers.config import AttentionConfig, GatedDeltaNetConfig, GatedDelt
 from mixers.ops.attention.cp import key_plan
 from mixers.ops.cp_exchange import chain_plan, record_traffic
 from ssm_pack import PackedSeqParams, shard_for_context_parallel
-from ssm_pack.context_parallel import ContextParallelLayout
+from ssm_pack.parallel.layout import ContextParallelLayout
 
 MIB = 2 ** 20
 

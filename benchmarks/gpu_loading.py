@@ -111,7 +111,7 @@ def load_mamba_from_sources() -> str:
         package.__path__ = list(spec.submodule_search_locations)
         package.__spec__ = spec
         sys.modules["mamba_ssm"] = package
-    import ssm_pack.support as support
+    import ssm_pack.support.installed as support
     if not isinstance(support.probe, SourceProbe):
         support.probe = SourceProbe(support.probe)
     return f"mamba-ssm: Triton kernels loaded from {spec.submodule_search_locations[0]} (no CUDA extension)"
@@ -133,7 +133,7 @@ def enable_interpreter() -> str:
     Triton's CPU interpreter (``tests/interpret/shims.py``; CPU only, never on a GPU)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return "interpreter: off (TRITON_INTERPRET is not 1)"
-    import ssm_pack.support as support
+    import ssm_pack.support.installed as support
     os.environ[support.TRITON_INTERPRET_SWITCH] = "1"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.interpret import shims
@@ -148,7 +148,7 @@ def prepare(dry_run: bool) -> list[str]:
     lines = [pin_fla_backends(), load_mamba_from_sources()]
     if dry_run:
         lines.append(enable_interpreter())
-    import ssm_pack.support as support
+    import ssm_pack.support.installed as support
     from mixers.ops import dispatch
     if hasattr(support, "import_error"):          # the probe's cached real imports: mamba_ssm now imports
         support.import_error.cache_clear()
@@ -162,8 +162,8 @@ def report(out: Path, dry_run: bool) -> int:
     lines = prepare(dry_run)
     recorder = Recorder(out, "kernels", {"loading": "; ".join(lines)})
     from mixers.ops import dispatch
-    from ssm_pack import kernels
-    for name, kernel in kernels.KERNELS.items():
+    from ssm_pack.support import requirements
+    for name, kernel in requirements.KERNELS.items():
         ok, reason = dispatch.cached_support(name)
         recorder.add(f"{name}: {kernel.label}", "passed" if ok else "skipped",
                      "available" if ok else f"skipped: {reason}")

@@ -42,7 +42,7 @@ def continue_targets(run, targets: torch.Tensor, labels: torch.Tensor) -> torch.
     when the segment continues there (its -100 stays -100); one tiny exchange.
 
     Args:
-        run: the forward's :class:`~ssm_pack.context_parallel.ContextParallelRun` (``varlen.cp``).
+        run: the forward's :class:`~ssm_pack.parallel.layout.ContextParallelRun` (``varlen.cp``).
         targets, labels: ``[1, T_r]`` this rank's targets and labels.
     """
     nxt = _next_rank_first_label(run, labels)

@@ -8,7 +8,7 @@ disagree.
 
 from __future__ import annotations
 
-from ssm_pack.report import fix_lines, header_lines, kernel_lines
+from ssm_pack.support.report import fix_lines, header_lines, kernel_lines
 
 from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
 from .layers.base import plan_support

@@ -1,6 +1,6 @@
 """``python -m ssm_pack``: print the support report (``ssm-pack report`` adds the per-mixer rows);
 ``python -m ssm_pack --matrix`` prints the support matrix, the markdown table of
-:mod:`ssm_pack.kernels` that the docs quote."""
+:mod:`ssm_pack.support.requirements` that the docs quote."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import argparse
 def support_matrix() -> str:
     """The kernel requirements table as markdown: one row per package a kernel needs (its own
     minimum) and one per feature packing relies on (the first release that has it)."""
-    from .kernels import FEATURES, KERNELS
+    from .support.requirements import FEATURES, KERNELS
 
     rows = ["| kernel | package | minimum | needed for |", "|---|---|---|---|"]
     for kernel in KERNELS.values():
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.matrix:
         print(support_matrix(), end="")
         return 0
-    from .report import support_report
+    from .support.report import support_report
     print(support_report())
     return 0
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from . import testing
-from .params import PackedSeqParams
+from .formats.params import PackedSeqParams
 
 
 def layout(lengths, *, hidden: int, dtype=torch.float32, pad_to_multiple_of: int = 1, tail: int = 0, seed: int = 0):

@@ -30,11 +30,11 @@ from functools import cached_property
 
 import torch
 
-from . import context_parallel
 from .checks import as_boundaries, check_boundaries, check_int, describe, is_numpy_array
-from .params import PackedSeqParams
-from .segments import Segments, segments_from_cu_seqlens
-from .seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens
+from .formats.params import PackedSeqParams
+from .formats.segments import Segments, segments_from_cu_seqlens
+from .formats.seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens
+from .parallel import layout as context_parallel
 
 # the fields any Megatron-core style PackedSeqParams has (duck typing: no methods of ours needed)
 _MCORE_CU_SEQLENS_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
@@ -60,7 +60,7 @@ class VarlenBatch:
     given_seq_idx: torch.Tensor | None = field(default=None, repr=False)
     given_max_seqlen: int | None = field(default=None, repr=False)
     validated: bool = field(default=True, repr=False)
-    # context parallelism (ssm_pack.context_parallel): this rank's shard of a row split over ranks
+    # context parallelism (ssm_pack.parallel.layout): this rank's shard of a row split over ranks
     cp: object = field(default=None, repr=False)
 
     # ----------------------------------------------------------------- construction

@@ -5,7 +5,7 @@ metadata.
 
 A mixer's ``PLAN`` lists the parts of its packed forward and, for each, the kernels that can run
 it in the order the op tries them: ``(part, ((kernel, features), ...))`` rows of the
-requirements table (:mod:`ssm_pack.kernels`). The ``backend="kernel"`` check at construction,
+requirements table (:mod:`ssm_pack.support.requirements`). The ``backend="kernel"`` check at construction,
 the once-per-type warning in ``auto`` and the support report all read it through
 :func:`plan_support`, so they agree with each other and with the ops (which ask the table for
 the same kernels and features, in the same order).

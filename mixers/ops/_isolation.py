@@ -1,6 +1,6 @@
 """Non-finite values stay inside their own segment (document): detect, sanitize, re-poison.
 
-    S = segments (numbered 0 .. S-1 in flat token order, as :mod:`ssm_pack.segments` builds them)
+    S = segments (numbered 0 .. S-1 in flat token order, as :mod:`ssm_pack.formats.segments` builds them)
 
 The references mix documents on purpose: a chunk holds several documents, and every
 cross-document term is a masked zero (``0 * x``, a matmul over the chunk's tokens, the state of

@@ -96,7 +96,7 @@ def exchange(run, label: str, sends: dict, recv_shapes: dict, dtype: torch.dtype
     """One all-to-all over ``run.group``; every rank of the group must call it.
 
     Args:
-        run: the forward's :class:`~ssm_pack.context_parallel.ContextParallelRun`.
+        run: the forward's :class:`~ssm_pack.parallel.layout.ContextParallelRun`.
         label: what the traffic is counted under.
         sends: ``{rank: [tensors]}`` for the other ranks (each cast to ``dtype``).
         recv_shapes: ``{rank: [shapes]}`` of what arrives from each rank (the sender's ``sends``).

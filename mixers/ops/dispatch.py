@@ -6,7 +6,7 @@ when the tensors are on CUDA, the support check passes and the kernel can do eve
 feature; otherwise the reference, which is exact, so "auto" never runs an unpacked kernel.
 
 Interpreter lane: with ``SSM_PACK_TRITON_INTERPRET=1`` and ``TRITON_INTERPRET=1`` (see
-:func:`ssm_pack.support.triton_interpreter`, the one switch) :func:`is_cuda` also answers yes
+:func:`ssm_pack.support.installed.triton_interpreter`, the one switch) :func:`is_cuda` also answers yes
 for CPU tensors, and the Triton kernels' support checks accept the interpreter as the device,
 so the real upstream Triton kernels run through these wrappers on CPU in tests.
 """
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from ssm_pack import kernels, support
+from ssm_pack.support import installed, requirements
 
 BACKENDS = ("auto", "kernel", "reference")
 
@@ -77,15 +77,15 @@ def forward_only(kernel: str, *tensors) -> str | None:
 
 def is_cuda(t) -> bool:
     """Whether ``t`` lives on a CUDA device (one place, so kernel-contract tests can pretend), or
-    on the CPU with the interpreter switch on (:func:`ssm_pack.support.triton_interpreter`)."""
-    return t.is_cuda or (t.device.type == "cpu" and support.triton_interpreter())
+    on the CPU with the interpreter switch on (:func:`ssm_pack.support.installed.triton_interpreter`)."""
+    return t.is_cuda or (t.device.type == "cpu" and installed.triton_interpreter())
 
 
 @functools.lru_cache(maxsize=None)
 def cached_support(kernel: str, features: tuple[str, ...] = ()) -> tuple[bool, str | None]:
     """``(ok, reason)`` of ``kernel`` with ``features`` from the requirements table
-    (:mod:`ssm_pack.kernels`), read once per process (``cache_clear()`` resets)."""
-    return kernels.kernel_support(kernel, tuple(features))
+    (:mod:`ssm_pack.support.requirements`), read once per process (``cache_clear()`` resets)."""
+    return requirements.kernel_support(kernel, tuple(features))
 
 
 def choose_kernel(op: str, backend: str, *, on_cuda: bool, candidates) -> str:

@@ -136,7 +136,7 @@ def test_mamba_sources_load_without_their_cuda_extension(tmp_path):
         "sys.path.insert(0, sys.argv[2])\n"
         "loaded = gpu_loading.load_mamba_from_sources()\n"
         "from mamba_ssm.ops.triton.ssd_combined import KERNEL\n"
-        "import ssm_pack.support as s\n"
+        "import ssm_pack.support.installed as s\n"
         "print(json.dumps([lines, loaded, KERNEL, s.installed_version('mamba_ssm'),\n"
         "                  s.probe.has_module('selective_scan_cuda')]))\n")
     environ = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ssm_pack import PackedSeqParams, cp_layout_check, shard_for_context_parallel
-from ssm_pack.cp_layout_check import fingerprint, layout_check_mode, set_layout_check
+from ssm_pack import PackedSeqParams, shard_for_context_parallel
+from ssm_pack.parallel import layout_check
+from ssm_pack.parallel.layout_check import fingerprint, layout_check_mode, set_layout_check
 
 SUBJECTS = ("M", "G", "A")
 AGREED = ([5, 4, 3], (0, 6, 12))
@@ -39,13 +40,13 @@ def _forward(subject, rank, lengths, bounds):
 
 
 def _attempt(subject, rank, spec):
-    before = cp_layout_check.checks_run()
+    before = layout_check.checks_run()
     try:
         _forward(subject, rank, *spec)
         error = None
     except ValueError as err:
         error = str(err)
-    return {"error": error, "checks": cp_layout_check.checks_run() - before}
+    return {"error": error, "checks": layout_check.checks_run() - before}
 
 
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
@@ -55,7 +56,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     results = {}
     try:
         for subject in SUBJECTS:
-            cp_layout_check._AGREED.clear()         # each subject starts with no layout agreed
+            layout_check._AGREED.clear()         # each subject starts with no layout agreed
             for name, specs in SCENARIOS.items():
                 results[(subject, name)] = _attempt(subject, rank, specs[rank])
             set_layout_check("always")

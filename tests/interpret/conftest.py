@@ -20,7 +20,7 @@ def _shims():
 
 @pytest.fixture(autouse=True)
 def _lane(_shims, monkeypatch):
-    import ssm_pack.support as support
+    import ssm_pack.support.installed as support
     from mixers.ops import dispatch
     monkeypatch.setenv(support.TRITON_INTERPRET_SWITCH, "1")
     monkeypatch.setattr(support, "probe", shims.LaneProbe(support.probe))

@@ -2,7 +2,7 @@
 
 Tests only. Nothing here changes what a kernel computes: each shim fills a gap of Triton's CPU
 interpreter (triton 3.9) or of an upstream package's import on a machine without CUDA. The
-product side is one switch, ``SSM_PACK_TRITON_INTERPRET=1`` (``ssm_pack.support.triton_interpreter``),
+product side is one switch, ``SSM_PACK_TRITON_INTERPRET=1`` (``ssm_pack.support.installed.triton_interpreter``),
 which the lane's fixtures set.
 
 1. ``mamba_ssm`` package: its ``__init__`` imports the compiled ``selective_scan_cuda``, which a

@@ -10,7 +10,7 @@ import torch
 
 from mixers.ops import mamba_chunk_scan_combined
 from ssm_pack import lengths_to_cu_seqlens
-from ssm_pack.seq_idx import seq_idx_from_cu_seqlens
+from ssm_pack.formats.seq_idx import seq_idx_from_cu_seqlens
 from tests.interpret import shims
 from tests.support.oracles import check_close, rel_rms
 

@@ -16,7 +16,8 @@ from torch.overrides import TorchFunctionMode
 
 from mixers import HybridLM
 from mixers.ops.device_policy import device_policy
-from ssm_pack import PackedSeqParams, VarlenBatch, segments
+from ssm_pack import PackedSeqParams, VarlenBatch
+from ssm_pack.formats import segments
 from tests.mixers.layers.test_layers import HIDDEN, LAYERS
 from tests.support import fakes
 

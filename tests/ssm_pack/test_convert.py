@@ -113,7 +113,7 @@ def test_cu_seqlens_from_seq_idx_numpy_path_equals_torch_path_and_oracle(values,
     # CPU finds the index's change points in numpy; every other device binary-searches with
     # torch ops: same boundaries, same refusal of a decreasing index (checked at change points
     # only on CPU: unsorted draws put the decrease anywhere, also right after a skip)
-    import ssm_pack.convert as convert
+    import ssm_pack.formats.boundaries as convert
     values = sorted(values) if sort else values
     num_docs = None if not extra else (max(values, default=-1) + extra)
     t = torch.tensor(values, dtype=torch.int32)

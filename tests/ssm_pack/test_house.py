@@ -29,7 +29,9 @@ def test_no_module_of_ssm_pack_imports_mixers():
 
 
 def test_importing_every_module_of_ssm_pack_loads_no_mixers():
-    modules = [f"ssm_pack.{p.stem}" for p in sorted(PACKAGE.glob("*.py")) if p.stem not in ("__init__", "__main__")]
+    modules = [".".join(("ssm_pack",) + p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+               for p in sorted(PACKAGE.rglob("*.py")) if p.stem != "__main__"]
+    assert "ssm_pack.formats.params" in modules and "ssm_pack.support" in modules     # the subpackages too
     code = ("import importlib, sys\n"
             f"for name in {modules!r}: importlib.import_module(name)\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mixers'))")

@@ -48,8 +48,8 @@ def test_segments_reconstruct_the_map(rows, cols, data):
 @given(st.integers(1, 4), st.integers(1, 12), st.data())
 def test_torch_path_equals_numpy_path(rows, cols, data):
     # CPU compares and finds the starts with numpy; every other device takes the torch ops
-    import ssm_pack.convert as convert
-    import ssm_pack.doc_ids as doc_ids_module
+    import ssm_pack.formats.boundaries as convert
+    import ssm_pack.formats.doc_ids as doc_ids_module
     doc_ids = torch.tensor(data.draw(st.lists(st.lists(st.integers(0, 3), min_size=cols, max_size=cols),
                                               min_size=rows, max_size=rows)))
     fast = sp.packed_seq_params_from_doc_ids(doc_ids)

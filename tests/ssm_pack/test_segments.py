@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import ssm_pack as sp
-from ssm_pack import masks as segments
+from ssm_pack.formats import masks as segments
 
 
 def test_is_packed_and_segment_ids():

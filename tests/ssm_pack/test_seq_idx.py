@@ -72,7 +72,7 @@ def test_refuses_objects_without_boundaries():
 
 @given(st.lists(st.integers(0, 9), max_size=40), st.integers(0, 12))
 def test_torch_path_equals_numpy_path(lengths, tail):
-    import ssm_pack.seq_idx as mod
+    import ssm_pack.formats.seq_idx as mod
     cu = torch.tensor([0] + lengths).cumsum(0)
     total = int(cu[-1]) + tail
     fast = mod.seq_idx_from_cu_seqlens(cu, total)

@@ -92,7 +92,7 @@ def test_state_must_be_a_state_dict():
 
 
 def test_state_from_another_worker_layout_is_refused(monkeypatch):
-    import ssm_pack.stream as stream_module
+    import ssm_pack.stream.packs as stream_module
     stream = sp.pack_stream(DOCS, 16)
     next(stream)
     state = stream.state_dict()

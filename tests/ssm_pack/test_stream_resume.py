@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import ssm_pack as sp
-import ssm_pack.stream as stream_module
+import ssm_pack.stream.packs as stream_module
 from tests.ssm_pack.stream_helpers import corpus, documents_of, real_tokens, same_packs
 
 DOCS = corpus(400, longest=48, empty=7, long=(300, 130, 97))

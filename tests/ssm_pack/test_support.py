@@ -3,8 +3,8 @@
 import pytest
 
 import ssm_pack as sp
-from ssm_pack import kernels, support
-from ssm_pack.report import support_report
+from ssm_pack.support import installed, requirements
+from ssm_pack.support.report import support_report
 
 
 class FakeProbe:
@@ -37,7 +37,7 @@ def fake(monkeypatch):
     from mixers.ops import dispatch  # its support answers are cached per process
 
     def install(probe):
-        monkeypatch.setattr(support, "probe", probe)
+        monkeypatch.setattr(installed, "probe", probe)
         dispatch.cached_support.cache_clear()
         return probe
     yield install
@@ -46,7 +46,7 @@ def fake(monkeypatch):
 
 def test_everything_present(fake):
     fake(ALL_GOOD)
-    assert sp.check_causal_conv1d_support(kernels.features_of("causal_conv1d")) == (True, None)
+    assert sp.check_causal_conv1d_support(requirements.features_of("causal_conv1d")) == (True, None)
     assert sp.check_mamba_sequence_packing_support() == (True, None)
     assert sp.check_mamba_sequence_packing_support(for_inference_not_training=True) == (True, None)
     assert sp.check_fla_sequence_packing_support() == (True, None)
@@ -147,7 +147,7 @@ def test_unknown_feature():
 def test_report_lists_every_feature_and_one_fix_per_package(fake):
     fake(FakeProbe())
     text = support_report()
-    for kernel, feature in kernels.FEATURES:
+    for kernel, feature in requirements.FEATURES:
         assert f"{kernel:14s} {feature}" in text
     assert "pip install 'mamba-ssm>=2.2.6.post3'" in text and "pip install 'causal-conv1d>=1.7.0'" in text
     assert text.count("pip install 'causal-conv1d") == 1                    # the strictest minimum, once
@@ -169,7 +169,7 @@ def test_fla_conv_needs_the_checked_release(fake):
     fake(FakeProbe({"flash-linear-attention": "0.5.2", "triton": "3.4.0"}))
     ok, reason = sp.check_fla_conv_support()
     assert not ok and "flash-linear-attention 0.5.2 is too old" in reason and ">= 0.6.0" in reason
-    assert kernels.kernel_support("fla", ("varlen",)) == (True, None)   # the scans are fine with 0.5.2
+    assert requirements.kernel_support("fla", ("varlen",)) == (True, None)   # the scans are fine with 0.5.2
     fake(FLA_ONLY)
     assert sp.check_fla_conv_support() == (True, None)
 
@@ -206,13 +206,13 @@ def test_interpreter_switch(fake, monkeypatch, switch, interpret, on):
     import torch
 
     from mixers.ops import dispatch
-    for name, value in ((support.TRITON_INTERPRET_SWITCH, switch), ("TRITON_INTERPRET", interpret)):
+    for name, value in ((installed.TRITON_INTERPRET_SWITCH, switch), ("TRITON_INTERPRET", interpret)):
         if value is None:
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
     fake(FakeProbe({**ALL_GOOD.versions, "flash-linear-attention": "0.6.0"}, ALL_GOOD.modules, cuda=False))
-    assert support.triton_interpreter() is on and dispatch.is_cuda(torch.zeros(1)) is on
+    assert installed.triton_interpreter() is on and dispatch.is_cuda(torch.zeros(1)) is on
     for check in (sp.check_fla_sequence_packing_support, sp.check_fla_conv_support, sp.check_mamba_ssd_support):
         assert check()[0] is on
     for check in (sp.check_causal_conv1d_support, sp.check_flash_attn_support, sp.check_mamba_sequence_packing_support):
@@ -236,7 +236,7 @@ def test_interpreter_switch(fake, monkeypatch, switch, interpret, on):
 ])
 def test_two_digit_version_parts_compare_as_numbers(fake, dist, version, kernel, features):
     fake(FakeProbe({**ALL_GOOD.versions, dist: version}, ALL_GOOD.modules))
-    assert kernels.kernel_support(kernel, features) == (True, None)
+    assert requirements.kernel_support(kernel, features) == (True, None)
 
 
 @pytest.mark.parametrize("dist,version,kernel,features,minimum", [
@@ -247,7 +247,7 @@ def test_two_digit_version_parts_compare_as_numbers(fake, dist, version, kernel,
 ])
 def test_two_digit_version_parts_still_refuse_older_releases(fake, dist, version, kernel, features, minimum):
     fake(FakeProbe({**ALL_GOOD.versions, dist: version}, ALL_GOOD.modules))
-    ok, reason = kernels.kernel_support(kernel, features)
+    ok, reason = requirements.kernel_support(kernel, features)
     assert not ok and f"{dist} {version} is too old" in reason and f">= {minimum}" in reason
 
 
@@ -257,15 +257,15 @@ def test_megatron_gates_accept_two_digit_releases(fake):
     assert sp.check_mamba_sequence_packing_support() == (True, None)
     assert sp.check_mamba_sequence_packing_support(for_inference_not_training=True) == (True, None)
     assert sp.check_fla_sequence_packing_support() == (True, None)
-    assert sp.check_causal_conv1d_support(kernels.features_of("causal_conv1d")) == (True, None)
+    assert sp.check_causal_conv1d_support(requirements.features_of("causal_conv1d")) == (True, None)
 
 
 def test_strictest_minimum_compares_as_numbers(monkeypatch):
     """The report's one install line per package takes the newest minimum: 1.10.0 beats 1.7.0."""
-    monkeypatch.setitem(kernels.FEATURES, ("causal_conv1d", "future"),
-                        kernels.Feature("causal_conv1d", "future", "causal_conv1d", "1.10.0", "a future feature"))
-    assert kernels.strictest_minimums()["causal_conv1d"] == "1.10.0"
-    assert kernels.requirements("causal_conv1d", ("seq_idx", "future"))[0][1] == "1.10.0"
+    monkeypatch.setitem(requirements.FEATURES, ("causal_conv1d", "future"),
+                        requirements.Feature("causal_conv1d", "future", "causal_conv1d", "1.10.0", "a future feature"))
+    assert requirements.strictest_minimums()["causal_conv1d"] == "1.10.0"
+    assert requirements.requirements("causal_conv1d", ("seq_idx", "future"))[0][1] == "1.10.0"
 
 
 # ----------------------------------------------------------------- minimums of the call forms ssm-pack uses
@@ -280,7 +280,7 @@ def test_strictest_minimum_compares_as_numbers(monkeypatch):
 ])
 def test_call_forms_need_their_first_release(fake, dist, version, kernel, features, minimum):
     fake(FakeProbe({**ALL_GOOD.versions, dist: version}, ALL_GOOD.modules))
-    ok, reason = kernels.kernel_support(kernel, features)
+    ok, reason = requirements.kernel_support(kernel, features)
     assert not ok and f"{dist} {version} is too old" in reason and f">= {minimum}" in reason
 
 
@@ -297,7 +297,7 @@ def test_pyproject_extras_ask_the_tables_minimums():
     for requirement in extras["fla"] + extras["cuda"]:
         name, minimum = re.fullmatch(r"([\w-]+)>=([\w.]+)", requirement).groups()
         seen[names[name]] = minimum
-    wanted = kernels.strictest_minimums()
+    wanted = requirements.strictest_minimums()
     assert seen == {package: wanted[package] for package in seen} and set(seen) == set(names.values())
 
 
@@ -326,19 +326,19 @@ def test_the_real_probe_imports_once_and_reports_any_failure(monkeypatch):
         tried.append(name)
         raise OSError("libc10_cuda.so: undefined symbol")           # an extension built against another torch
     monkeypatch.setattr(importlib, "import_module", fake_import)
-    support.import_error.cache_clear()
+    installed.import_error.cache_clear()
     try:
         for _ in range(3):
-            assert support.Probe().import_error("causal_conv1d") == "OSError: libc10_cuda.so: undefined symbol"
+            assert installed.Probe().import_error("causal_conv1d") == "OSError: libc10_cuda.so: undefined symbol"
     finally:
-        support.import_error.cache_clear()
+        installed.import_error.cache_clear()
     assert tried == ["causal_conv1d"]
 
 
 def test_import_ssm_pack_imports_no_kernel_package():
     import subprocess
     import sys
-    code = ("import sys, ssm_pack, ssm_pack.kernels, ssm_pack.report; "
+    code = ("import sys, ssm_pack, ssm_pack.support.requirements, ssm_pack.support.report; "
             "print(sorted({'fla', 'triton', 'mamba_ssm', 'causal_conv1d', 'flash_attn'} & set(sys.modules)))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr[-2000:]
@@ -347,7 +347,7 @@ def test_import_ssm_pack_imports_no_kernel_package():
 # ----------------------------------------------------------------- fla 0.6.0's other backends
 @pytest.fixture
 def fla_switches_unset(monkeypatch):
-    for name in support.FLA_TRITON_PIN:            # recorded, so the test's pins are undone after it
+    for name in installed.FLA_TRITON_PIN:            # recorded, so the test's pins are undone after it
         monkeypatch.setenv(name, "unset")
         monkeypatch.delenv(name)
 
@@ -365,12 +365,12 @@ def test_loading_an_fla_kernel_pins_fla_to_triton(fla_switches_unset):
     assert "flash_qla" in [b.backend_type for b in switched if b.is_enabled()]      # negative control
     import mixers.ops.delta_rule.kernel as delta
     delta.load_upstream("kda")
-    assert {name: os.environ[name] for name in support.FLA_TRITON_PIN} == support.FLA_TRITON_PIN
+    assert {name: os.environ[name] for name in installed.FLA_TRITON_PIN} == installed.FLA_TRITON_PIN
     assert [b.backend_type for b in switched if b.is_enabled()] == []       # whatever is installed
 
 
 def test_report_names_an_fla_backend_the_user_switched_on(fla_switches_unset, monkeypatch):
     assert "fla backends: Triton only" in support_report()
     monkeypatch.setenv("FLA_TILELANG", "1")
-    assert support.pin_fla_triton() == ["FLA_TILELANG=1"]
+    assert installed.pin_fla_triton() == ["FLA_TILELANG=1"]
     assert "NOT pinned to Triton, set here: FLA_TILELANG=1" in support_report()

@@ -41,15 +41,15 @@ def install(monkeypatch) -> None:
     """Every package present and new enough, a device, ``is_cuda`` true, the strict fakes stopping."""
     from mixers.ops import dispatch
     from mixers.ops.attention import torch_varlen
-    from ssm_pack import kernels, support
+    from ssm_pack.support import installed, requirements
     from tests.support import decode_fakes as fakes
     from tests.support import fakes as training_fakes
 
-    minimums = kernels.strictest_minimums()
+    minimums = requirements.strictest_minimums()
 
-    class EveryPackage(support.Probe):
+    class EveryPackage(installed.Probe):
         def version(self, dist):
-            for package, (dists, _) in support._DISTS.items():
+            for package, (dists, _) in installed._DISTS.items():
                 if dist == dists[0]:
                     return minimums.get(package)
             return None
@@ -63,7 +63,7 @@ def install(monkeypatch) -> None:
         def import_error(self, module):
             return None
 
-    monkeypatch.setattr(support, "probe", EveryPackage())
+    monkeypatch.setattr(installed, "probe", EveryPackage())
     dispatch.cached_support.cache_clear()
     monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
     calls = fakes.install(monkeypatch, calls=StopAtFirstCall())

@@ -16,7 +16,7 @@ alone, is :mod:`.naive`.
 from __future__ import annotations
 
 from ssm_pack.checks import check_int, check_tensor
-from ssm_pack.convert import max_seqlen_from_cu_seqlens
+from ssm_pack.formats.boundaries import max_seqlen_from_cu_seqlens
 
 from .. import dispatch
 from .._autocast import outside_autocast

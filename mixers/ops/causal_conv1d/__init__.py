@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ssm_pack.segments import Segments, segments_from_seq_idx
+from ssm_pack.formats.segments import Segments, segments_from_seq_idx
 
 from .. import dispatch
 from .._autocast import outside_autocast

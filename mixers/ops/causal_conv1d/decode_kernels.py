@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ssm_pack import support
+from ssm_pack.support import installed
 
 from .. import dispatch
 
@@ -30,7 +30,7 @@ def load_causal_conv1d():
 
 
 def load_fla():
-    support.pin_fla_triton()
+    installed.pin_fla_triton()
     from fla.modules.causal_conv1d import causal_conv1d_update
     return causal_conv1d_update
 

@@ -34,15 +34,15 @@ from __future__ import annotations
 
 import torch
 
-from ssm_pack import support
-from ssm_pack.segments import Segments
+from ssm_pack.formats.segments import Segments
+from ssm_pack.support import installed
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def load_upstream():
     """fla's function (imported only when a kernel call is really made, fla pinned to Triton)."""
-    support.pin_fla_triton()
+    installed.pin_fla_triton()
     from fla.modules.causal_conv1d import causal_conv1d
     return causal_conv1d
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ssm_pack.segments import Segments
+from ssm_pack.formats.segments import Segments
 
 from ..chunks import compute_dtype, row_blocks
 from .depthwise import conv_anticausal, conv_causal, weight_grad

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ssm_pack import support
+from ssm_pack.support import installed
 
 from .. import dispatch
 
@@ -31,7 +31,7 @@ def unsupported(q: torch.Tensor, *inputs) -> str | None:
 
 
 def load_upstream(kind: str):
-    support.pin_fla_triton()
+    installed.pin_fla_triton()
     if kind == "kda":
         from fla.ops.kda import fused_recurrent_kda as op
     else:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ssm_pack import support
+from ssm_pack.support import installed
 
 from ..chunks import compute_dtype
 
@@ -35,7 +35,7 @@ def unsupported(kind: str, q: torch.Tensor) -> str | None:
 
 
 def load_upstream(kind: str):
-    support.pin_fla_triton()
+    installed.pin_fla_triton()
     if kind == "gdn":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as op
     elif kind == "kda":

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ssm_pack.segments import Segments
+from ssm_pack.formats.segments import Segments
 
 from .._grouped import buckets, finish_document_states, initial_states_leaving_chunks
 from ..chunks import suffix_sums

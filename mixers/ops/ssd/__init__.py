@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ssm_pack.segments import segments_from_seq_idx
+from ssm_pack.formats.segments import segments_from_seq_idx
 
 from .. import dispatch
 from .._autocast import outside_autocast

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ssm_pack.segments import Segments
+from ssm_pack.formats.segments import Segments
 
 from .._grouped import buckets, finish_document_states, initial_states_leaving_chunks
 from .._isolation import Isolation

@@ -4,7 +4,7 @@
 import pytest
 
 from mixers.ops import dispatch
-from ssm_pack import kernels, support
+from ssm_pack.support import installed, requirements
 from tests.mixers.inference.common import make_mixer
 from tests.ssm_pack.test_support import ALL_GOOD, FakeProbe
 
@@ -12,14 +12,14 @@ from tests.ssm_pack.test_support import ALL_GOOD, FakeProbe
 @pytest.fixture
 def probe(monkeypatch):
     def install(fake):
-        monkeypatch.setattr(support, "probe", fake)
+        monkeypatch.setattr(installed, "probe", fake)
         dispatch.cached_support.cache_clear()
     yield install
     dispatch.cached_support.cache_clear()
 
 
 def test_decode_kernels_carry_their_first_releases():
-    minimums = {key: f.minimum for key, f in kernels.FEATURES.items()}
+    minimums = {key: f.minimum for key, f in requirements.FEATURES.items()}
     assert minimums["causal_conv1d", "update_indices"] == "1.5.0"
     assert minimums["mamba_decode", "state_batch_indices"] == "2.2.3"
     assert minimums["fla", "fused_recurrent"] == "0.4.0"

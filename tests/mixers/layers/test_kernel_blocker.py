@@ -7,10 +7,10 @@ import pytest
 
 from mixers import AttentionMixer, GatedDeltaNetMixer, Mamba2Mixer
 from mixers.ops import dispatch
-from ssm_pack import support
+from ssm_pack.support import installed as packages
 
 
-class NoCuda(support.Probe):
+class NoCuda(packages.Probe):
     """This machine's packages as given, and no CUDA device."""
 
     def __init__(self, versions, modules=()):
@@ -42,7 +42,7 @@ INSTALLS = {
 @pytest.fixture
 def installed(monkeypatch):
     def use(probe):
-        monkeypatch.setattr(support, "probe", probe)
+        monkeypatch.setattr(packages, "probe", probe)
         dispatch.cached_support.cache_clear()
     yield use
     dispatch.cached_support.cache_clear()

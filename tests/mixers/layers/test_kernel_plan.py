@@ -12,8 +12,8 @@ import mixers.ops.delta_rule.kernel as fla_kernel
 import mixers.ops.ssd.kernel as ssd_kernel
 from mixers.ops import dispatch, varlen_attention
 from mixers.report import mixer_backends
-from ssm_pack import support
 from ssm_pack.pytest_plugin import layout
+from ssm_pack.support import installed
 from tests.mixers.layers.test_layers import HIDDEN, LAYERS
 from tests.support import fakes
 
@@ -37,7 +37,7 @@ CLASS_OF = {"mamba2": "Mamba2Mixer", "gdn": "GatedDeltaNetMixer", "kda": "KDAMix
             "attention": "AttentionMixer"}
 
 
-class Probe(support.Probe):
+class Probe(installed.Probe):
     def __init__(self, versions, modules):
         self.versions, self.modules = versions, modules
 
@@ -57,7 +57,7 @@ class Probe(support.Probe):
 @pytest.fixture
 def environment(monkeypatch):
     def install(versions, modules):
-        monkeypatch.setattr(support, "probe", Probe(versions, modules))
+        monkeypatch.setattr(installed, "probe", Probe(versions, modules))
         monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
         dispatch.cached_support.cache_clear()
         calls = []

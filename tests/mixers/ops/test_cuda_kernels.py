@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mixers.ops import causal_conv1d_fn, dispatch, mamba_chunk_scan_combined
-from ssm_pack import kernels, lengths_to_cu_seqlens
+from ssm_pack import lengths_to_cu_seqlens
+from ssm_pack.support import requirements
 from tests.support.fake_device import DEVICE
 from tests.support.oracles import rel_rms
 
@@ -33,7 +34,7 @@ def need(name, features=()):
 
 def need_conv():
     """A layer's short convolution: causal-conv1d with seq_idx, else fla's Triton conv."""
-    ok, reason = kernels.conv_support(("seq_idx",))
+    ok, reason = requirements.conv_support(("seq_idx",))
     if not ok:
         pytest.skip(reason)
 

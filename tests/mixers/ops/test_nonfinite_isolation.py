@@ -29,7 +29,7 @@ from mixers.ops import (
     varlen_attention,
 )
 from ssm_pack import lengths_to_cu_seqlens
-from ssm_pack.seq_idx import seq_idx_from_cu_seqlens
+from ssm_pack.formats.seq_idx import seq_idx_from_cu_seqlens
 
 CHUNK = 8
 NH = 2          # Gated DeltaProduct sub-steps

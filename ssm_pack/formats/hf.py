@@ -16,9 +16,9 @@ from collections.abc import Mapping
 
 import torch
 
-from .convert import position_ids_from_cu_seqlens
+from .boundaries import position_ids_from_cu_seqlens
 from .hf_batch import cu_seqlens_from_position_resets
-from .neat import flash_boundaries, to_flash_attention_kwargs
+from .nemo import flash_boundaries, to_flash_attention_kwargs
 from .params import PackedSeqParams
 from .seq_idx import seq_idx_from_cu_seqlens
 

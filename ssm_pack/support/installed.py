@@ -9,7 +9,7 @@ is a blocker like the others: ``"auto"`` takes the reference naming it, ``"kerne
 Nothing is imported at ``import ssm_pack`` time, nor on a machine without a device (the device is
 checked first). The states tell apart: not installed, installed without its CUDA extension, too
 old for a named feature, failing to import, and no CUDA device, and say what to install. What
-each kernel feature needs is the table in :mod:`ssm_pack.kernels`.
+each kernel feature needs is the table in :mod:`ssm_pack.support.requirements`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _INSTALL = {
 
 
 class Probe:
-    """Reads the environment; swapped for a fake in tests (``ssm_pack.support.probe``)."""
+    """Reads the environment; swapped for a fake in tests (``ssm_pack.support.installed.probe``)."""
 
     def version(self, dist: str) -> str | None:
         try:

@@ -27,10 +27,10 @@ from functools import cached_property
 
 import torch
 
-from .checks import as_boundaries, check_boundaries, check_int, describe
-from .cp_layout_check import check_layout_agreement
-from .params import PackedSeqParams
-from .seq_idx import get_cu_seqlens
+from ..checks import as_boundaries, check_boundaries, check_int, describe
+from ..formats.params import PackedSeqParams
+from ..formats.seq_idx import get_cu_seqlens
+from .layout_check import check_layout_agreement
 
 
 @dataclass(frozen=True, eq=False)
@@ -230,7 +230,7 @@ def _check_group(group, layout: ContextParallelLayout) -> None:
 
 def resolve(params, total_tokens: int, device, build_local) -> ContextParallelRun | None:
     """The CP run of one forward (``None``: CP off), checking the group against the layout and,
-    collectively, that every rank holds the same layout (:mod:`ssm_pack.cp_layout_check`).
+    collectively, that every rank holds the same layout (:mod:`ssm_pack.parallel.layout_check`).
 
     ``build_local(cu_seqlens, total_tokens, device=...)`` builds the run's local, CP-free
     metadata (:meth:`ssm_pack.VarlenBatch.build`, passed in by its caller).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import as_boundaries, as_index_tensor, check_boundaries, check_int, check_lengths, check_tensor
+from ..checks import as_boundaries, as_index_tensor, check_boundaries, check_int, check_lengths, check_tensor
 from .seq_idx import _np, seq_idx_from_cu_seqlens
 
 

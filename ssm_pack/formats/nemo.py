@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from .checks import as_boundaries, check_boundaries, check_int, describe
-from .convert import max_seqlen_from_cu_seqlens
+from ..checks import as_boundaries, check_boundaries, check_int, describe
+from ..varlen import VarlenBatch
+from .boundaries import max_seqlen_from_cu_seqlens
 from .params import PackedSeqParams
-from .varlen import VarlenBatch
 
 
 def packed_seq_params_from_doc_ids(doc_ids: torch.Tensor) -> PackedSeqParams:

@@ -18,7 +18,7 @@ from itertools import accumulate
 
 import torch
 
-from .params import PackedSeqParams
+from ..formats.params import PackedSeqParams
 
 try:  # optional: the faster path for small index math
     import numpy as _np

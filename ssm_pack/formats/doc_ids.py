@@ -4,7 +4,7 @@
 
 Each position holds the 1-based document it belongs to, 0 for padding. A segment is a maximal
 run of one value inside a row; every row start is a forced boundary and padding runs are
-segments of their own (see :mod:`ssm_pack.neat`). :func:`doc_ids_fields` gives the fields
+segments of their own (see :mod:`ssm_pack.formats.nemo`). :func:`doc_ids_fields` gives the fields
 :meth:`ssm_pack.PackedSeqParams.from_doc_ids` is built from.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_tensor
-from .convert import _cu_seqlens_from_starts, max_seqlen_from_cu_seqlens
+from ..checks import check_tensor
+from .boundaries import _cu_seqlens_from_starts, max_seqlen_from_cu_seqlens
 from .seq_idx import _np
 
 

@@ -3,7 +3,7 @@
     T = packed tokens
 
 Read from ``cu_seq_lens_q/k`` with ``max_length_q/k`` first, then ``seq_idx``, then the
-``position_ids`` resets (see :mod:`ssm_pack.hf`); :func:`hf_batch_fields` gives the fields
+``position_ids`` resets (see :mod:`ssm_pack.formats.hf`); :func:`hf_batch_fields` gives the fields
 :meth:`ssm_pack.PackedSeqParams.from_hf_batch` is built from.
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Mapping
 
 import torch
 
-from .checks import check_tensor, describe, is_numpy_array
-from .convert import (
+from ..checks import check_tensor, describe, is_numpy_array
+from .boundaries import (
     as_cu_seqlens,
     cu_seqlens_from_position_ids,
     cu_seqlens_from_seq_idx,

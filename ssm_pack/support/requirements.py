@@ -6,7 +6,7 @@ disagree about a minimum version. A kernel needs its packages (each with the min
 the kernel itself) and a device; each feature of a kernel that packing uses adds a minimum
 version of one package. :func:`kernel_support` answers ``(ok, reason)`` naming the real
 blocker first: no device, then a missing package or CUDA extension (or a package that fails to
-import, :func:`ssm_pack.support.import_error`), then the newest minimum a requested feature needs.
+import, :func:`ssm_pack.support.installed.import_error`), then the newest minimum a requested feature needs.
 Each minimum is the first release with the call form ssm-pack uses, read from upstream's tagged
 sources (the comments on the rows say which).
 """
@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 from packaging.version import Version
 
-from . import support
+from . import installed
 
 
 @dataclass(frozen=True)
 class Kernel:
     """One upstream kernel family: the packages it needs (with the kernel's own minimum); a
-    Triton kernel also runs under the interpreter lane's switch (:func:`support.triton_interpreter`)."""
+    Triton kernel also runs under the interpreter lane's switch (:func:`installed.triton_interpreter`)."""
 
     name: str
     label: str
@@ -129,14 +129,14 @@ def kernel_support(kernel: str, features=(), *, require_device: bool = True) -> 
     """Can ``kernel`` run with ``features`` here? ``(ok, reason)``, the real blocker named first."""
     needed = requirements(kernel, features)
     if require_device:
-        ok, reason = support.device_state(triton_kernel=KERNELS[kernel].triton)
+        ok, reason = installed.device_state(triton_kernel=KERNELS[kernel].triton)
         if not ok:
             return False, f"{KERNELS[kernel].label} needs a CUDA device: {reason}"
     strictest = {}
     for package, minimum, _ in needed:              # newest minimum first, see requirements()
         strictest.setdefault(package, minimum)
-    states = [support.package_present(package, minimum) for package, minimum in strictest.items()]
-    states += [support.package_state(package, minimum, what) for package, minimum, what in needed]
+    states = [installed.package_present(package, minimum) for package, minimum in strictest.items()]
+    states += [installed.package_state(package, minimum, what) for package, minimum, what in needed]
     for ok, reason in states:
         if not ok:
             return False, reason

@@ -18,7 +18,7 @@ try:  # optional: numpy's repeat is the fastest CPU fill; the torch path below i
 except ImportError:  # pragma: no cover - numpy-less installs
     _np = None
 
-from .checks import check_boundaries, check_int
+from ..checks import check_boundaries, check_int
 
 
 def get_cu_seqlens(packed_seq_params) -> torch.Tensor:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .checks import describe, is_numpy_array
+from ..checks import describe, is_numpy_array
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 _CHECKSUM_MOD = (1 << 61) - 1

@@ -2,10 +2,10 @@
 
     T = max_tokens, N = documents (pieces) in one pack
 
-Packing is best-fit decreasing over a lookahead buffer of documents (:mod:`ssm_pack.stream_plan`);
+Packing is best-fit decreasing over a lookahead buffer of documents (:mod:`ssm_pack.stream.buffer`);
 memory is bounded by the buffer. Every rank and DataLoader worker reads the whole stream's
 lengths and plans the same global sequence of packs, in rounds of ``world``; each round gives one
-pack to each rank, balancing real tokens (:func:`ssm_pack.stream_plan.deal`; the epoch's last
+pack to each rank, balancing real tokens (:func:`ssm_pack.stream.buffer.deal`; the epoch's last
 round spreads the remaining documents over every rank when they fit), and round ``r`` belongs to
 worker ``r % num_workers``; only a pack's owner converts its tokens. So every document is packed
 exactly once over all ranks and workers, and at the end of an epoch the ranks with one pack fewer
@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .checks import check_int, describe
-from .stream_assemble import assemble_pack
-from .stream_plan import Doc, Piece, Planner, deal
-from .stream_source import (
+from ..checks import check_int, describe
+from .assemble import assemble_pack
+from .buffer import Doc, Piece, Planner, deal
+from .source import (
     _CHECKSUM_MOD,
     _SIZED,
     Source,
@@ -366,7 +366,7 @@ def pack_stream(documents, max_tokens: int, *, lookahead: int = 4096, align_to: 
         A :class:`PackStream` (a ``torch.utils.data.IterableDataset``, each DataLoader worker a
         disjoint share) with ``state_dict()`` / ``load_state_dict()`` for exact resume and
         ``stats``. Each pack is a dict: ``input_ids``, ``labels``, ``targets``, ``position_ids``
-        (``[1, T]`` int64, see :func:`ssm_pack.stream_assemble.assemble_pack`),
+        (``[1, T]`` int64, see :func:`ssm_pack.stream.assemble.assemble_pack`),
         ``packed_seq_params`` (real boundaries in ``cu_seqlens_q``, aligned slots in
         ``cu_seqlens_q_padded``, ``total_tokens == T``), ``documents`` / ``offsets`` (``[N]``
         int64: each piece's index in the source and first token in its document),

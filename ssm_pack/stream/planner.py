@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import as_index_tensor, check_int, check_lengths, describe
-from .convert import _gather_index, lengths_to_cu_seqlens, position_ids_from_cu_seqlens
-from .params import PackedSeqParams
-from .seq_idx import seq_idx_from_cu_seqlens
+from ..checks import as_index_tensor, check_int, check_lengths, describe
+from ..formats.boundaries import _gather_index, lengths_to_cu_seqlens, position_ids_from_cu_seqlens
+from ..formats.params import PackedSeqParams
+from ..formats.seq_idx import seq_idx_from_cu_seqlens
 
 
 class _FirstFit:

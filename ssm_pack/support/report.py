@@ -1,5 +1,5 @@
 """The support report printed by ``python -m ssm_pack``: what is installed, and which kernel
-feature of the requirements table (:mod:`ssm_pack.kernels`) runs here.
+feature of the requirements table (:mod:`ssm_pack.support.requirements`) runs here.
 
 The per-mixer rows (which backend each mixer's packed training takes) are added by
 ``mixers.report`` (``ssm-pack report``), which reads the same table through the mixers' plans.
@@ -11,20 +11,20 @@ import platform
 
 import torch
 
-from . import kernels, support
+from . import installed, requirements
 
 _PACKAGES = (("causal_conv1d", "causal-conv1d"), ("mamba_ssm", "mamba-ssm"),
              ("fla", "flash-linear-attention"), ("triton", "triton"), ("flash_attn", "flash-attn"))
 
 
 def _package_line(package: str, label: str) -> str:
-    version = support.installed_version(package)
+    version = installed.installed_version(package)
     if version is None:
         return f"  {label:24s} not installed"
-    extension = support._DISTS[package][1]
+    extension = installed._DISTS[package][1]
     if extension is None:
         return f"  {label:24s} {version}"
-    built = "CUDA extension present" if support.probe.has_module(extension) else \
+    built = "CUDA extension present" if installed.probe.has_module(extension) else \
         f"CUDA extension '{extension}' MISSING"
     return f"  {label:24s} {version} ({built})"
 
@@ -35,20 +35,20 @@ def _device_name() -> str:
 
 def header_lines() -> list[str]:
     """Python, torch, the CUDA device and every optional package."""
-    cuda = support.probe.cuda_available()
+    cuda = installed.probe.cuda_available()
     lines = ["ssm-pack support report", "",
              f"  python                   {platform.python_version()}",
              f"  torch                    {torch.__version__}",
              f"  CUDA device              {_device_name() if cuda else 'none'}", "",
              "optional packages:"]
-    return lines + [_package_line(p, label) for p, label in _PACKAGES] + ["", support.fla_backend_line()]
+    return lines + [_package_line(p, label) for p, label in _PACKAGES] + ["", installed.fla_backend_line()]
 
 
 def kernel_lines() -> list[str]:
     """One line per feature of the requirements table: its minimum and whether it runs here."""
     lines = ["kernel features (the requirements table):"]
-    for (kernel, feature), row in kernels.FEATURES.items():
-        ok, _ = kernels.kernel_support(kernel, (feature,))
+    for (kernel, feature), row in requirements.FEATURES.items():
+        ok, _ = requirements.kernel_support(kernel, (feature,))
         lines.append(f"  {kernel:14s} {feature:28s} {row.package} >= {row.minimum:12s} "
                      f"{'available' if ok else 'unavailable'}")
     return lines
@@ -57,11 +57,11 @@ def kernel_lines() -> list[str]:
 def fix_lines() -> list[str]:
     """What to install to get every kernel feature of the table (each line once), and the device."""
     fixes = []
-    for package, minimum in kernels.strictest_minimums().items():
-        ok, reason = support.package_state(package, minimum, "every kernel feature")
+    for package, minimum in requirements.strictest_minimums().items():
+        ok, reason = installed.package_state(package, minimum, "every kernel feature")
         if not ok:
             fixes.append(reason)
-    if not support.probe.cuda_available():
+    if not installed.probe.cuda_available():
         fixes.append("a CUDA device: every kernel above needs one (the reference path runs anywhere)")
     fixes = list(dict.fromkeys(fixes))
     return ["", "to get every kernel:"] + [f"  - {reason}" for reason in fixes] if fixes else []

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from .checks import as_boundaries, check_boundaries, check_int, check_tensor, describe
-from .convert import (
+from ..checks import as_boundaries, check_boundaries, check_int, check_tensor, describe
+from .boundaries import (
     as_cu_seqlens,
     cu_seqlens_from_position_ids,
     lengths_from_attention_mask,
@@ -317,7 +317,7 @@ class PackedSeqParams:
 
     @classmethod
     def from_hf_batch(cls, batch) -> PackedSeqParams:
-        """From a Hugging Face ``DataCollatorWithFlattening`` batch, see :mod:`ssm_pack.hf`."""
+        """From a Hugging Face ``DataCollatorWithFlattening`` batch, see :mod:`ssm_pack.formats.hf`."""
         return cls(**hf_batch_fields(batch))
 
     def __repr__(self) -> str:

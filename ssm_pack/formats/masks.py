@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from .checks import check_int, check_tensor
+from ..checks import check_int, check_tensor
 
 
 class PackingAlignmentWarning(UserWarning):

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .checks import as_index_tensor, check_lengths, describe
-from .convert import _gather_index, lengths_to_cu_seqlens
+from ..checks import as_index_tensor, check_lengths, describe
+from .boundaries import _gather_index, lengths_to_cu_seqlens
 
 
 def _check_inputs(group, lengths, tensors: dict[str, torch.Tensor | None]):

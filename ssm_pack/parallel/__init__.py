@@ -1,0 +1,14 @@
+"""Context parallelism: one packed row split over the ranks of a process group.
+
+* :mod:`.layout`: :class:`ContextParallelLayout` (who holds which tokens of which document),
+  :func:`shard_for_context_parallel` and the per-forward run a :class:`ssm_pack.VarlenBatch` carries;
+* :mod:`.layout_check`: whether every rank runs the same layout (one small all-gather);
+* :mod:`.groups`: which process groups a microbatch runs on (Megatron-core's dynamic CP).
+"""
+
+from .groups import resolve_cp_group, resolve_tp_cp_group
+from .layout import ContextParallelLayout, ContextParallelRun, shard_for_context_parallel
+from .layout_check import set_layout_check
+
+__all__ = ["ContextParallelLayout", "ContextParallelRun", "resolve_cp_group", "resolve_tp_cp_group",
+           "set_layout_check", "shard_for_context_parallel"]
