@@ -38,7 +38,7 @@ from mixers.layers import (
     norm_linear,
     short_conv,
 )
-from mixers.ops import chunks
+from mixers.ops.common import chunks
 from mixers.ops.delta_rule import l2norm
 from mixers.ops.device_policy import device_policy
 from ssm_pack import PackedSeqParams

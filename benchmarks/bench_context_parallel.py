@@ -4,7 +4,7 @@
     b = bytes per element
 
 1. Bytes sent per rank per layer (forward + backward), **measured** from the collectives
-   (``mixers.ops.cp_exchange.record_traffic``) on P = 2 spawned gloo ranks, checked against the
+   (``mixers.ops.common.cp_exchange.record_traffic``) on P = 2 spawned gloo ranks, checked against the
    plan the layout implies (``chain_plan`` / ``key_plan``, no communication), next to the
    all-to-all design's volume (Megatron-core's CP for Mamba, Ulysses for the others: the scan's
    inputs go sequence -> head sharded and its output back), **computed**:
@@ -33,7 +33,7 @@ from benchmarks.bench_layers import LAYERS, document_lengths
 from benchmarks.common import table
 from mixers.layers.config import AttentionConfig, GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig, Mamba2Config
 from mixers.ops.attention.cp import key_plan
-from mixers.ops.cp_exchange import chain_plan, record_traffic
+from mixers.ops.common.cp_exchange import chain_plan, record_traffic
 from ssm_pack import PackedSeqParams, shard_for_context_parallel
 from ssm_pack.parallel.layout import ContextParallelLayout
 

@@ -6,7 +6,7 @@ Each rank holds ``[1, T_r]`` of the row. Two facts cross the rank boundary: the 
 rank whose segment continues on rank ``r + 1`` predicts that rank's first label
 (:func:`continue_targets`), and the mean divides by the targets counted on every rank
 (:func:`mean_share`), so the ranks' shares sum to the single-process mean and all-reduced
-gradients match it. Both talk through :mod:`mixers.ops.cp_exchange` (counted as ``"loss"``).
+gradients match it. Both talk through :mod:`mixers.ops.common.cp_exchange` (counted as ``"loss"``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .ops.cp_exchange import count_sent, exchange
+from .ops.common.cp_exchange import count_sent, exchange
 
 
 def _next_rank_first_label(run, labels: torch.Tensor) -> torch.Tensor | None:

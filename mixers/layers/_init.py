@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..ops.chunks import ROW_BLOCK_ELEMENTS, records_grad, row_blocks
+from ..ops.common.chunks import ROW_BLOCK_ELEMENTS, records_grad, row_blocks
 from ..ops.device_policy import whole_tensor
 from .norm import upcast
 

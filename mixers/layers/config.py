@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ssm_pack.checks import check_int
 
-from ..ops._checks import check_chunk_size
+from ..ops.common.checks import check_chunk_size
 
 
 def _positive(name: str, value) -> None:

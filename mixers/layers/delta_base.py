@@ -49,7 +49,7 @@ from ..ops import (
     fused_recurrent_gated_delta_rule,
     fused_recurrent_kda,
 )
-from ..ops.chunks import compute_dtype
+from ..ops.common.chunks import compute_dtype
 from ._init import decay_gate, inverse_softplus_dt
 from .base import SHORT_CONV, MixerBase
 from .cached import CachedMixin

@@ -42,7 +42,7 @@ from torch import nn
 from ..inference.layer_cache import LayerCache
 from ..inference.slots import SlotBatch
 from ..ops import mamba_chunk_scan_combined, selective_state_update
-from ..ops.chunks import compute_dtype
+from ..ops.common.chunks import compute_dtype
 from ._init import inverse_softplus_dt
 from .base import SHORT_CONV, MixerBase
 from .cached import CachedMixin

@@ -3,7 +3,7 @@
 Two shapes exist for the layers' and the model's elementwise-plus-matmul functions (SwiGLU, the
 RMS norms, ``norm_linear``, the decay gate, l2norm):
 
-* ``"cpu"``: passes over blocks of rows (:func:`.chunks.row_blocks`), so no temporary is larger
+* ``"cpu"``: passes over blocks of rows (:func:`mixers.ops.common.chunks.row_blocks`), so no temporary is larger
   than a few MB; on a CPU this keeps the working set in cache and avoids fresh page-faulted
   mappings at long T.
 * ``"cuda"``: one block, the whole tensor: one GEMM or one elementwise kernel per step instead

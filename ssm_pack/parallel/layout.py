@@ -17,7 +17,7 @@ structure, so a segment crossing a rank boundary continues exactly:
   and ``HybridLM``'s loss is this rank's share of the row's mean.
 
 The layout is plain integers known to every rank, so each rank can tell, without talking,
-which ranks must exchange what (:mod:`mixers.ops.cp_exchange` does the talking).
+which ranks must exchange what (:mod:`mixers.ops.common.cp_exchange` does the talking).
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def resolve(params, total_tokens: int, device, build_local) -> ContextParallelRu
 class ContextParallelRun:
     """The CP facts of one forward on one rank (``VarlenBatch.cp``): the layout, the group, the
     local row as the ops see it, and the order of this forward's collectives (``token``, see
-    :mod:`mixers.ops.cp_exchange`)."""
+    :mod:`mixers.ops.common.cp_exchange`)."""
 
     def __init__(self, layout: ContextParallelLayout, group, device: torch.device, build_local):
         self.layout, self.group, self.device = layout, group, device

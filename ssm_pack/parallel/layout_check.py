@@ -23,7 +23,7 @@ When it runs (:func:`set_layout_check`, or the environment variable
 Cost: one all-gather of ``P + 4`` int64 per forward checked (``HybridLM`` resolves its metadata
 twice per forward: the layers' and the loss targets'), which on an accelerator is also one host
 sync (the gathered rows are compared on the host), plus hashing the ``N + 2`` boundaries.
-It is not part of :func:`mixers.ops.cp_exchange.record_traffic`'s
+It is not part of :func:`mixers.ops.common.cp_exchange.record_traffic`'s
 count (that counts the ops' exchanges); :func:`checks_run` counts the checks. Groups that are not
 a ``torch.distributed.ProcessGroup`` (test stand-ins) are not checked. A backward run on only
 some ranks cannot be detected this way (it waits in the first exchange's backward until the

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mixers.ops.cp_exchange import record_traffic
+from mixers.ops.common.cp_exchange import record_traffic
 from ssm_pack import shard_for_context_parallel
 from tests.context_parallel.cases import OPS, cases, layout, run_subject
 

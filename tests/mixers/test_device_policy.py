@@ -21,7 +21,7 @@ from mixers.layers import _init, norm, norm_linear
 from mixers.layers._init import decay_gate
 from mixers.layers.norm import GatedRMSNorm, RMSNorm
 from mixers.layers.norm_linear import norm_linear as norm_linear_fn
-from mixers.ops import chunks
+from mixers.ops.common import chunks
 from mixers.ops.delta_rule import l2norm
 from mixers.ops.delta_rule.l2norm import l2_normalize
 from mixers.ops.device_policy import ENV_VAR, device_policy, policy_for, read_environment, whole_tensor

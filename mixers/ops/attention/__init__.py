@@ -19,9 +19,9 @@ from ssm_pack.checks import check_int, check_tensor
 from ssm_pack.formats.boundaries import max_seqlen_from_cu_seqlens
 
 from .. import dispatch
-from .._autocast import outside_autocast
-from .._checks import varlen_of
-from ..chunks import compute_dtype
+from ..common.autocast import outside_autocast
+from ..common.checks import varlen_of
+from ..common.chunks import compute_dtype
 from .kernel import flash_varlen, unsupported
 from .segment import blockwise_attention
 from .torch_varlen import torch_varlen_attention

@@ -21,8 +21,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from ..chunks import compute_dtype
-from ..cp_exchange import exchange
+from ..common.chunks import compute_dtype
+from ..common.cp_exchange import exchange
 
 BLOCK = 256
 

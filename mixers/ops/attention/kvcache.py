@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from ssm_pack.checks import check_tensor, describe
 
 from .. import dispatch
-from .._autocast import outside_autocast
-from ..chunks import compute_dtype
+from ..common.autocast import outside_autocast
+from ..common.chunks import compute_dtype
 from .kvcache_kernel import kvcache_kernel, unsupported
 
 __all__ = ["attention_with_kvcache"]

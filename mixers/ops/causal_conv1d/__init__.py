@@ -25,7 +25,7 @@ import torch
 from ssm_pack.formats.segments import Segments, segments_from_seq_idx
 
 from .. import dispatch
-from .._autocast import outside_autocast
+from ..common.autocast import outside_autocast
 from . import fla_kernel
 from ._validate import check_conv_inputs
 from .kernel import causal_conv1d_kernel, unsupported_shape, varlen_states_kernel

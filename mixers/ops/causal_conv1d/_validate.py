@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ssm_pack.checks import check_tensor
 
-from .._checks import varlen_of
+from ..common.checks import varlen_of
 
 ACTIVATIONS = (None, "silu", "swish")
 

@@ -8,7 +8,7 @@ with ``tail`` the rank's last ``min(L, J)`` inputs of the segment (right-aligned
 before; the document's initial state before its first token where it starts on this rank) and
 ``Shift_L`` the ``J x J`` matrix moving an incoming window L places left, so
 ``S_out = S_in @ Shift_L + tail``; a segment with ``L >= J`` tokens on the rank (or starting
-there) needs nothing from before. :func:`mixers.ops.cp_exchange.chain_scan` composes these over
+there) needs nothing from before. :func:`mixers.ops.common.cp_exchange.chain_scan` composes these over
 the ranks, so a document spanning ranks holding fewer than J of its tokens is still exact. The
 received window becomes the first local segment's initial state and the op runs once, locally.
 Backward: the window's gradient flows back through the exchange to the inputs it came from.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cp_exchange import chain_scan
+from ..common.cp_exchange import chain_scan
 
 
 def _shift(length: int, width: int, like: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..naive_documents import document_spans
+from ..common.naive_documents import document_spans
 
 
 def causal_conv1d_naive(x, weight, bias=None, initial_states=None, return_final_states=False, activation=None,

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ssm_pack.formats.segments import Segments
 
-from ..chunks import compute_dtype, row_blocks
+from ..common.chunks import compute_dtype, row_blocks
 from .depthwise import conv_anticausal, conv_causal, weight_grad
 
 
@@ -107,7 +107,7 @@ class VarlenConv(torch.autograd.Function):
     Backward keeps only the input (``x_tok`` as given, a strided view included: no copy of it
     is made) and recomputes the pre-activation, one more depthwise convolution, instead of
     keeping a second ``[N, D]`` tensor per convolution. It runs over blocks of rows
-    (:func:`..chunks.row_blocks`, small enough to stay in cache): each block recomputes its
+    (:func:`mixers.ops.common.chunks.row_blocks`, small enough to stay in cache): each block recomputes its
     pre-activation from its rows and the J before them, takes the gradient at its rows and the J
     after them, and writes its rows of the input gradient, the one ``[N, D]`` tensor it allocates
     (at T = 65,536 a whole-size pre-activation was one more fresh 32-64 MB mapping per

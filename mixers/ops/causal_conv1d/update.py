@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from ssm_pack.checks import check_tensor
 
 from .. import dispatch
-from .._autocast import outside_autocast
-from .._slots import state_rows
-from ..chunks import compute_dtype
+from ..common.autocast import outside_autocast
+from ..common.chunks import compute_dtype
+from ..common.slots import state_rows
 from . import decode_kernels
 from ._validate import ACTIVATIONS
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
-from .._autocast import outside_autocast
-from ..chunks import compute_dtype
+from ..common.autocast import outside_autocast
+from ..common.chunks import compute_dtype
 from ._validate import check_delta_inputs
 from .chunk import delta_rule_chunked
 from .kernel import fla_kernel, unsupported

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ssm_pack.checks import check_tensor
 
-from .._checks import check_chunk_size, varlen_of
+from ..common.checks import check_chunk_size, varlen_of
 
 
 def _shape(name, t, want, labels):

@@ -25,14 +25,14 @@ gradients in place. No autograd inside: ``torch.compile`` traces the forward and
 
 Like every mixing step of the references, the masks here multiply exact zeros into the
 cross-document terms; every value is finite (the caller sanitizes non-finite inputs and output
-gradients, see :mod:`.._isolation`), so that is exact.
+gradients, see :mod:`mixers.ops.common.isolation`), so that is exact.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._inplace import into
+from ..common.inplace import into
 from .l2norm import inverse_norm, normalize_backward
 from .prep import Masks, Prep, chunk_masks, prep_backward, prep_forward
 
@@ -175,7 +175,7 @@ class DeltaRuleBlocked(torch.autograd.Function):
     """``(q, k [B,T,H,K], v [B,T,H,V], g [B,T,H,Kg], beta [B,T,H], seg [B,C,L], enter [B,C],
     h0 [B,H,K,V], scale, chunk, every) -> (o [B,T,H,V], S_final [B,H,K,V])``; ``q`` is scaled by
     ``scale`` here; ``seg`` and ``enter`` are padded to whole chunks
-    (:func:`..chunks.entering_segments`). ``every > 1``: the steps come in groups of ``every`` and
+    (:func:`mixers.ops.common.chunks.entering_segments`). ``every > 1``: the steps come in groups of ``every`` and
     only each group's last step reads: ``q`` and ``o`` hold those steps only (``[B, T/every, ...]``;
     Gated DeltaProduct's Householder sub-steps), the other steps' queries are zeros."""
 

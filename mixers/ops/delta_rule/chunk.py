@@ -26,7 +26,7 @@ entering the chunk:
 Steps 1-2 depend on no state and run for many chunks at once (:mod:`.prep`). Every
 cross-document term is a masked zero (the solve is block-diagonal per document), so documents
 stay bitwise independent for finite values; non-finite inputs are sanitized on the way in and
-re-poisoned on the way out (:mod:`.._isolation`), so a NaN or inf stays in its document. A gate
+re-poisoned on the way out (:mod:`mixers.ops.common.isolation`), so a NaN or inf stays in its document. A gate
 ``g = -inf`` (decay exactly 0) is a reset, computed exactly. The fast path (:mod:`.blocked`)
 runs blocks of chunks with a hand-written backward; per-document initial or final states use
 the composed path below, which keeps every intermediate.
@@ -39,8 +39,8 @@ from types import SimpleNamespace
 
 import torch
 
-from .._isolation import Isolation
-from ..chunks import entering_segments, pad_tokens, untracked
+from ..common.chunks import entering_segments, pad_tokens, untracked
+from ..common.isolation import Isolation
 from .blocked import DeltaRuleBlocked
 from .l2norm import l2_normalize
 from .prep import chunk_masks, prep_backward, prep_forward

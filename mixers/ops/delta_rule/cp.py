@@ -16,7 +16,7 @@ rank) yields, at once,
 Only the entering segment's ``T1`` tokens take the extra columns (a call of their own); the
 documents that start on the rank run as one plain call.
 
-:func:`mixers.ops.cp_exchange.chain_scan` composes ``(M, S_local)`` over the ranks a segment
+:func:`mixers.ops.common.cp_exchange.chain_scan` composes ``(M, S_local)`` over the ranks a segment
 crosses (``M_2 M_1``, ``M_2 S_1 + S_2``) in the op's compute dtype and returns ``S_in``; the
 exact outputs are then ``o_t + (M_t^T q_t)^T S_in`` and the segment's final state
 ``S_local + M S_in``. Backward is autograd through the same calls and the exchange (the state
@@ -30,8 +30,8 @@ import torch
 
 from ssm_pack.varlen import VarlenBatch
 
-from ..chunks import compute_dtype
-from ..cp_exchange import chain_scan
+from ..common.chunks import compute_dtype
+from ..common.cp_exchange import chain_scan
 
 
 def _local(kind, local_op, q, k, v, g, beta, scale, inits, l2norm, cover, chunk_size, backend, nh):

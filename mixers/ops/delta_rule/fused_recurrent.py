@@ -17,8 +17,8 @@ from __future__ import annotations
 from ssm_pack.checks import check_int
 
 from .. import dispatch
-from .._autocast import outside_autocast
-from ..chunks import compute_dtype
+from ..common.autocast import outside_autocast
+from ..common.chunks import compute_dtype
 from ._validate import check_delta_inputs
 from .fused_recurrent_kernel import fused_recurrent_kernel, unsupported
 from .recurrent import gated_delta_product_step, gated_delta_rule_step

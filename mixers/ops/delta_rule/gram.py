@@ -9,7 +9,7 @@ autograd function, or the hand-written backward of :mod:`.prep`, calls them).
 stacked as ``S2 [N, 2, L, L]`` (``S2[:, 0] = qk``, ``S2[:, 1] = Akk``; the diagonal of ``Akk``
 is not meaningful: the WY solve treats it as unit). Only pairs of one segment are kept; all
 others are exactly 0. ``g`` are the per-token log-decays (<= 0; a reset ``g = -inf``, floored at
-:data:`..chunks.LOG_DECAY_FLOOR`, has ``exp(g) = 0``).
+:data:`mixers.ops.common.chunks.LOG_DECAY_FLOOR`, has ``exp(g) = 0``).
 
 Every decay is the product of the per-token decays ``exp(g_u)`` over exactly its interval
 ``(s, t]``, never the exponential of the difference ``G_t - G_s`` of two cumulative sums: that
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from .._inplace import into
+from ..common.inplace import into
 
 
 def quadrant(m: torch.Tensor, block: int, row: int = 1, col: int = 0) -> torch.Tensor:

@@ -10,7 +10,7 @@ state; the states are put back in the documents' order after the call.
 
 States: fla keeps them in fp32 and ``chunk_kda`` asserts an fp32 ``initial_state``
 (fla/ops/kda/chunk.py), so every kind gets ``initial_state`` in fp32 (the cast is differentiable) and
-the final state comes back in the reference's state dtype (:func:`mixers.ops.chunks.compute_dtype`
+the final state comes back in the reference's state dtype (:func:`mixers.ops.common.chunks.compute_dtype`
 of ``v``: fp32 for fp32 / fp16 / bf16 inputs).
 """
 
@@ -20,7 +20,7 @@ import torch
 
 from ssm_pack.support import installed
 
-from ..chunks import compute_dtype
+from ..common.chunks import compute_dtype
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

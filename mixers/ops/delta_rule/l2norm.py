@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..chunks import ROW_BLOCK_ELEMENTS, records_grad, row_blocks
+from ..common.chunks import ROW_BLOCK_ELEMENTS, records_grad, row_blocks
 from ..device_policy import whole_tensor
 
 EPS = 1e-6

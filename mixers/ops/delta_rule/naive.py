@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..naive_documents import document_spans
+from ..common.naive_documents import document_spans
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._inplace import into
-from ..chunks import LOG_DECAY_FLOOR, same_segment_causal
+from ..common.chunks import LOG_DECAY_FLOOR, same_segment_causal
+from ..common.inplace import into
 from .gram import channel_grams, channel_grams_backward, scalar_decay, scalar_grams_backward
 from .wy import unit_lower_inverse
 

@@ -9,9 +9,9 @@ where it starts): it corrects their values (``delta -= W S0``), is read by their
 the leaving state as ``exp(G_L) S0``. A document's final state is the entering state of its
 last chunk (when it is that state's document) decayed to its last token, plus its own tokens
 in that chunk, plus ``S0`` when it also started there. Each document only touches a run of at
-most ``L`` tokens; runs are batched by length (:mod:`mixers.ops._grouped`).
+most ``L`` tokens; runs are batched by length (:mod:`mixers.ops.common.grouped`).
 
-Non-finite initial states go through the chunked call's guard (:mod:`.._isolation`): sanitized
+Non-finite initial states go through the chunked call's guard (:mod:`mixers.ops.common.isolation`): sanitized
 before any mixing op (a NaN ``S0`` times a masked zero would reach its neighbours, and times a
 decay it would reach the decay's gradient), and the document's outputs and final state
 re-poisoned. An empty document's final state is its initial state as given.
@@ -23,8 +23,8 @@ import torch
 
 from ssm_pack.formats.segments import Segments
 
-from .._grouped import buckets, finish_document_states, initial_states_leaving_chunks
-from ..chunks import suffix_sums
+from ..common.chunks import suffix_sums
+from ..common.grouped import buckets, finish_document_states, initial_states_leaving_chunks
 
 
 def _token_major(t: torch.Tensor) -> torch.Tensor:

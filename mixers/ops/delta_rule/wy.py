@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .._inplace import into
+from ..common.inplace import into
 
 _BASE = 16
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from ssm_pack.formats.segments import segments_from_seq_idx
 
 from .. import dispatch
-from .._autocast import outside_autocast
-from ..chunks import compute_dtype
+from ..common.autocast import outside_autocast
+from ..common.chunks import compute_dtype
 from ._validate import check_ssd_inputs
 from .dt import process_dt
 from .kernel import KERNEL_DTYPES, ssd_kernel

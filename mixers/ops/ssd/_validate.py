@@ -6,7 +6,7 @@ import math
 
 from ssm_pack.checks import check_int, check_tensor
 
-from .._checks import varlen_of
+from ..common.checks import varlen_of
 
 
 def _shape(name, t, want, labels):

@@ -20,7 +20,7 @@ recomputed), and the entering states are kept whole only when the backward or th
 them (else one block's at a time: ``H P Ns / L`` numbers per token fewer, 2 KB at H = 16,
 P = Ns = 64, L = 128). Masks multiply exact zeros into every
 cross-document term, so documents stay bitwise independent: exact because every value here is
-finite (the caller sanitizes non-finite inputs and output gradients, see :mod:`.._isolation`).
+finite (the caller sanitizes non-finite inputs and output gradients, see :mod:`mixers.ops.common.isolation`).
 """
 
 from __future__ import annotations

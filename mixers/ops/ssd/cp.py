@@ -9,7 +9,7 @@ scalar per head. Each rank
 
 1. runs the op locally from zero (the documents' own initial states where they start here),
    ``D`` and ``z`` held back, with the row's final state: ``S_local`` of the segment leaving it;
-2. sends ``(exp(A sum dt), S_local)`` through :func:`mixers.ops.cp_exchange.chain_scan`, which
+2. sends ``(exp(A sum dt), S_local)`` through :func:`mixers.ops.common.cp_exchange.chain_scan`, which
    composes the ranks a segment crosses and returns ``S_in`` ``[H, P, Ns]`` for its first
    segment;
 3. adds what ``S_in`` contributes to that segment's outputs,
@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..chunks import compute_dtype
-from ..cp_exchange import chain_scan
+from ..common.chunks import compute_dtype
+from ..common.cp_exchange import chain_scan
 from .dt import process_dt
 
 

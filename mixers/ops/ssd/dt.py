@@ -3,7 +3,7 @@
 One function for every SSD path: the chunked scan (``dt [B, T, H]``, ``dt_bias [H]``), its
 context-parallel form (:mod:`.cp`) and the decode step (:mod:`.update`, ``dt [N, H, P]``,
 ``dt_bias [H, P]``). ``compute`` is the dtype the caller computes in
-(:func:`mixers.ops.chunks.compute_dtype` of ``x``: fp32 for half inputs, as the kernels do).
+(:func:`mixers.ops.common.chunks.compute_dtype` of ``x``: fp32 for half inputs, as the kernels do).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..naive_documents import document_spans
+from ..common.naive_documents import document_spans
 
 
 def _segment_sums(a: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ boundary is exactly 0 and no value of another document ever enters a sum. Steps 
 one autograd function over blocks of chunks (:mod:`.chunk_scan`).
 
 Those masks multiply exact zeros into the cross-document terms, which is exact for finite values
-only (``0 * nan = nan``), so the whole scan is guarded (:mod:`.._isolation`): non-finite inputs
+only (``0 * nan = nan``), so the whole scan is guarded (:mod:`mixers.ops.common.isolation`): non-finite inputs
 (``x``, ``dt``, ``B``, ``C``, ``z``, initial states) are sanitized on the way in and their
 document's outputs and states re-poisoned on the way out; ``A`` and ``D``, which every document
 shares, get NaN gradients when a poisoned value is differentiated.
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._isolation import Isolation
-from ..chunks import entering_segments, pad_tokens, records_grad, same_segment_causal
+from ..common.chunks import entering_segments, pad_tokens, records_grad, same_segment_causal
+from ..common.isolation import Isolation
 from .chunk_scan import SSDChunkScan
 from .varlen_states import LeavingStates
 

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from ssm_pack.checks import check_tensor
 
 from .. import dispatch
-from .._autocast import outside_autocast
-from .._slots import state_rows
-from ..chunks import compute_dtype
+from ..common.autocast import outside_autocast
+from ..common.chunks import compute_dtype
+from ..common.slots import state_rows
 from .dt import process_dt
 from .state_update_kernel import selective_state_update_kernel, unsupported
 

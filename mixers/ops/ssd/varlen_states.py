@@ -8,11 +8,11 @@ the segmented cumulative decay ``exp(a_cs)``, and (b) the state leaving that chu
 document is the chunk's last segment, from where state passing carries it on. Its final state
 is (c) the entering state of its last chunk when it is that state's segment, plus (d) its own
 tokens inside that last chunk, plus (e) ``h0`` when it starts in that chunk. Each document only
-touches a run of at most ``L`` tokens, batched by length (:mod:`mixers.ops._grouped`).
+touches a run of at most ``L`` tokens, batched by length (:mod:`mixers.ops.common.grouped`).
 
 Each piece mixes documents (a NaN ``h0`` times a masked zero reaches its neighbours; times a
 decay it reaches the decay's gradient, hence every document of the chunk), so each is guarded
-(:mod:`.._isolation`): (b) by the scan's guard, which learns about ``h0`` through
+(:mod:`mixers.ops.common.isolation`): (b) by the scan's guard, which learns about ``h0`` through
 :class:`LeavingStates`; (a) and (c)-(e) by their own, which also reads the states entering the
 chunks (NaN where the scan found them non-finite). An empty document's final state is its
 initial state as given.
@@ -26,8 +26,8 @@ import torch
 
 from ssm_pack.formats.segments import Segments
 
-from .._grouped import buckets, finish_document_states, initial_states_leaving_chunks
-from .._isolation import Isolation
+from ..common.grouped import buckets, finish_document_states, initial_states_leaving_chunks
+from ..common.isolation import Isolation
 
 
 @dataclass

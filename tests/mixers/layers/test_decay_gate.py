@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from mixers.layers import _init
 from mixers.layers._init import decay_gate
-from mixers.ops import chunks
+from mixers.ops.common import chunks
 from tests.support.oracles import check_close
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from mixers.layers import norm
 from mixers.layers.norm import GatedRMSNorm, RMSNorm
-from mixers.ops import chunks
+from mixers.ops.common import chunks
 from tests.support.oracles import check_close
 
 GATED = [

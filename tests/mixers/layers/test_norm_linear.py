@@ -14,7 +14,7 @@ from torch import nn
 from mixers.layers import norm_linear as nl
 from mixers.layers.norm import GatedRMSNorm
 from mixers.layers.norm_linear import norm_linear
-from mixers.ops import chunks
+from mixers.ops.common import chunks
 from tests.support.oracles import check_close
 
 CASES = [

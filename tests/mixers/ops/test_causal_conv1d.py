@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mixers.ops import causal_conv1d_fn, chunks
+from mixers.ops import causal_conv1d_fn
 from mixers.ops.causal_conv1d import reference
+from mixers.ops.common import chunks
 from ssm_pack import lengths_to_cu_seqlens
 from tests.support.oracles import check_close, conv_oracle, design_lengths
 

@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from mixers.ops import chunks
+from mixers.ops.common import chunks
 from mixers.ops.delta_rule import l2norm
 from mixers.ops.delta_rule.l2norm import l2_normalize
 from tests.support.oracles import check_close

@@ -3,7 +3,7 @@
 Under ``torch.autocast`` a layer's projections hand the op bf16 / fp16 tensors next to fp32
 parameters (conv weights, ``A``, ``dt_bias``, ``D``). The upstream kernels take those tensors as
 they are and compute in their own precision; the references must do the same: they compute half
-inputs in fp32 (:func:`mixers.ops.chunks.compute_dtype`) and return the input's dtype. Left under
+inputs in fp32 (:func:`mixers.ops.common.chunks.compute_dtype`) and return the input's dtype. Left under
 autocast, the references' own matmuls and convolutions would be recast to half precision behind
 their back (wrong precision, and mixed-dtype in-place writes that fail). So every public op's
 entry point switches autocast off for the device its tensors live on, for its whole body.

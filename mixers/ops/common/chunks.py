@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .device_policy import whole_tensor
+from ..device_policy import whole_tensor
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
