@@ -100,7 +100,7 @@ def _packed_metadata(sizes: Sizes):
 
 def case_conv_overhead(sizes: Sizes):
     """Our causal_conv1d_fn (fla's conv here unless causal-conv1d's wheel is given) vs fla's conv directly."""
-    import mixers.ops.causal_conv1d.fla_kernel as fla_conv
+    import mixers.ops.causal_conv1d.kernel_fla as fla_conv
     from mixers.ops import causal_conv1d_fn
     cu, _ = _packed_metadata(sizes)
     D = 4 * sizes.hidden

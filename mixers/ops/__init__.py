@@ -7,8 +7,8 @@ by ``backend="auto" | "kernel" | "reference"``.
 """
 
 from .attention import varlen_attention
-from .attention.kvcache import attention_with_kvcache
 from .attention.segment import segment_attention
+from .attention.update import attention_with_kvcache
 from .causal_conv1d import causal_conv1d_fn
 from .causal_conv1d.update import causal_conv1d_update
 from .delta_rule import (
@@ -19,7 +19,7 @@ from .delta_rule import (
     gated_delta_rule_step,
     kda_step,
 )
-from .delta_rule.fused_recurrent import (
+from .delta_rule.update import (
     fused_recurrent_gated_delta_product,
     fused_recurrent_gated_delta_rule,
     fused_recurrent_kda,

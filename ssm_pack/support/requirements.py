@@ -61,7 +61,7 @@ KERNELS = {k.name: k for k in (
     # PyTorch's own varlen_attn (FlashAttention-2 inside torch, torch.nn.attention.varlen), the first
     # attention kernel: torch >= 2.10 (is_causal= only: no scale, window or GQA); window_size= and then
     # enable_gqa= come in later releases. It needs no package beyond torch: the op reads the installed
-    # signature (mixers.ops.attention.torch_varlen), so no release is claimed for a form it has not read
+    # signature (mixers.ops.attention.kernel_torch), so no release is claimed for a form it has not read
     Kernel("torch_varlen", "PyTorch's varlen_attn (FlashAttention-2 inside PyTorch, from 2.10)", ()),
     Kernel("flash_attn", "flash-attn's attention kernels", (("flash_attn", "2.3.0"),)),
 )}

@@ -33,8 +33,8 @@ def _lane(_shims, monkeypatch):
 def upstream_calls(monkeypatch):
     """``{kind: calls}`` of the real upstream functions (counted, then run unchanged), so a test
     whose dispatch silently took the reference would fail instead of comparing it with itself."""
-    import mixers.ops.causal_conv1d.fla_kernel as fla_conv
     import mixers.ops.causal_conv1d.kernel as cuda_conv
+    import mixers.ops.causal_conv1d.kernel_fla as fla_conv
     import mixers.ops.delta_rule.kernel as delta
     import mixers.ops.ssd.kernel as ssd
     counts = {"fla_conv": 0, "causal_conv1d": 0, "ssd": 0, "gdn": 0, "kda": 0, "gdp": 0}

@@ -103,7 +103,7 @@ def test_short_convolution_layer_takes_fla(upstream_calls):
 def test_upstream_refuses_fp64(upstream_calls):
     """fla accumulates in fp32 and its output cast refuses an fp64 destination: dispatch never
     offers it fp64 (auto takes the reference, ``backend="kernel"`` raises naming both kernels)."""
-    from mixers.ops.causal_conv1d.fla_kernel import load_upstream
+    from mixers.ops.causal_conv1d.kernel_fla import load_upstream
     cu = lengths_to_cu_seqlens([9, 23])
     x, w, b, _ = tensors(16, 32, 4, dtype=torch.float64)
     with pytest.raises(Exception, match="fp_downcast_rounding"):
@@ -120,7 +120,7 @@ def test_upstream_leaves_the_tail_after_cu_seqlens_uncomputed(upstream_calls):
     ssm-pack's segments always end at the row's length, so the tail is computed as its own segment."""
     import fla.modules.causal_conv1d.ops as fla_ops
 
-    from mixers.ops.causal_conv1d.fla_kernel import load_upstream
+    from mixers.ops.causal_conv1d.kernel_fla import load_upstream
     cu = lengths_to_cu_seqlens([9, 13])
     x, w, b, _ = tensors(16, 30, 4)
     empty_like = torch.empty_like

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import mixers.ops.causal_conv1d.decode_kernels as conv_update
 import mixers.ops.causal_conv1d.kernel as conv_kernel
-import mixers.ops.delta_rule.fused_recurrent_kernel as recurrent_kernel
-import mixers.ops.ssd.state_update_kernel as ssd_update
+import mixers.ops.causal_conv1d.update_kernel as conv_update
+import mixers.ops.delta_rule.update_kernel as recurrent_kernel
+import mixers.ops.ssd.update_kernel as ssd_update
 from mixers.ops import (
     causal_conv1d_fn,
     causal_conv1d_update,

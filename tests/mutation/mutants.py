@@ -63,8 +63,8 @@ MAMBA2_CKPT = "mixers/checkpoints/mamba2.py"
 CACHED = "mixers/layers/cached.py"
 SSD_UPDATE = "mixers/ops/ssd/update.py"
 CONV_UPDATE = "mixers/ops/causal_conv1d/update.py"
-KVCACHE = "mixers/ops/attention/kvcache.py"
-RECURRENT = "mixers/ops/delta_rule/recurrent.py"
+KVCACHE = "mixers/ops/attention/update.py"
+RECURRENT = "mixers/ops/delta_rule/step.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # ------------------------------------------------------------------ inference

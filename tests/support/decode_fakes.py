@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-import mixers.ops.attention.kvcache_kernel as kvcache_kernel
-import mixers.ops.causal_conv1d.decode_kernels as conv_update
-import mixers.ops.delta_rule.fused_recurrent_kernel as recurrent_kernel
-import mixers.ops.ssd.state_update_kernel as ssd_update
+import mixers.ops.attention.update_kernel as kvcache_kernel
+import mixers.ops.causal_conv1d.update_kernel as conv_update
+import mixers.ops.delta_rule.update_kernel as recurrent_kernel
+import mixers.ops.ssd.update_kernel as ssd_update
 from mixers.ops import (
     attention_with_kvcache,
     causal_conv1d_update,

@@ -40,7 +40,7 @@ class StopAtFirstCall(list):
 def install(monkeypatch) -> None:
     """Every package present and new enough, a device, ``is_cuda`` true, the strict fakes stopping."""
     from mixers.ops import dispatch
-    from mixers.ops.attention import torch_varlen
+    from mixers.ops.attention import kernel_torch
     from ssm_pack.support import installed, requirements
     from tests.support import decode_fakes as fakes
     from tests.support import fakes as training_fakes
@@ -67,8 +67,8 @@ def install(monkeypatch) -> None:
     dispatch.cached_support.cache_clear()
     monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
     calls = fakes.install(monkeypatch, calls=StopAtFirstCall())
-    monkeypatch.setattr(torch_varlen, "on_cuda", lambda t: True)        # attention's first kernel on a GPU
-    monkeypatch.setattr(torch_varlen, "load_upstream", lambda: training_fakes.fake_torch_varlen(calls))
+    monkeypatch.setattr(kernel_torch, "on_cuda", lambda t: True)        # attention's first kernel on a GPU
+    monkeypatch.setattr(kernel_torch, "load_upstream", lambda: training_fakes.fake_torch_varlen(calls))
 
 
 def settle(outcome) -> None:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..common.chunks import compute_dtype
 from ..common.cp_exchange import exchange
+from ._validate import AttentionCall
 
 BLOCK = 256
 
@@ -64,14 +65,15 @@ def _continuing(q1, keys, values, offset: int, left: int, scale: float) -> torch
     return torch.cat(outs)
 
 
-def varlen_attention_cp(q, k, v, varlen, causal, window, scale, backend, local_op):
-    """The CP version of :func:`mixers.ops.varlen_attention` (arguments resolved).
+def varlen_attention_cp(call: AttentionCall, local_op):
+    """The CP version of :func:`mixers.ops.varlen_attention` (``call.varlen.cp`` set).
     ``local_op`` is the op itself, run on this rank's pieces without CP (passed in, so this module
     does not import its package)."""
-    if not causal:
+    q, k, v, window, scale, backend = call.q, call.k, call.v, call.window, call.scale, call.backend
+    if not call.causal:
         raise ValueError("varlen_attention: context parallelism needs causal=True (a query would need keys of "
                          "later ranks); run non-causal attention on the whole row")
-    run = varlen.cp
+    run = call.varlen.cp
     lay, r = run.layout, run.rank
     plan = key_plan(lay, window[0])
     received = {}
@@ -82,7 +84,7 @@ def varlen_attention_cp(q, k, v, varlen, causal, window, scale, backend, local_o
         received = exchange(run, "attention", sends, recvs, k.dtype, anchors=(q, k, v))
     if not run.continues_in:
         out = local_op(q, k, v, run.local_cover, causal=True, window_size=window, softmax_scale=scale,
-                               backend=backend)
+                       backend=backend)
         return run.anchor(out)
     t1 = run.first_len
     sources = sorted(received)
@@ -94,5 +96,5 @@ def varlen_attention_cp(q, k, v, varlen, causal, window, scale, backend, local_o
     if t1 == q.shape[0]:
         return run.anchor(first)
     rest = local_op(q[t1:], k[t1:], v[t1:], run.after_first, causal=True, window_size=window,
-                            softmax_scale=scale, backend=backend)
+                    softmax_scale=scale, backend=backend)
     return run.anchor(torch.cat([first, rest]))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ._validate import AttentionCall
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -21,7 +23,8 @@ def load_upstream():
     return flash_attn_varlen_func
 
 
-def flash_varlen(q, k, v, covering_cu_seqlens, max_seqlen, causal, window, scale):
-    cu = covering_cu_seqlens.to(device=q.device, dtype=torch.int32)
-    return load_upstream()(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal,
-                           window_size=window)
+def flash_varlen(call: AttentionCall):
+    q = call.q
+    cu = call.varlen.covering_cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return load_upstream()(q, call.k, call.v, cu, cu, call.max_seqlen, call.max_seqlen, softmax_scale=call.scale,
+                           causal=call.causal, window_size=call.window)

@@ -1,12 +1,41 @@
-"""Argument checks of ``causal_conv1d_fn`` (shapes in the module docstring)."""
+"""Argument checks of ``causal_conv1d_fn`` (shapes in the module docstring), and the checked call
+every backend of it takes (:class:`ConvCall`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 from ssm_pack.checks import check_tensor
+from ssm_pack.varlen import VarlenBatch
 
 from ..common.checks import varlen_of
 
 ACTIVATIONS = (None, "silu", "swish")
+
+
+@dataclass(frozen=True)
+class ConvCall:
+    """One checked call of ``causal_conv1d_fn`` (causal-conv1d's argument names; ``varlen`` is
+    ``cu_seqlens`` resolved, ``per_doc`` says ``initial_states`` are per document ``[N, D, W-1]``)."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    seq_idx: torch.Tensor | None
+    initial_states: torch.Tensor | None
+    per_doc: bool
+    return_final_states: bool
+    final_states_out: torch.Tensor | None
+    activation: str | None
+    varlen: VarlenBatch | None
+    backend: str
+
+    @property
+    def state_len(self) -> int:
+        """``W - 1``: the inputs a document's state holds."""
+        return self.weight.shape[1] - 1
 
 
 def _check_states(name, states, rows, dim, state_len, what):
@@ -55,3 +84,12 @@ def check_conv_inputs(x, weight, bias, seq_idx, initial_states, return_final_sta
         _check_states("final_states_out", final_states_out, out_rows, dim, state_len,
                       "N" if varlen is not None else "B")
     return per_doc, varlen
+
+
+def checked_call(x, weight, bias, seq_idx, initial_states, *, return_final_states, final_states_out, activation,
+                 cu_seqlens, backend) -> ConvCall:
+    """Every argument checked (:func:`check_conv_inputs`), then the call as one :class:`ConvCall`."""
+    per_doc, varlen = check_conv_inputs(x, weight, bias, seq_idx, initial_states, return_final_states,
+                                        final_states_out, activation, cu_seqlens)
+    return ConvCall(x, weight, bias, seq_idx, initial_states, per_doc, return_final_states, final_states_out,
+                    activation, varlen, backend)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..common.cp_exchange import chain_scan
+from ._validate import ConvCall
 
 
 def _shift(length: int, width: int, like: torch.Tensor) -> torch.Tensor:
@@ -28,18 +29,18 @@ def _shift(length: int, width: int, like: torch.Tensor) -> torch.Tensor:
     return torch.diag(like.new_ones(width - length), -length)
 
 
-def causal_conv1d_cp(x, weight, bias, initial_states, per_doc, return_final_states, final_states_out, activation,
-                     varlen, backend, seq_idx, local_op):
-    """The CP version of :func:`mixers.ops.causal_conv1d_fn` (same arguments, resolved).
+def causal_conv1d_cp(call: ConvCall, local_op):
+    """The CP version of :func:`mixers.ops.causal_conv1d_fn` (``call.varlen.cp`` set).
     ``local_op`` is the op itself, run on this rank's pieces without CP (passed in, so this module
     does not import its package)."""
-    run = varlen.cp
+    x, initial_states, seq_idx, final_states_out = call.x, call.initial_states, call.seq_idx, call.final_states_out
+    run = call.varlen.cp
     lay, r = run.layout, run.rank
-    n, state_len = lay.num_docs, weight.shape[1] - 1
+    n, state_len = lay.num_docs, call.state_len
     if seq_idx is not None:
         raise ValueError("causal_conv1d_fn: seq_idx cannot be combined with a context-parallel cu_seqlens "
                          "(the shard's documents come from its VarlenBatch); pass only cu_seqlens")
-    if initial_states is not None and not per_doc:
+    if initial_states is not None and not call.per_doc:
         raise ValueError(f"causal_conv1d_fn: under context parallelism initial_states must be per document "
                          f"[N, D, W-1] with N={n}, got {tuple(initial_states.shape)}")
     inits = x.new_zeros(n + 1, x.shape[1], state_len)                # the N documents and the tail
@@ -50,11 +51,11 @@ def causal_conv1d_cp(x, weight, bias, initial_states, per_doc, return_final_stat
         f = lay.first_seg[r]
         inits = torch.cat([inits[:f], incoming[None], inits[f + 1:]])
     given = incoming is not None or initial_states is not None      # else none: the CUDA kernel stays eligible
-    result = local_op(x, weight, bias, initial_states=inits if given else None,
-                              return_final_states=return_final_states, activation=activation,
-                              cu_seqlens=run.local_cover, backend=backend)
-    out = run.anchor(result[0] if return_final_states else result)
-    if not return_final_states:
+    result = local_op(x, call.weight, call.bias, initial_states=inits if given else None,
+                      return_final_states=call.return_final_states, activation=call.activation,
+                      cu_seqlens=run.local_cover, backend=call.backend)
+    out = run.anchor(result[0] if call.return_final_states else result)
+    if not call.return_final_states:
         return out
     final = run.mask_owned(result[1][:n])
     if initial_states is not None:

@@ -27,7 +27,7 @@ from .. import dispatch
 from ..common.autocast import outside_autocast
 from ..common.chunks import compute_dtype
 from ..common.slots import state_rows
-from . import decode_kernels
+from . import update_kernel
 from ._validate import ACTIVATIONS
 
 __all__ = ["causal_conv1d_update"]
@@ -78,9 +78,9 @@ def _reference(x, conv_state, weight, bias, activation, indices):
 def _choose(x, conv_state, weight, indices, backend, bias=None) -> str:
     features = ("update_indices",)          # the 7-argument call, with or without indices
     candidates = (
-        ("causal_conv1d", "causal-conv1d", decode_kernels.causal_conv1d_unsupported(x, conv_state, weight, bias),
+        ("causal_conv1d", "causal-conv1d", update_kernel.causal_conv1d_unsupported(x, conv_state, weight, bias),
          lambda: dispatch.cached_support("causal_conv1d", features)),
-        ("fla_conv", "fla's Triton conv", decode_kernels.fla_unsupported(x, conv_state, weight, bias),
+        ("fla_conv", "fla's Triton conv", update_kernel.fla_unsupported(x, conv_state, weight, bias),
          lambda: dispatch.cached_support("fla_conv", ("update",))),
     )
     return dispatch.choose_kernel("causal_conv1d_update", backend, on_cuda=dispatch.is_cuda(x), candidates=candidates)
@@ -107,9 +107,9 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     x3 = x.unsqueeze(-1) if squeeze else x
     choice = _choose(x3, conv_state, weight, indices, backend, bias)
     if choice == "causal_conv1d":
-        out = decode_kernels.causal_conv1d_update_kernel(x3, conv_state, weight, bias, activation, indices)
+        out = update_kernel.causal_conv1d_update_kernel(x3, conv_state, weight, bias, activation, indices)
     elif choice == "fla_conv":
-        out = decode_kernels.fla_update_kernel(x3, conv_state, weight, bias, activation, indices)
+        out = update_kernel.fla_update_kernel(x3, conv_state, weight, bias, activation, indices)
     else:
         out = _reference(x3, conv_state, weight, bias, activation, indices)
     return out.squeeze(-1) if squeeze else out

@@ -32,17 +32,19 @@ from ssm_pack.varlen import VarlenBatch
 
 from ..common.chunks import compute_dtype
 from ..common.cp_exchange import chain_scan
+from ._validate import DeltaCall
 
 
-def _local(kind, local_op, q, k, v, g, beta, scale, inits, l2norm, cover, chunk_size, backend, nh):
-    kwargs = dict(scale=scale, initial_state=inits, output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
-                  cu_seqlens=cover, chunk_size=chunk_size, backend=backend)
-    if kind == "gdp":
-        return local_op(q, k, v, g, beta, nh, **kwargs)
+def _local(call: DeltaCall, local_op, q, k, v, g, beta, inits, cover):
+    """The op without CP on this rank's pieces ``q .. beta``, from ``inits``, over the documents ``cover``."""
+    kwargs = dict(scale=call.scale, initial_state=inits, output_final_state=True, use_qk_l2norm_in_kernel=call.l2norm,
+                  cu_seqlens=cover, chunk_size=call.chunk_size, backend=call.backend)
+    if call.kind == "gdp":
+        return local_op(q, k, v, g, beta, call.num_householder, **kwargs)
     return local_op(q, k, v, g, beta, **kwargs)
 
 
-def _initial_states(run, initial_state, hv, kd, vd, compute, device):
+def _initial_states(initial_state, hv, kd, vd, compute):
     """``[N+1, HV, K, V]``: the documents' initial states and the tail's zeros (``None``: none given)."""
     if initial_state is None:
         return None
@@ -55,49 +57,55 @@ def _steps(t, lo, hi, nh):
     return None if t is None else t[:, lo * nh:hi * nh]
 
 
-def _continuing(kind, local_op, q, k, v, g, beta, scale, l2norm, run, chunk_size, backend, nh, compute):
+def _pieces(call: DeltaCall, lo: int, hi: int):
+    """``(q, k, v, g, beta)`` of tokens ``lo:hi`` (``k``, ``v``, ``beta``: their sub-steps)."""
+    nh = call.num_householder
+    return (call.q[:, lo:hi], _steps(call.k, lo, hi, nh), _steps(call.v, lo, hi, nh), _steps(call.g, lo, hi, 1),
+            _steps(call.beta, lo, hi, nh))
+
+
+def _continuing(call: DeltaCall, local_op, run, compute):
     """The first segment's ``T1`` tokens alone, with K extra value columns: ``v = 0`` there and
     initial state ``[0 | I]``. Returns ``(o [1, T1, HV, V + K], final [HV, K, V + K])``."""
-    t1, (hv, kd) = run.first_len, (v.shape[2], q.shape[3])
-    v1 = _steps(v, 0, t1, nh)
+    v = call.v
+    t1, (hv, kd) = run.first_len, (v.shape[2], call.q.shape[3])
+    q1, k1, v1, g1, beta1 = _pieces(call, 0, t1)
     v1 = torch.cat([v1, v1.new_zeros(*v1.shape[:3], kd)], dim=-1)
     eye = torch.eye(kd, dtype=compute, device=v.device).expand(hv, kd, kd)
     inits = torch.cat([eye.new_zeros(hv, kd, v.shape[3]), eye], dim=-1)[None]
     one = VarlenBatch.build(torch.tensor([0, t1], dtype=torch.int32, device=v.device), t1, device=v.device)
-    o, final = _local(kind, local_op, q[:, :t1], _steps(k, 0, t1, nh), v1, _steps(g, 0, t1, 1), _steps(beta, 0, t1, nh),
-                      scale, inits, l2norm, one, chunk_size, backend, nh)
+    o, final = _local(call, local_op, q1, k1, v1, g1, beta1, inits, one)
     return o, final[0].to(compute)
 
 
-def delta_rule_cp(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, varlen, chunk_size,
-                  backend, nh, local_op):
-    """The CP version of the three delta-rule ops (arguments as in :func:`mixers.ops.delta_rule._run`).
+def delta_rule_cp(call: DeltaCall, local_op):
+    """The CP version of the three delta-rule ops (``call.varlen.cp`` set).
 
-    ``local_op`` is the public op of ``kind``, run on this rank's pieces without CP (passed in, so
-    this module does not import its package).
+    ``local_op`` is the public op of ``call.kind``, run on this rank's pieces without CP (passed in,
+    so this module does not import its package).
     """
-    run = varlen.cp
+    q, v, initial_state = call.q, call.v, call.initial_state
+    run = call.varlen.cp
     lay, r = run.layout, run.rank
     n, f, t = lay.num_docs, lay.first_seg[r], q.shape[1]
     hv, kd, vd = v.shape[2], q.shape[3], v.shape[3]
     compute = compute_dtype(v.dtype)
-    inits = _initial_states(run, initial_state, hv, kd, vd, compute, v.device)
+    inits = _initial_states(initial_state, hv, kd, vd, compute)
     t1 = run.first_len if run.continues_in else 0
-    first = _continuing(kind, local_op, q, k, v, g, beta, scale, l2norm, run, chunk_size, backend, nh,
-                        compute) if t1 else None
+    first = _continuing(call, local_op, run, compute) if t1 else None
     rest = None
     if t1 < t:         # the documents starting on this rank (a continuing one is empty here)
         cover = run.after_first if t1 else run.local_cover
-        rest = _local(kind, local_op, q[:, t1:], _steps(k, t1, t, nh), _steps(v, t1, t, nh), _steps(g, t1, t, 1),
-                      _steps(beta, t1, t, nh), scale, inits, l2norm, cover, chunk_size, backend, nh)
+        rest = _local(call, local_op, *_pieces(call, t1, t), inits, cover)
     closed = lay.last_starts_here
     element = None
     if run.continues_out:
         last = first[1] if not closed[r] else rest[1][lay.last_seg[r]].to(compute)
         element = (None if closed[r] else last[..., vd:], last[..., :vd])
-    s_in = chain_scan(run, kind, element, closed, apply=lambda m, s: m @ s, compose=lambda later, early: later @ early,
+    s_in = chain_scan(run, call.kind, element, closed, apply=lambda m, s: m @ s,
+                      compose=lambda later, early: later @ early,
                       s_shape=(hv, kd, vd), m_shape=(hv, kd, kd), dtype=compute,
-                      anchors=(q, k, v, g, beta, initial_state))
+                      anchors=(q, call.k, v, call.g, call.beta, initial_state))
     pieces = []
     if first is not None:
         o1 = first[0]
@@ -106,7 +114,7 @@ def delta_rule_cp(kind, q, k, v, g, beta, scale, initial_state, output_final_sta
     if rest is not None:
         pieces.append(rest[0])
     out = run.anchor(torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0].contiguous())
-    if not output_final_state:
+    if not call.output_final_state:
         return out, None
     if rest is not None:
         states = rest[1][:n].to(compute)

@@ -21,6 +21,7 @@ import torch
 from ssm_pack.support import installed
 
 from ..common.chunks import compute_dtype
+from ._validate import DeltaCall
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -45,22 +46,25 @@ def load_upstream(kind: str):
     return op
 
 
-def fla_kernel(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, varlen, nh):
-    op = load_upstream(kind)
-    extra = {"num_householder": nh} if kind == "gdp" else {}
+def fla_kernel(call: DeltaCall):
+    """``(o, final_state | None)`` of fla's chunk kernel for ``call``."""
+    q, k, v, g, beta, varlen = call.q, call.k, call.v, call.g, call.beta, call.varlen
+    op = load_upstream(call.kind)
+    extra = {"num_householder": call.num_householder} if call.kind == "gdp" else {}
+    initial_state = call.initial_state
     if initial_state is not None:
         initial_state = initial_state.float()
+    options = dict(scale=call.scale, output_final_state=call.output_final_state, use_qk_l2norm_in_kernel=call.l2norm,
+                   **extra)
     if varlen is None:
-        o, final = op(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=l2norm, **extra)
+        o, final = op(q, k, v, g, beta, initial_state=initial_state, **options)
         return o, (final.to(compute_dtype(v.dtype)) if final is not None else None)
     bounds, order = varlen.nonempty_layout                       # [N+2] int64, [N+1]: entry N is the tail
     init = None
     if initial_state is not None:
         init = torch.cat([initial_state, initial_state.new_zeros(1, *initial_state.shape[1:])]).index_select(0, order)
-    o, final = op(q, k, v, g, beta, scale=scale, initial_state=init, output_final_state=output_final_state,
-                  use_qk_l2norm_in_kernel=l2norm, cu_seqlens=bounds, **extra)
-    if not output_final_state:
+    o, final = op(q, k, v, g, beta, initial_state=init, cu_seqlens=bounds, **options)
+    if not call.output_final_state:
         return o, None
     restored = torch.empty_like(final).index_copy(0, order, final)
     return o, restored[: varlen.num_docs].to(compute_dtype(v.dtype))

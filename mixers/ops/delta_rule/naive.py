@@ -11,7 +11,7 @@ Per value head, from the document's initial state ``S`` ``[K, V]``, for every to
 
 Gated DeltaNet (g ``[B, T, HV]``), KDA (g ``[B, T, HV, K]``) and Gated DeltaProduct (nh sub-steps,
 k, v, beta ``[B, T * nh, ...]``, g ``[B, T, HV]`` or ``None``) are this one loop. Every document
-runs alone. Written to be read, not to be fast: the torch backend (:mod:`.chunk`, the chunked WY
+runs alone. Written to be read, not to be fast: the torch backend (:mod:`.reference`, the chunked WY
 form) and the kernels must agree with it; the tests hold them to it in fp64.
 """
 

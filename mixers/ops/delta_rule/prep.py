@@ -1,5 +1,5 @@
 """Everything a chunk needs that does not depend on the state entering it (steps 1-2 of
-:mod:`.chunk`), for a batch of chunks at once, and its backward, written out.
+:mod:`.reference`), for a batch of chunks at once, and its backward, written out.
 
     X = chunks (rows x chunks, batched), H = heads, N = X * H, L = chunk length,
     K, V = head dims, Kg = 1 (scalar gate) or K

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ..common.chunks import compute_dtype
 from ..common.cp_exchange import chain_scan
+from ._validate import SSDCall
 from .dt import process_dt
 
 
@@ -34,18 +35,19 @@ def _replace_row(t: torch.Tensor, i: int, row: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[:i], row[None].to(t.dtype), t[i + 1:]])
 
 
-def ssd_cp(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, per_doc, dt_softplus, dt_limit,
-           return_final_states, return_varlen_states, varlen, backend, seq_idx, local_op):
-    """The CP version of :func:`mixers.ops.mamba_chunk_scan_combined` (same arguments, resolved).
+def ssd_cp(call: SSDCall, local_op):
+    """The CP version of :func:`mixers.ops.mamba_chunk_scan_combined` (``call.varlen.cp`` set).
     ``local_op`` is the op itself, run on this rank's pieces without CP (passed in, so this module
     does not import its package)."""
-    run = varlen.cp
+    x, dt, A, B, C, D, z, dt_bias = call.x, call.dt, call.A, call.B, call.C, call.D, call.z, call.dt_bias
+    initial_states, dt_softplus, dt_limit = call.initial_states, call.dt_softplus, call.dt_limit
+    run = call.varlen.cp
     lay, r = run.layout, run.rank
     n, f = lay.num_docs, lay.first_seg[run.rank]
-    if seq_idx is not None:
+    if call.seq_idx is not None:
         raise ValueError("mamba_chunk_scan_combined: seq_idx cannot be combined with a context-parallel cu_seqlens; "
                          "pass only cu_seqlens")
-    if initial_states is not None and not per_doc:
+    if initial_states is not None and not call.per_doc:
         raise ValueError(f"mamba_chunk_scan_combined: under context parallelism initial_states must be per "
                          f"document [N, H, P, N_state] with N={n}, got {tuple(initial_states.shape)}")
     _, _, heads, head_dim = x.shape
@@ -56,10 +58,9 @@ def ssd_cp(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, per_doc, d
         inits = torch.cat([initial_states, initial_states.new_zeros(1, heads, head_dim, state)])
         if run.continues_in:
             inits = _replace_row(inits, f, inits.new_zeros(heads, head_dim, state))
-    res = local_op(x, dt, A, B, C, chunk_size, dt_bias=dt_bias, initial_states=inits,
-                                    cu_seqlens=run.local_cover, dt_softplus=dt_softplus, dt_limit=dt_limit,
-                                    return_final_states=True, return_varlen_states=return_varlen_states,
-                                    backend=backend)
+    res = local_op(x, dt, A, B, C, call.chunk_size, dt_bias=dt_bias, initial_states=inits,
+                   cu_seqlens=run.local_cover, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                   return_final_states=True, return_varlen_states=call.return_varlen_states, backend=call.backend)
     y, row_final = res[0].to(compute), res[1][0].to(compute)
     log_decay = process_dt(dt, dt_bias, dt_softplus, dt_limit, compute)[0] * A.to(compute)     # [T_r, H]
     closed = lay.last_starts_here
@@ -82,13 +83,13 @@ def ssd_cp(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, per_doc, d
     if z is not None:
         y = y * F.silu(z.to(compute))
     results = [run.anchor(y.to(x.dtype))]
-    if return_final_states:            # the row's final state: the last rank's
+    if call.return_final_states:       # the row's final state: the last rank's
         if decay is not None and lay.first_seg[r] == lay.last_seg[r]:
             row_final = row_final + decay * s_in
         if r != lay.size - 1:
             row_final = torch.zeros_like(row_final)
         results.append(row_final[None].to(x.dtype))
-    if return_varlen_states:
+    if call.return_varlen_states:
         states = res[2].to(compute)
         if decay is not None and f < n:
             states = _replace_row(states, f, states[f] + decay * s_in)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ._validate import SSDCall
+
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -32,14 +34,34 @@ def canonical_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(changed[:, :1]), changed.cumsum(1, dtype=torch.int32)], dim=1).contiguous()
 
 
-def ssd_kernel(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
-               dt_softplus, dt_limit, return_final_states, return_varlen_states):
+def unsupported(call: SSDCall) -> str | None:
+    """What mamba-ssm's scan cannot do for ``call``, or ``None``."""
+    x = call.x
+    if x.dtype not in KERNEL_DTYPES:
+        return f"dtype {x.dtype}"
+    if call.per_doc:
+        return "per-document initial states"
+    if call.return_varlen_states and call.initial_states is not None:
+        return "varlen states together with initial states"
+    tensors = (x, call.dt, call.A, call.B, call.C, call.D, call.z, call.dt_bias, call.initial_states)
+    if call.return_varlen_states and torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                                      for t in tensors):
+        return "a backward pass through varlen states"
+    return None
+
+
+def ssd_kernel(call: SSDCall):
     """Run upstream with canonical int32 contiguous ``seq_idx`` on ``x``'s device (always given, so documents
-    reset; a Triton kernel reads every pointer on its own device)."""
+    reset: upstream resets only at ``seq_idx``; a Triton kernel reads every pointer on its own device)."""
+    x, varlen, seq_idx = call.x, call.varlen, call.seq_idx
+    if seq_idx is None:
+        seq_idx = varlen.seq_idx if varlen is not None else \
+            torch.zeros(x.shape[0], x.shape[1], dtype=torch.int32, device=x.device)
     scan = load_upstream()
+    cu_seqlens = varlen.cu_seqlens if call.return_varlen_states else None
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=x.device, dtype=torch.int32).contiguous()
-    return scan(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
-                seq_idx=canonical_seq_idx(seq_idx.to(x.device)), cu_seqlens=cu_seqlens,
-                dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), return_final_states=return_final_states,
-                return_varlen_states=return_varlen_states)
+    return scan(x, call.dt, call.A, call.B, call.C, call.chunk_size, D=call.D, z=call.z, dt_bias=call.dt_bias,
+                initial_states=call.initial_states, seq_idx=canonical_seq_idx(seq_idx.to(x.device)),
+                cu_seqlens=cu_seqlens, dt_softplus=call.dt_softplus, dt_limit=tuple(call.dt_limit),
+                return_final_states=call.return_final_states, return_varlen_states=call.return_varlen_states)

@@ -32,11 +32,72 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from ..common.chunks import entering_segments, pad_tokens, records_grad, same_segment_causal
+from ssm_pack.formats.segments import segments_from_seq_idx
+
+from ..common.chunks import compute_dtype, entering_segments, pad_tokens, records_grad, same_segment_causal
 from ..common.isolation import Isolation
+from ._validate import SSDCall
 from .chunk_scan import SSDChunkScan
-from .varlen_states import LeavingStates
+from .dt import process_dt
+from .varlen_states import LeavingStates, final_states, initial_chunk_states, initial_outputs
+
+
+def ssd_reference(call: SSDCall):
+    """``out`` (and the final / varlen states asked for) of the reference path, in ``x``'s dtype."""
+    x, per_doc, varlen, chunk_size = call.x, call.per_doc, call.varlen, call.chunk_size
+    batch, length, heads, _ = x.shape
+    compute = compute_dtype(x.dtype)
+    dtp = process_dt(call.dt, call.dt_bias, call.dt_softplus, call.dt_limit, compute)
+    xc, Bc, Cc, Ac = x.to(compute), call.B.to(compute), call.C.to(compute), call.A.to(compute)
+    if varlen is not None:
+        segs = varlen.segments
+    elif call.seq_idx is not None:
+        segs = segments_from_seq_idx(call.seq_idx)
+    else:
+        segs = segments_from_seq_idx(torch.zeros(batch, length, dtype=torch.int32, device=x.device))
+    h0 = call.initial_states.to(compute) if call.initial_states is not None else None
+    extra = None
+    if per_doc:
+        extra = lambda a_cs, seg: initial_chunk_states(h0, segs, a_cs, seg, chunk_size)  # noqa: E731
+    Dc = None if call.D is None else call.D.to(compute)
+    zc = None if call.z is None else call.z.to(compute)
+    y, ch = ssd_chunked_reference(xc, dtp, Ac, Bc, Cc, segs.seg_id, chunk_size,
+                                  initial_state=None if per_doc else h0, extra_states=extra,
+                                  D=None if per_doc else Dc, z=None if per_doc else zc,
+                                  keep_enter=call.return_varlen_states)
+    a_cs_flat = ch.a_cs.reshape(-1, heads)
+    if per_doc:  # the documents' own initial states are read before the skip and the gate
+        y = y + initial_outputs(h0, segs, a_cs_flat, Cc[0], chunk_size, heads).unsqueeze(0)
+        if Dc is not None:
+            y = y + xc * (Dc[:, None] if Dc.dim() == 1 else Dc)
+        if zc is not None:
+            y = y * F.silu(zc)
+    results = [y.to(x.dtype)]
+    if call.return_final_states:
+        results.append(ch.h_final.to(x.dtype))
+    if call.return_varlen_states:
+        xdt = (xc * dtp.unsqueeze(-1))[0]
+        states = final_states(h0 if per_doc else None, segs, a_cs_flat, xdt, Bc[0], ch.h_enter, ch.enter_seg,
+                              chunk_size, varlen.num_docs)
+        results.append(states.to(x.dtype))
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def empty_result(call: SSDCall):
+    """No tokens: every state is its initial state (or zeros)."""
+    x, initial_states, per_doc = call.x, call.initial_states, call.per_doc
+    batch, _, heads, p = x.shape
+    ns = call.B.shape[-1]
+    results = [x.new_zeros(batch, 0, heads, p)]
+    if call.return_final_states:
+        rows = initial_states if initial_states is not None and not per_doc else x.new_zeros(batch, heads, p, ns)
+        results.append(rows)
+    if call.return_varlen_states:
+        docs = call.varlen.num_docs
+        results.append(initial_states if per_doc else x.new_zeros(docs, heads, p, ns))
+    return results[0] if len(results) == 1 else tuple(results)
 
 
 class _SegmentSum(torch.autograd.Function):

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import mixers.ops.attention.kernel as attn_kernel
-import mixers.ops.attention.torch_varlen as torch_varlen_kernel
-import mixers.ops.causal_conv1d.fla_kernel as fla_conv_kernel
+import mixers.ops.attention.kernel_torch as torch_varlen_kernel
 import mixers.ops.causal_conv1d.kernel as conv_kernel
+import mixers.ops.causal_conv1d.kernel_fla as fla_conv_kernel
 import mixers.ops.delta_rule.kernel as fla_kernel
 import mixers.ops.ssd.kernel as ssd_kernel
 from mixers.ops import dispatch, varlen_attention

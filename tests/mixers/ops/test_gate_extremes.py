@@ -55,7 +55,7 @@ def _chunked(kind, cu, x):
 
 
 def _stepped(kind, cu, x):
-    """Our token-step forms (``mixers.ops.delta_rule.recurrent``), one document at a time, fp64."""
+    """Our token-step forms (``mixers.ops.delta_rule.step``), one document at a time, fp64."""
     x = {name: t.detach().to(torch.float64).requires_grad_() for name, t in x.items()}
     bounds = cu.tolist()
     outs, finals = [], []

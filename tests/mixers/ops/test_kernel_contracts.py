@@ -5,8 +5,8 @@ cannot do takes the reference path (or raises when a kernel was demanded)."""
 import pytest
 import torch
 
-import mixers.ops.causal_conv1d.fla_kernel as fla_conv_kernel
 import mixers.ops.causal_conv1d.kernel as conv_kernel
+import mixers.ops.causal_conv1d.kernel_fla as fla_conv_kernel
 import mixers.ops.ssd.kernel as ssd_kernel
 from mixers.ops import causal_conv1d_fn, dispatch, mamba_chunk_scan_combined
 from ssm_pack import lengths_to_cu_seqlens

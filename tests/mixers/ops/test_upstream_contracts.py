@@ -5,7 +5,7 @@ never hand back a silently detached output."""
 import pytest
 import torch
 
-import mixers.ops.ssd.state_update_kernel as ssd_update
+import mixers.ops.ssd.update_kernel as ssd_update
 from mixers.ops import (
     attention_with_kvcache,
     causal_conv1d_fn,

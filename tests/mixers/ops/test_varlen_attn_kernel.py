@@ -17,7 +17,7 @@ import torch
 
 from mixers.ops import dispatch, varlen_attention
 from mixers.ops.attention import kernel as flash_kernel
-from mixers.ops.attention import torch_varlen as tv
+from mixers.ops.attention import kernel_torch as tv
 from ssm_pack import lengths_to_cu_seqlens
 
 LENGTHS = [5, 0, 9, 1]          # an empty and a 1-token document; the 4-token tail is one more segment

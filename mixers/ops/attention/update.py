@@ -20,53 +20,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ssm_pack.checks import check_tensor, describe
-
 from .. import dispatch
 from ..common.autocast import outside_autocast
 from ..common.chunks import compute_dtype
-from .kvcache_kernel import kvcache_kernel, unsupported
+from ._validate import KVCacheCall, checked_kvcache
+from .update_kernel import kvcache_kernel, unsupported
 
 __all__ = ["attention_with_kvcache"]
-
-
-def _check(q, k_cache, v_cache, k, v, cache_batch_idx, window_size):
-    check_tensor("q", q, ndim=4)
-    check_tensor("k_cache", k_cache, ndim=4)
-    rows, _, hq, d = q.shape
-    if tuple(v_cache.shape) != tuple(k_cache.shape) or k_cache.shape[3] != d or hq % max(k_cache.shape[2], 1):
-        raise ValueError(f"k_cache and v_cache must be [S, L, Hk, D] with D={d} and Hk dividing Hq={hq}, got "
-                         f"{describe(k_cache)} and {describe(v_cache)}")
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together (the new keys and values) or both be None")
-    if k is not None:
-        check_tensor("k", k, ndim=4)
-        want = (rows, k.shape[1], k_cache.shape[2], d)
-        for name, t in (("k", k), ("v", v)):
-            check_tensor(name, t, ndim=4)
-            if tuple(t.shape) != want:
-                raise ValueError(f"{name} must be [N, t_new, Hk, D] = {list(want)}, got {list(t.shape)}")
-    if cache_batch_idx is None:
-        if k_cache.shape[0] < rows:
-            raise ValueError(f"the cache has {k_cache.shape[0]} slots for {rows} rows; pass cache_batch_idx")
-    else:
-        check_tensor("cache_batch_idx", cache_batch_idx, ndim=1, integer=True)
-        if cache_batch_idx.shape[0] != rows:
-            raise ValueError(f"cache_batch_idx must be [N] = [{rows}], got {describe(cache_batch_idx)}")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and w >= -1 for w in window_size)):
-        raise ValueError(f"window_size must be (left, right) ints >= -1 (-1 = unbounded), got {window_size!r}")
-
-
-def _seqlens(cache_seqlens, rows, device) -> torch.Tensor:
-    if cache_seqlens is None:
-        return torch.zeros(rows, dtype=torch.int64, device=device)
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        return torch.full((rows,), cache_seqlens, dtype=torch.int64, device=device)
-    check_tensor("cache_seqlens", cache_seqlens, ndim=1, integer=True)
-    if cache_seqlens.shape[0] != rows:
-        raise ValueError(f"cache_seqlens must be an int or [N] = [{rows}], got {describe(cache_seqlens)}")
-    return cache_seqlens.to(device=device, dtype=torch.int64)
 
 
 def _append(k_cache, v_cache, k, v, index, lens):
@@ -106,6 +66,17 @@ def _attend(q, k_cache, v_cache, index, total, scale, causal, window):
     return torch.where(keep.any(-1)[..., None, None], out, torch.zeros_like(out)).to(q.dtype)
 
 
+def _reference(call: KVCacheCall) -> torch.Tensor:
+    """The new keys and values appended (in place), then each row's queries over its slot."""
+    q, k, lens = call.q, call.k, call.cache_seqlens
+    index = torch.arange(q.shape[0], device=q.device) if call.cache_batch_idx is None else \
+        call.cache_batch_idx.to(device=q.device, dtype=torch.int64)
+    if k is not None:
+        _append(call.k_cache, call.v_cache, k.detach(), call.v.detach(), index, lens)
+        lens = lens + k.shape[1]
+    return _attend(q, call.k_cache, call.v_cache, index, lens, call.scale, call.causal, call.window)
+
+
 @outside_autocast
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
                            softmax_scale=None, causal=False, window_size=(-1, -1), *, backend="auto"):
@@ -113,20 +84,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
 
     Returns ``[N, t, Hq, D]``; ``k_cache`` / ``v_cache`` hold ``k`` / ``v`` afterwards when given.
     """
-    window = (-1, -1) if window_size is None else window_size
-    _check(q, k_cache, v_cache, k, v, cache_batch_idx, window)
-    window = tuple(window)
-    rows = q.shape[0]
-    lens = _seqlens(cache_seqlens, rows, q.device)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    call = checked_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                           softmax_scale=softmax_scale, causal=causal, window_size=window_size, backend=backend)
     choice = dispatch.select_backend("attention_with_kvcache", backend, on_cuda=dispatch.is_cuda(q),
                                      support_state=lambda: dispatch.cached_support("flash_attn", ("kvcache",)),
                                      missing_feature=unsupported(q, k_cache, v_cache, k, v))
-    if choice == "kernel":
-        return kvcache_kernel(q, k_cache, v_cache, k, v, lens, cache_batch_idx, scale, causal, window)
-    index = torch.arange(rows, device=q.device) if cache_batch_idx is None else \
-        cache_batch_idx.to(device=q.device, dtype=torch.int64)
-    if k is not None:
-        _append(k_cache, v_cache, k.detach(), v.detach(), index, lens)
-        lens = lens + k.shape[1]
-    return _attend(q, k_cache, v_cache, index, lens, scale, causal, window)
+    return kvcache_kernel(call) if choice == "kernel" else _reference(call)

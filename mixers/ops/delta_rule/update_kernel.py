@@ -19,6 +19,8 @@ import torch
 from ssm_pack.support import installed
 
 from .. import dispatch
+from ._validate import DeltaCall
+from .reference import substeps
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -39,15 +41,16 @@ def load_upstream(kind: str):
     return op
 
 
-def fused_recurrent_kernel(kind, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, nh):
-    from . import _substeps
-    op = load_upstream(kind)
-    if kind == "gdp":
+def fused_recurrent_kernel(call: DeltaCall):
+    """``(o, final_state | None)`` of fla's fused recurrent kernel for ``call`` (one token per row)."""
+    q, g, nh = call.q, call.g, call.num_householder
+    op = load_upstream(call.kind)
+    if call.kind == "gdp":
         if g is None:
-            g = beta.new_zeros(q.shape[0], q.shape[1], q.shape[2])
-        q, g = _substeps(q, nh, -1), _substeps(g, nh, 0)
-    o, final = op(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=l2norm)
-    if kind == "gdp":
+            g = call.beta.new_zeros(q.shape[0], q.shape[1], q.shape[2])
+        q, g = substeps(q, nh, -1), substeps(g, nh, 0)
+    o, final = op(q, call.k, call.v, g=g, beta=call.beta, scale=call.scale, initial_state=call.initial_state,
+                  output_final_state=call.output_final_state, use_qk_l2norm_in_kernel=call.l2norm)
+    if call.kind == "gdp":
         o = o[:, nh - 1::nh]
     return o, final

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._validate import AttentionCall
 from .kernel import KERNEL_DTYPES
 
 
@@ -80,12 +81,13 @@ def unsupported(q: torch.Tensor, causal: bool, window: tuple[int, int], scale: f
     return None
 
 
-def torch_varlen_attention(q, k, v, covering_cu_seqlens, max_seqlen, causal, window, scale):
+def torch_varlen_attention(call: AttentionCall):
     """``[T, Hq, D]`` attention inside each document through the installed ``varlen_attn``
     (:func:`unsupported` said it can)."""
+    q, k, v, causal, max_seqlen = call.q, call.k, call.v, call.causal, call.max_seqlen
     fn = load_upstream()
     form = form_of(fn)
-    cu = covering_cu_seqlens.to(device=q.device, dtype=torch.int32)
+    cu = call.varlen.covering_cu_seqlens.to(device=q.device, dtype=torch.int32)
     hq, hk = q.shape[1], k.shape[1]
     kwargs = {}
     if hq != hk:
@@ -94,8 +96,8 @@ def torch_varlen_attention(q, k, v, covering_cu_seqlens, max_seqlen, causal, win
         else:
             k, v = (t.repeat_interleave(hq // hk, dim=1) for t in (k, v))
     if form.scale:
-        kwargs["scale"] = scale
-    left, right = window
+        kwargs["scale"] = call.scale
+    left, right = call.window
     if form.window:
         kwargs["window_size"] = (left, 0) if causal else (left, right)
     if form.is_causal:

@@ -39,11 +39,92 @@ from types import SimpleNamespace
 
 import torch
 
-from ..common.chunks import entering_segments, pad_tokens, untracked
+from ..common.chunks import compute_dtype, entering_segments, pad_tokens, untracked
 from ..common.isolation import Isolation
+from ._validate import DeltaCall
 from .blocked import DeltaRuleBlocked
 from .l2norm import l2_normalize
 from .prep import chunk_masks, prep_backward, prep_forward
+from .varlen_states import DocInitialStates, doc_final_states
+
+
+def delta_rule_reference(call: DeltaCall):
+    """``(o [B, T, HV, V] in v's dtype, final_state | None)``: the reference path of the three ops."""
+    q, v, g, beta = call.q, call.v, call.g, call.beta
+    if call.kind == "kda" and not torch.compiler.is_compiling() and bool((g > 0).any()):   # a value read: eager only
+        raise ValueError("chunk_kda: g holds log-decays <= 0 (a decay exp(g) <= 1); got positive values, "
+                         f"max {float(g.max()):.3g}. Pass log(decay), e.g. -exp(A_log) * softplus(x)")
+    if g is None:
+        g = beta.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    g = g if call.kind == "kda" else g.unsqueeze(-1)
+    if q.shape[1] == 0:
+        return _empty(call)
+    o, final = _chunked_call(call.replace(g=g))
+    return o.to(v.dtype), final
+
+
+def substeps(x, nh, at):
+    """Sub-step layout ``[B, T * nh, ...]``: ``x`` on each token's sub-step ``at``, zeros elsewhere
+    (``q`` is read at the last sub-step, ``g`` decays at the first)."""
+    b, t = x.shape[:2]
+    steps = x.new_zeros(b, t, nh, *x.shape[2:])
+    steps[:, :, at] = x
+    return steps.reshape(b, t * nh, *x.shape[2:])
+
+
+def _chunked_call(call: DeltaCall):
+    """The chunked core on a call whose ``g`` is already ``[B, T, HV, Kg]``."""
+    compute = compute_dtype(call.v.dtype)
+    q, k, v, g, beta = (x.to(compute) for x in (call.q, call.k, call.v, call.g, call.beta))
+    varlen, initial_state, nh, chunk = call.varlen, call.initial_state, call.num_householder, call.chunk_size
+    groups = v.shape[2] // q.shape[2]
+    if groups > 1:                                    # grouped values: key head h serves h*G .. h*G+G-1
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    b, steps = k.shape[:2]
+    doc_init = varlen is not None and initial_state is not None
+    keep = call.output_final_state and varlen is not None
+    # the fast path takes Gated DeltaProduct's queries as they are (one per token, read at its last
+    # sub-step) and lays the sub-steps out block by block; per-document states need every step's
+    q_every = nh if nh > 1 and not (doc_init or keep) else 1
+    if nh > 1:
+        g = substeps(g, nh, 0)
+    if q_every == 1 and nh > 1:
+        q = substeps(q, nh, -1)
+    segs = None
+    if varlen is None:
+        seg_id = torch.arange(b, device=k.device).unsqueeze(1).expand(b, steps)
+    elif doc_init or call.output_final_state:         # per-document states need the runs of the sub-steps
+        segs = varlen.segments.expanded(nh)
+        seg_id = segs.seg_id
+    else:                                             # the segment ids alone: no tensor sized by the documents
+        seg_id = varlen.segments.seg_id if nh == 1 else varlen.segments.seg_id.repeat_interleave(nh, dim=1)
+    extra = DocInitialStates(initial_state.to(compute), segs, chunk) if doc_init else None
+    o, ch = delta_rule_chunked(q, k, v, g, beta, seg_id, chunk, initial_state=None if doc_init else initial_state,
+                               extra=extra, keep_intermediates=keep, scale=call.scale, q_every=q_every,
+                               l2norm=call.l2norm)
+    if nh > 1 and q_every == 1:
+        o = o[:, nh - 1::nh]
+    final = None
+    if call.output_final_state:
+        if varlen is None:
+            final = ch.s_final
+        else:
+            final = doc_final_states(ch, segs, initial_state.to(compute) if doc_init else None, varlen.num_docs)
+    return o, final
+
+
+def _empty(call: DeltaCall):
+    """No tokens: the output is empty and every state is its initial state (or zeros)."""
+    q, v, initial_state = call.q, call.v, call.initial_state
+    b, _, _, kd = q.shape
+    o = v.new_zeros(b, 0, v.shape[2], v.shape[3])
+    if not call.output_final_state:
+        return o, None
+    rows = b if call.varlen is None else call.varlen.num_docs
+    compute = compute_dtype(v.dtype)
+    final = initial_state.to(compute) if initial_state is not None else \
+        v.new_zeros(rows, v.shape[2], kd, v.shape[3], dtype=compute)
+    return o, final
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
+from ._validate import KVCacheCall
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -32,9 +33,11 @@ def load_upstream():
     return flash_attn_with_kvcache
 
 
-def kvcache_kernel(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, scale, causal, window):
+def kvcache_kernel(call: KVCacheCall):
     attend = load_upstream()
-    seqlens = cache_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-    index = None if cache_batch_idx is None else cache_batch_idx.to(device=q.device, dtype=torch.int32).contiguous()
-    return attend(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens, cache_batch_idx=index, softmax_scale=scale,
-                  causal=causal, window_size=window)
+    q = call.q
+    seqlens = call.cache_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    index = None if call.cache_batch_idx is None else \
+        call.cache_batch_idx.to(device=q.device, dtype=torch.int32).contiguous()
+    return attend(q, call.k_cache, call.v_cache, k=call.k, v=call.v, cache_seqlens=seqlens, cache_batch_idx=index,
+                  softmax_scale=call.scale, causal=call.causal, window_size=call.window)

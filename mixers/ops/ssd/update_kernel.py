@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
-from ._validate import default_limit
+from ._validate import StateUpdateCall, default_limit
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -24,17 +24,19 @@ def load_upstream():
     return selective_state_update
 
 
-def unsupported(x, dt_limit, *inputs) -> str | None:
-    """Why the kernel cannot take these inputs (``inputs``: the other tensors, for autograd), or ``None``."""
-    if x.dtype not in KERNEL_DTYPES:
-        return f"dtype {x.dtype}"
-    if not default_limit(dt_limit):
-        return f"dt_limit={tuple(dt_limit)} (mamba-ssm's decode kernel has no clamp)"
-    return dispatch.forward_only("mamba-ssm's selective_state_update", x, *inputs)
+def unsupported(call: StateUpdateCall) -> str | None:
+    """Why the kernel cannot take ``call`` (its tensors also count for autograd), or ``None``."""
+    if call.x.dtype not in KERNEL_DTYPES:
+        return f"dtype {call.x.dtype}"
+    if not default_limit(call.dt_limit):
+        return f"dt_limit={tuple(call.dt_limit)} (mamba-ssm's decode kernel has no clamp)"
+    return dispatch.forward_only("mamba-ssm's selective_state_update", call.x, call.state, call.dt, call.A, call.B,
+                                 call.C, call.D, call.z, call.dt_bias)
 
 
-def selective_state_update_kernel(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, indices):
+def selective_state_update_kernel(call: StateUpdateCall) -> torch.Tensor:
     update = load_upstream()
+    x, dt, D, dt_bias, indices = call.x, call.dt, call.D, call.dt_bias, call.indices
     if dt_bias is None:
         dt_bias = torch.zeros(x.shape[1], x.shape[2], dtype=dt.dtype, device=dt.device)
     if D is None:
@@ -42,4 +44,5 @@ def selective_state_update_kernel(state, x, dt, A, B, C, D, z, dt_bias, dt_softp
     if indices is not None:
         indices = indices.to(torch.int32).contiguous()
     pooled = {} if indices is None else {"state_batch_indices": indices}     # a keyword from 2.2.3
-    return update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus, **pooled)
+    return update(call.state, x, dt, call.A, call.B, call.C, D=D, z=call.z, dt_bias=dt_bias,
+                  dt_softplus=call.dt_softplus, **pooled)
