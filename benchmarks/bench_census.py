@@ -26,28 +26,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from mixers import HybridLM, mlp
-from mixers.layers import (
-    _init,
-    attention,
-    gated_deltanet,
-    gated_deltaproduct,
-    kda,
-    mamba2,
-    norm,
-    norm_linear,
-    short_conv,
-)
+from mixers import HybridLM
+from mixers.layers import attention, gated_deltanet, gated_deltaproduct, kda, mamba2
+from mixers.layers.blocks import decay_gate as gate_module
+from mixers.layers.blocks import mlp, norm, norm_linear, short_conv
 from mixers.ops.common import chunks
 from mixers.ops.delta_rule import l2norm
 from mixers.ops.device_policy import device_policy
 from ssm_pack import PackedSeqParams
 
-# the op kernels as the layers call them: (module, name)
-OP_KERNELS = ((mamba2, "mamba_chunk_scan_combined"), (gated_deltanet, "chunk_gated_delta_rule"),
-              (kda, "chunk_kda"), (gated_deltaproduct, "chunk_gated_delta_product"),
+# the op kernels as the layers call them: (module or class, name); the delta-rule mixers call their CHUNK
+OP_KERNELS = ((mamba2, "mamba_chunk_scan_combined"), (gated_deltanet.GatedDeltaNetMixer, "CHUNK"),
+              (kda.KDAMixer, "CHUNK"), (gated_deltaproduct.GatedDeltaProductMixer, "CHUNK"),
               (attention, "varlen_attention"), (short_conv, "causal_conv1d_fn"))
-BLOCKED = (mlp, norm, norm_linear, _init, l2norm)          # the modules whose passes follow the policy
+BLOCKED = (mlp, norm, norm_linear, gate_module, l2norm)          # the modules whose passes follow the policy
 MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 SMALL = {"M": {"head_dim": 16, "state_size": 8, "chunk_size": 64}, "G": {"head_dim": 8, "chunk_size": 64},
          "K": {"head_dim": 8, "chunk_size": 64}, "P": {"head_dim": 8, "chunk_size": 64}, "A": {"head_dim": 8}}
@@ -144,8 +136,9 @@ def census_step(tokens: int, policy: str, *, hidden: int = 32, docs: int = 4, bl
     ids = torch.randint(0, 256, (1, tokens))
     census = OpCensus()
     with contextlib.ExitStack() as stack:
-        for module, name in OP_KERNELS:
-            stack.enter_context(mock.patch.object(module, name, opaque(getattr(module, name), census)))
+        for owner, name in OP_KERNELS:
+            call = opaque(getattr(owner, name), census)
+            stack.enter_context(mock.patch.object(owner, name, staticmethod(call) if isinstance(owner, type) else call))
         if block_elements is not None:
             for module in BLOCKED:
                 stack.enter_context(mock.patch.object(module, "row_blocks", _cpu_blocks(block_elements)))

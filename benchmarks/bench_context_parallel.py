@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.bench_layers import LAYERS, document_lengths
 from benchmarks.common import table
-from mixers.layers.config import AttentionConfig, GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig, Mamba2Config
+from mixers.layers import AttentionConfig, GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig, Mamba2Config
 from mixers.ops.attention.cp import key_plan
 from mixers.ops.common.cp_exchange import chain_plan, record_traffic
 from ssm_pack import PackedSeqParams, shard_for_context_parallel

@@ -18,9 +18,9 @@ from ssm_pack import PackedSeqParams, VarlenBatch
 
 from .cp_loss import continue_targets, mean_share
 from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer, RMSNorm
+from .layers.blocks.mlp import SwiGLU
+from .layers.blocks.norm import upcast
 from .layers.cached import refuse_context_parallel
-from .layers.norm import upcast
-from .mlp import SwiGLU
 from .model_inference import CachedLM
 from .ops.device_policy import policy_for
 from .sizes import size_problem

@@ -11,8 +11,14 @@ forget gate or with grouped values. ``norm_eps`` is the layer's ``o_norm.eps`` (
 
 from __future__ import annotations
 
-from ..layers import GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer
-from ..layers.config import GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig
+from ..layers import (
+    GatedDeltaNetConfig,
+    GatedDeltaNetMixer,
+    GatedDeltaProductConfig,
+    GatedDeltaProductMixer,
+    KDAConfig,
+    KDAMixer,
+)
 from ._source import Source, renaming, require
 
 _CONVS = {f"{x}_conv.weight": f"{x}_conv1d.weight" for x in "qkv"}

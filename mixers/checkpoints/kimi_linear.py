@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers import KDAMixer
-from ..layers.config import KDAConfig
+from ..layers import KDAConfig, KDAMixer
 from ._source import Source, require
 
 _SAME = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "b_proj.weight", "o_norm.weight", "o_proj.weight")

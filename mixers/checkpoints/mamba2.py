@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers import Mamba2Mixer
-from ..layers.config import Mamba2Config
+from ..layers import Mamba2Config, Mamba2Mixer
 from ._source import Source, renaming, require
 
 _CONV = {"conv.weight": "conv1d.weight", "conv.bias": "conv1d.bias"}

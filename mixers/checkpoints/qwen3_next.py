@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers import GatedDeltaNetMixer
-from ..layers.config import GatedDeltaNetConfig
+from ..layers import GatedDeltaNetConfig, GatedDeltaNetMixer
 from ._source import Source, require
 
 

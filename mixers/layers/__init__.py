@@ -1,12 +1,18 @@
-"""Mixer layers for hybrid models, packed: ``forward(hidden_states [B, T, D], packed_seq_params=None)``."""
+"""Mixer layers for hybrid models, packed: ``forward(hidden_states [B, T, D], packed_seq_params=None)``.
 
-from .attention import AttentionMixer
-from .config import AttentionConfig, GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig, Mamba2Config
-from .gated_deltanet import GatedDeltaNetMixer
-from .gated_deltaproduct import GatedDeltaProductMixer
-from .kda import KDAMixer
-from .mamba2 import Mamba2Mixer
-from .norm import GatedRMSNorm, RMSNorm
+One file per mixer, holding its config and its layer (:mod:`.mamba2`, :mod:`.gated_deltanet`,
+:mod:`.kda`, :mod:`.gated_deltaproduct`, :mod:`.attention`; the three delta-rule mixers share
+:mod:`.delta_base`); what every mixer shares in :mod:`.base` (constructor, kernel plan, metadata)
+and :mod:`.cached` (the cached forward); the building blocks in :mod:`.blocks`; the mixer
+registry (letters, Hugging Face layers, caches, converters) in :mod:`.registry`.
+"""
+
+from .attention import AttentionConfig, AttentionMixer
+from .blocks.norm import GatedRMSNorm, RMSNorm
+from .gated_deltanet import GatedDeltaNetConfig, GatedDeltaNetMixer
+from .gated_deltaproduct import GatedDeltaProductConfig, GatedDeltaProductMixer
+from .kda import KDAConfig, KDAMixer
+from .mamba2 import Mamba2Config, Mamba2Mixer
 
 __all__ = ["AttentionConfig", "AttentionMixer", "GatedDeltaNetConfig", "GatedDeltaNetMixer", "GatedDeltaProductConfig",
            "GatedDeltaProductMixer", "GatedRMSNorm", "KDAConfig", "KDAMixer", "Mamba2Config", "Mamba2Mixer",

@@ -9,8 +9,8 @@ flash-attn, on CUDA).
 Made of (where each piece lives):
 
 * constructor preamble, kernel plan, packing metadata: :class:`.base.MixerBase`;
-* sizes: :class:`.config.AttentionConfig`;
-* q / k / v in one call: :func:`.projections.project`; rotary: :mod:`.rotary`;
+* sizes: :class:`AttentionConfig` below;
+* q / k / v in one call: :func:`.blocks.projections.project`; rotary: :mod:`.blocks.rotary`;
 * attention: :func:`mixers.ops.varlen_attention` (training),
   :func:`mixers.ops.attention_with_kvcache` (inference);
 * cache allocation and the cached forward's preamble: :class:`.cached.CachedMixin`; this
@@ -39,18 +39,45 @@ output is zero on the last path).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from ..inference.layer_cache import LayerCache
 from ..inference.slots import SlotBatch
 from ..ops import attention_with_kvcache, varlen_attention
-from .base import MixerBase
+from .base import MixerBase, default_heads, divides, positive
+from .blocks.norm import upcast
+from .blocks.projections import project
+from .blocks.rotary import apply_rotary, rotary_tables
 from .cached import CachedMixin
-from .config import AttentionConfig
-from .norm import upcast
-from .projections import project
-from .rotary import apply_rotary, rotary_tables
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Grouped-query attention with rotary embeddings restarting at every document."""
+
+    hidden_size: int
+    head_dim: int = 64
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    rope_theta: float = 10000.0
+    window_size: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        positive("hidden_size", self.hidden_size)
+        positive("head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.num_heads is None:
+            object.__setattr__(self, "num_heads", default_heads(self.hidden_size, self.head_dim, 1.0))
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", max(1, self.num_heads // 2) if self.num_heads % 2 == 0
+                               else self.num_heads)
+        positive("num_heads", self.num_heads)
+        positive("num_kv_heads", self.num_kv_heads)
+        divides("num_kv_heads", self.num_kv_heads, "num_heads", self.num_heads)
 
 
 class AttentionMixer(CachedMixin, MixerBase):
@@ -89,7 +116,7 @@ class AttentionMixer(CachedMixin, MixerBase):
     def _qkv(self, hidden_states: torch.Tensor, positions: torch.Tensor):
         """``(q [B, T, Hq, Dh], k, v [B, T, Hk, Dh])``, q and k rotated by ``positions [B, T]``: the
         three projections in one call with one input gradient
-        (:func:`mixers.layers.projections.project`)."""
+        (:func:`mixers.layers.blocks.projections.project`)."""
         c = self.config
         b, t, _ = hidden_states.shape
         q, k, v = project(hidden_states, (self.q_proj, self.k_proj, self.v_proj))

@@ -1,5 +1,5 @@
-"""What every mixer shares: its constructor preamble, its kernel plan, and how it gets its packing
-metadata.
+"""What every mixer shares: its constructor preamble, its kernel plan, how it gets its packing
+metadata, and the checks its config runs.
 
     B = rows, T = tokens, D = hidden
 
@@ -23,6 +23,7 @@ import warnings
 import torch
 from torch import nn
 
+from ssm_pack.checks import check_int
 from ssm_pack.varlen import VarlenBatch
 
 from ..ops import dispatch
@@ -48,6 +49,19 @@ def plan_support(plan) -> list[tuple[str, str, bool, str | None]]:
         else:
             rows.append((part, choices[0][0], False, "; and ".join(reasons)))
     return rows
+
+
+def positive(name: str, value) -> None:
+    check_int(name, value, minimum=1)
+
+
+def divides(a_name: str, a: int, b_name: str, b: int) -> None:
+    if b % a:
+        raise ValueError(f"{a_name}={a} must divide {b_name}={b}")
+
+
+def default_heads(hidden_size: int, head_dim: int, share: float) -> int:
+    return max(1, int(hidden_size * share) // head_dim)
 
 
 class MixerBase(nn.Module):

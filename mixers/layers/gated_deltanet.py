@@ -4,15 +4,21 @@
 
 Made of: everything but the gate lives in :mod:`.delta_base` (projections, short convs, scan call,
 norm and out_proj, the cache); the scalar gate in :class:`.delta_base.ScalarGateMixer`, its
-initialisation in :mod:`._init`; sizes in :class:`.config.GatedDeltaNetConfig`; the scan is
-:func:`mixers.ops.chunk_gated_delta_rule`.
+initialisation in :mod:`.blocks.init`; sizes in :class:`GatedDeltaNetConfig` below; the ops are
+:func:`mixers.ops.chunk_gated_delta_rule` and, decoding, :func:`mixers.ops.fused_recurrent_gated_delta_rule`.
 """
 
 from __future__ import annotations
 
-from ..ops import chunk_gated_delta_rule
-from .config import GatedDeltaNetConfig
-from .delta_base import ScalarGateMixer
+from dataclasses import dataclass
+
+from ..ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from .delta_base import DeltaConfig, ScalarGateMixer
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetConfig(DeltaConfig):
+    """fla's ``GatedDeltaNet``: scalar decay per head, SiLU-gated output norm."""
 
 
 class GatedDeltaNetMixer(ScalarGateMixer):
@@ -23,9 +29,5 @@ class GatedDeltaNetMixer(ScalarGateMixer):
     """
 
     CONFIG = GatedDeltaNetConfig
-    KIND = "gdn"
-
-    def _scan(self, q, k, v, g, beta, varlen):
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
-                                      cu_seqlens=varlen, chunk_size=self.config.chunk_size, backend=self.backend)
-        return o
+    CHUNK = staticmethod(chunk_gated_delta_rule)
+    STEP = staticmethod(fused_recurrent_gated_delta_rule)

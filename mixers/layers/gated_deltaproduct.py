@@ -1,20 +1,36 @@
 """``GatedDeltaProductMixer``: fla's ``GatedDeltaProduct`` (``num_householder`` delta steps per
 token, one scalar decay per token), packed.
 
-    k, v, beta: ``[B, T * nh, ...]`` (each token's sub-steps interleaved, fla's layout)
+    nh = num_householder; k, v, beta: ``[B, T * nh, ...]`` (each token's sub-steps interleaved, fla's layout)
     g = -exp(A_log) * softplus(a_proj(x) + dt_bias)      [B, T, H]
 
 Made of: everything but the gate lives in :mod:`.delta_base` (projections with ``nh`` steps per
 token, short convs, scan call, norm and out_proj, the cache); the scalar gate in
-:class:`.delta_base.ScalarGateMixer`; sizes in :class:`.config.GatedDeltaProductConfig`; the
-scan is :func:`mixers.ops.chunk_gated_delta_product`.
+:class:`.delta_base.ScalarGateMixer`; sizes in :class:`GatedDeltaProductConfig` below; the ops are
+:func:`mixers.ops.chunk_gated_delta_product` and, decoding, :func:`mixers.ops.fused_recurrent_gated_delta_product`.
 """
 
 from __future__ import annotations
 
-from ..ops import chunk_gated_delta_product
-from .config import GatedDeltaProductConfig
-from .delta_base import ScalarGateMixer
+from dataclasses import dataclass
+
+from ..ops import chunk_gated_delta_product, fused_recurrent_gated_delta_product
+from .base import positive
+from .delta_base import DeltaConfig, ScalarGateMixer
+
+
+@dataclass(frozen=True)
+class GatedDeltaProductConfig(DeltaConfig):
+    """fla's ``GatedDeltaProduct``: ``num_householder`` delta steps per token."""
+
+    num_householder: int = 2
+    allow_neg_eigval: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        positive("num_householder", self.num_householder)
+        if self.num_v_heads != self.num_heads:
+            raise ValueError("GatedDeltaProduct needs num_v_heads == num_heads")
 
 
 class GatedDeltaProductMixer(ScalarGateMixer):
@@ -25,10 +41,8 @@ class GatedDeltaProductMixer(ScalarGateMixer):
     """
 
     CONFIG = GatedDeltaProductConfig
-    KIND = "gdp"
+    CHUNK = staticmethod(chunk_gated_delta_product)
+    STEP = staticmethod(fused_recurrent_gated_delta_product)
 
-    def _scan(self, q, k, v, g, beta, varlen):
-        o, _ = chunk_gated_delta_product(q, k, v, g, beta, self.config.num_householder,
-                                         use_qk_l2norm_in_kernel=True, cu_seqlens=varlen,
-                                         chunk_size=self.config.chunk_size, backend=self.backend)
-        return o
+    def _op_args(self) -> tuple:
+        return (self.config.num_householder,)

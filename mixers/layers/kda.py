@@ -4,19 +4,35 @@
 
 Made of: everything but the gate lives in :mod:`.delta_base` (projections, short convs, scan call,
 norm and out_proj, the cache); the low-rank per-channel gate is below, its initialisation in
-:mod:`._init`; sizes in :class:`.config.KDAConfig`; the scan is :func:`mixers.ops.chunk_kda`.
+:mod:`.blocks.init`; sizes in :class:`KDAConfig` below; the ops are :func:`mixers.ops.chunk_kda` and, decoding,
+:func:`mixers.ops.fused_recurrent_kda`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
-from ..ops import chunk_kda
-from ._init import decay_gate, inverse_softplus_dt
-from .config import KDAConfig
-from .delta_base import DeltaMixerBase
-from .norm import GatedRMSNorm
+from ..ops import chunk_kda, fused_recurrent_kda
+from .blocks.decay_gate import decay_gate
+from .blocks.init import inverse_softplus_dt
+from .blocks.norm import GatedRMSNorm
+from .delta_base import DeltaConfig, DeltaMixerBase
+
+
+@dataclass(frozen=True)
+class KDAConfig(DeltaConfig):
+    """fla's ``KimiDeltaAttention``: per-channel decay, low-rank gate projections, sigmoid output gate.
+
+    ``output_gate_bias``: the output gate's second projection has a bias in fla (True) and none in
+    Hugging Face's Kimi-Linear (False).
+    """
+
+    expand_v: float = 1.0
+    heads_share: float = field(default=1.0, repr=False)
+    output_gate_bias: bool = True
 
 
 class KDAMixer(DeltaMixerBase):
@@ -26,7 +42,8 @@ class KDAMixer(DeltaMixerBase):
     """
 
     CONFIG = KDAConfig
-    KIND = "kda"
+    CHUNK = staticmethod(chunk_kda)
+    STEP = staticmethod(fused_recurrent_kda)
 
     def __init__(self, hidden_size: int | None = None, *, config=None, backend: str = "auto", **overrides):
         super().__init__(hidden_size, config=config, backend=backend, **overrides)
@@ -48,8 +65,3 @@ class KDAMixer(DeltaMixerBase):
         c = self.config
         gate = decay_gate(f, self.dt_bias, self.A_log.repeat_interleave(c.head_dim))
         return gate.reshape(*f.shape[:2], c.num_v_heads, c.head_dim)
-
-    def _scan(self, q, k, v, g, beta, varlen):
-        o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=varlen,
-                         chunk_size=self.config.chunk_size, backend=self.backend)
-        return o

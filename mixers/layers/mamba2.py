@@ -11,12 +11,14 @@ through ``seq_idx``; gated RMS norm ``rmsnorm(y * silu(z))`` per group; out_proj
 Made of (where each piece lives):
 
 * constructor preamble, kernel plan, packing metadata: :class:`.base.MixerBase`;
-* sizes: :class:`.config.Mamba2Config`; ``dt`` / ``A`` initialisation: :mod:`._init`;
-* in_proj as three linears over one input: :func:`.projections.shared_input_linear`;
-* short conv: :class:`.short_conv.ShortConvolution` (cached: :func:`.short_conv_cache.conv_cached`);
+* sizes: :class:`Mamba2Config` below; ``dt`` / ``A`` initialisation: :mod:`.blocks.init`;
+* in_proj as three linears over one input: :func:`.blocks.projections.shared_input_linear`;
+* short conv: :class:`.blocks.short_conv.ShortConvolution` (cached:
+  :func:`.blocks.short_conv_cache.conv_cached`);
 * SSD scan: :func:`mixers.ops.mamba_chunk_scan_combined` (decoding:
   :func:`mixers.ops.selective_state_update`);
-* gated norm and out_proj as one function: :class:`.norm.GatedRMSNorm`, :func:`.norm_linear.norm_linear`;
+* gated norm and out_proj as one function: :class:`.blocks.norm.GatedRMSNorm`,
+  :func:`.blocks.norm_linear.norm_linear`;
 * cache allocation and the cached forward's preamble: :class:`.cached.CachedMixin`; this
   mixer's cache and cached forward: the methods after ``forward``.
 
@@ -36,6 +38,9 @@ with per-row initial and final states (the kernel takes those).
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -43,15 +48,60 @@ from ..inference.layer_cache import LayerCache
 from ..inference.slots import SlotBatch
 from ..ops import mamba_chunk_scan_combined, selective_state_update
 from ..ops.common.chunks import compute_dtype
-from ._init import inverse_softplus_dt
-from .base import SHORT_CONV, MixerBase
+from .base import SHORT_CONV, MixerBase, divides, positive
+from .blocks.init import inverse_softplus_dt
+from .blocks.norm import GatedRMSNorm, upcast
+from .blocks.norm_linear import norm_linear
+from .blocks.projections import shared_input_linear
+from .blocks.short_conv import ShortConvolution
+from .blocks.short_conv_cache import conv_cached
 from .cached import CachedMixin
-from .config import Mamba2Config
-from .norm import GatedRMSNorm, upcast
-from .norm_linear import norm_linear
-from .projections import shared_input_linear
-from .short_conv import ShortConvolution
-from .short_conv_cache import conv_cached
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """Mamba2 (SSD) mixer: ``d_inner = expand * hidden_size``, ``d_inner / head_dim`` heads.
+
+    ``num_heads`` instead sets ``d_inner = num_heads * head_dim`` for checkpoints whose inner width
+    is not a multiple of ``hidden_size`` (Megatron's / NemotronH's ``mamba_num_heads``, FalconH1's
+    ``mamba_d_ssm``); giving both ``expand`` and ``num_heads`` requires them to agree.
+    ``norm_eps``: 1e-5 in mamba-ssm and Megatron; HF checkpoints carry their own
+    (``layer_norm_epsilon`` / ``rms_norm_eps``, often 1e-6).
+    """
+
+    hidden_size: int
+    expand: int | None = None
+    head_dim: int = 64
+    state_size: int = 64
+    num_groups: int = 1
+    conv_size: int = 4
+    chunk_size: int = 128
+    dt_min: float = 0.001
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    norm_eps: float = 1e-5
+    num_heads: int | None = None
+
+    def __post_init__(self):
+        for name in ("hidden_size", "head_dim", "state_size", "num_groups", "conv_size", "chunk_size"):
+            positive(name, getattr(self, name))
+        if self.num_heads is None:
+            if self.expand is None:
+                object.__setattr__(self, "expand", 2)
+            positive("expand", self.expand)
+            divides("head_dim", self.head_dim, "expand * hidden_size", self.expand * self.hidden_size)
+            object.__setattr__(self, "num_heads", self.expand * self.hidden_size // self.head_dim)
+        else:
+            positive("num_heads", self.num_heads)
+            if self.expand is not None and self.expand * self.hidden_size != self.d_inner:
+                raise ValueError(f"expand={self.expand} gives d_inner={self.expand * self.hidden_size} but "
+                                 f"num_heads * head_dim = {self.d_inner}; give one of them (expand=None)")
+        divides("num_groups", self.num_groups, "num_heads", self.num_heads)
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
 
 
 class Mamba2Mixer(CachedMixin, MixerBase):
@@ -91,7 +141,7 @@ class Mamba2Mixer(CachedMixin, MixerBase):
         """``(z, x B C, dt)`` of ``hidden_states [B, T, hidden]`` for the cached forward (its conv state
         covers ``x B C`` as one): ``in_proj`` as three products with its weight's row blocks, each its
         own contiguous tensor (the conv reads ``x B C`` without a copy)
-        (:func:`mixers.layers.projections.shared_input_linear`)."""
+        (:func:`mixers.layers.blocks.projections.shared_input_linear`)."""
         c = self.config
         sizes = [c.d_inner, c.d_inner + 2 * c.num_groups * c.state_size, c.num_heads]
         return tuple(shared_input_linear(hidden_states, torch.split(self.in_proj.weight, sizes, 0)))

@@ -82,7 +82,7 @@ def test_fp16(upstream_calls):
 
 
 def test_short_convolution_layer_takes_fla(upstream_calls):
-    from mixers.layers.short_conv import ShortConvolution
+    from mixers.layers.blocks.short_conv import ShortConvolution
     from ssm_pack import PackedSeqParams, VarlenBatch
     params = PackedSeqParams.from_lengths([0, 9, 14, 1], total_tokens=28)
     torch.manual_seed(0)

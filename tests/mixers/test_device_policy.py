@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixers import HybridLM, mlp
-from mixers.layers import _init, norm, norm_linear
-from mixers.layers._init import decay_gate
-from mixers.layers.norm import GatedRMSNorm, RMSNorm
-from mixers.layers.norm_linear import norm_linear as norm_linear_fn
+from mixers import HybridLM
+from mixers.layers.blocks import decay_gate as gate_module
+from mixers.layers.blocks import mlp, norm, norm_linear
+from mixers.layers.blocks.decay_gate import decay_gate
+from mixers.layers.blocks.norm import GatedRMSNorm, RMSNorm
+from mixers.layers.blocks.norm_linear import norm_linear as norm_linear_fn
 from mixers.ops.common import chunks
 from mixers.ops.delta_rule import l2norm
 from mixers.ops.delta_rule.l2norm import l2_normalize
@@ -98,7 +99,7 @@ def _decay_gate():
     module = nn.Module()
     module.bias, module.a_log = bias, a_log
     module.forward = lambda pre: decay_gate(pre, bias, a_log)
-    return _init, [_randn(1, ROWS, WIDTH)], module, lambda pre: -torch.exp(a_log) * F.softplus(pre + bias)
+    return gate_module, [_randn(1, ROWS, WIDTH)], module, lambda pre: -torch.exp(a_log) * F.softplus(pre + bias)
 
 
 def _l2norm():
@@ -198,7 +199,7 @@ def test_env_var_is_not_set_by_default():
 
 def test_hybrid_model_step_is_the_same_under_both_policies(monkeypatch):
     counts = {}
-    for module in (mlp, norm, norm_linear, _init, l2norm):
+    for module in (mlp, norm, norm_linear, gate_module, l2norm):
         counts[module.__name__] = counting_blocks(monkeypatch, module)
     torch.manual_seed(0)
     small = {"M": {"head_dim": 16, "state_size": 8, "chunk_size": 16}, "G": {"head_dim": 8, "chunk_size": 16},

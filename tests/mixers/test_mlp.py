@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixers import mlp
-from mixers.mlp import SwiGLU
+from mixers.layers.blocks import mlp
+from mixers.layers.blocks.mlp import SwiGLU
 from tests.support.oracles import check_close
 from tests.support.output_shapes import OutputShapes
 from tests.support.tolerances import FP64_ABS

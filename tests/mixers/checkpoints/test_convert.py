@@ -17,7 +17,7 @@ from mixers.checkpoints import (
     to_module,
     to_state_dict,
 )
-from mixers.layers.config import GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig, Mamba2Config
+from mixers.layers import GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig, Mamba2Config
 from tests.mixers.checkpoints.upstream import BUILDERS, falcon_h1_config
 
 MAMBA = Mamba2Config(32, num_heads=3, head_dim=16, state_size=8, num_groups=3)

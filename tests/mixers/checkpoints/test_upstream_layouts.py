@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from mixers.checkpoints import from_module, from_state_dict, to_state_dict
-from mixers.layers.config import Mamba2Config
+from mixers.layers import Mamba2Config
 from tests.mixers.checkpoints.upstream import BUILDERS, HIDDEN
 
 # the Mamba2 sizes of upstream.hf_mamba2 (hidden 32, 4 heads of 16, 2 groups, state 8, conv 4, chunk 8)

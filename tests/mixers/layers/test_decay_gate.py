@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixers.layers import _init
-from mixers.layers._init import decay_gate
+from mixers.layers.blocks import decay_gate as gate_module
+from mixers.layers.blocks.decay_gate import decay_gate
 from mixers.ops.common import chunks
 from tests.support.oracles import check_close
 
@@ -38,7 +38,7 @@ def run(fn, pre, bias, A, g_out):
 ])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 def test_blocked_equals_autograd(monkeypatch, shape, dtype):
-    monkeypatch.setattr(_init, "row_blocks", functools.partial(chunks.row_blocks, elements=4 * shape[-1]))
+    monkeypatch.setattr(gate_module, "row_blocks", functools.partial(chunks.row_blocks, elements=4 * shape[-1]))
     torch.manual_seed(0)
     w = shape[-1]
     pre, bias, A = torch.randn(shape, dtype=dtype) * 5, torch.randn(w, dtype=dtype), torch.randn(w, dtype=dtype)

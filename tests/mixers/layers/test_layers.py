@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from mixers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
-from mixers.layers.config import AttentionConfig, GatedDeltaNetConfig, KDAConfig, Mamba2Config
+from mixers.layers import AttentionConfig, GatedDeltaNetConfig, KDAConfig, Mamba2Config
 from ssm_pack import PackedSeqParams
 from ssm_pack.pytest_plugin import layout
 from ssm_pack.testing import LeakageCheckInconclusive, assert_no_cross_document_leakage, assert_packed_equals_unpacked

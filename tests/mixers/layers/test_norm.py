@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixers.layers import norm
-from mixers.layers.norm import GatedRMSNorm, RMSNorm
+from mixers.layers.blocks import norm
+from mixers.layers.blocks.norm import GatedRMSNorm, RMSNorm
 from mixers.ops.common import chunks
 from tests.support.oracles import check_close
 

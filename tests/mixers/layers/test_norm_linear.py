@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from mixers.layers import norm_linear as nl
-from mixers.layers.norm import GatedRMSNorm
-from mixers.layers.norm_linear import norm_linear
+from mixers.layers.blocks import norm_linear as nl
+from mixers.layers.blocks.norm import GatedRMSNorm
+from mixers.layers.blocks.norm_linear import norm_linear
 from mixers.ops.common import chunks
 from tests.support.oracles import check_close
 

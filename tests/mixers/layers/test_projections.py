@@ -1,4 +1,4 @@
-"""``mixers.layers.projections``: several projections of one input, one input gradient."""
+"""``mixers.layers.blocks.projections``: several projections of one input, one input gradient."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixers import GatedDeltaNetMixer, KDAMixer
-from mixers.layers.projections import project, shared_input_linear
+from mixers.layers.blocks.projections import project, shared_input_linear
 from tests.support.oracles import check_close
 
 WIDTHS = [17, 1, 40]

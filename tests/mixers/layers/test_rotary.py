@@ -7,7 +7,7 @@ steps: output and input gradient, per dtype, and the no-grad (decoding) path is 
 import pytest
 import torch
 
-from mixers.layers.rotary import rotary
+from mixers.layers.blocks.rotary import rotary
 from tests.support.oracles import check_close
 
 

@@ -4,7 +4,7 @@ equal the convolution of the whole (output and every gradient), packed documents
 import pytest
 import torch
 
-from mixers.layers.short_conv import ShortConvolution
+from mixers.layers.blocks.short_conv import ShortConvolution
 from ssm_pack import PackedSeqParams, VarlenBatch
 from tests.support.oracles import check_close
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from ..inference.layer_cache import LayerCache
-from ..inference.slots import SlotBatch
-from ..ops import causal_conv1d_fn, causal_conv1d_update
+from ...inference.layer_cache import LayerCache
+from ...inference.slots import SlotBatch
+from ...ops import causal_conv1d_fn, causal_conv1d_update
 from .short_conv import ShortConvolution
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.common.chunks import records_grad
+from ...ops.common.chunks import records_grad
 from .norm import upcast
 
 

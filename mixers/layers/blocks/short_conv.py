@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..ops import causal_conv1d_fn
+from ...ops import causal_conv1d_fn
 
 
 class ShortConvolution(nn.Module):

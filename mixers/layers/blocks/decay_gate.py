@@ -1,21 +1,13 @@
-"""Parameter initialisations and the decay gate the mixers share."""
+"""The decay gate of fla's gated delta layers, ``-exp(A) * softplus(pre + bias)``, as one autograd function."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
 
-from ..ops.common.chunks import ROW_BLOCK_ELEMENTS, records_grad, row_blocks
-from ..ops.device_policy import whole_tensor
+from ...ops.common.chunks import ROW_BLOCK_ELEMENTS, records_grad, row_blocks
+from ...ops.device_policy import whole_tensor
 from .norm import upcast
-
-
-def inverse_softplus_dt(n: int, dt_min: float = 0.001, dt_max: float = 0.1, floor: float = 1e-4) -> torch.Tensor:
-    """``dt_bias`` init ``[n]``: ``softplus(dt_bias)`` log-uniform in ``[dt_min, dt_max]`` (mamba / fla)."""
-    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
-    return dt + torch.log(-torch.expm1(-dt))
 
 
 class _DecayGate(torch.autograd.Function):

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.common.autocast import autocasting
-from ..ops.common.chunks import records_grad, row_blocks
+from ...ops.common.autocast import autocasting
+from ...ops.common.chunks import records_grad, row_blocks
 from .norm import GatedRMSNorm, gated_rows, gated_rows_backward, upcast
 from .projections import bypassable
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..ops.common.autocast import autocast_operands, outside_autocast
+from ...ops.common.autocast import autocast_operands, outside_autocast
 
 
 class _SharedInputLinearFn(torch.autograd.Function):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.common.chunks import compute_dtype, records_grad, row_blocks
+from ...ops.common.chunks import compute_dtype, records_grad, row_blocks
 
 _ACTIVATIONS = {"swish": F.silu, "silu": F.silu, "sigmoid": torch.sigmoid}
 

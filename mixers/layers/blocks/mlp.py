@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops.common.autocast import autocast_operands, outside_autocast
-from .ops.common.chunks import compute_dtype, row_blocks, untracked
+from ...ops.common.autocast import autocast_operands, outside_autocast
+from ...ops.common.chunks import compute_dtype, row_blocks, untracked
 
 _BLOCK_ELEMENTS = 1 << 20           # numbers in one block's [rows, 2I] (4 MB fp32)
 
