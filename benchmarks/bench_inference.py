@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.common import Result, alternate, ratio_result, results_table, settle
 from mixers import HybridLM
-from mixers.model import MIXERS
+from mixers.model.hybrid import MIXERS
 from ssm_pack import PackedSeqParams
 
 TARGETS = {"decode": 1.3, "recompute": 20.0, "prefill": 2.0}

@@ -85,7 +85,7 @@ def _run_side(setup, backend, step):
 
 def case_layer_autocast(setup, letter: str):
     """One mixer layer, packed: forward under autocast, backward of a fixed projection of its output."""
-    from mixers.model import MIXERS
+    from mixers.model.hybrid import MIXERS
     from ssm_pack import PackedSeqParams
     hidden, overrides, lengths = _sizes(setup)
     layers = _twins(lambda b: MIXERS[letter](hidden, backend=b, **overrides.get(letter, {})).to(setup.device))
@@ -124,7 +124,7 @@ def case_model_autocast(setup):
 
 def autocast_cases(setup):
     """``[(name, function, args)]``: one per mixer layer, then the model step."""
-    from mixers.model import MIXERS
+    from mixers.model.hybrid import MIXERS
     tag = "fp16" if setup.dry else "bf16"
     cases = [(f"{MIXERS[letter].__name__} under autocast [{tag}]", case_layer_autocast, (setup, letter))
              for letter in MIXERS]

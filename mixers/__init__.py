@@ -4,6 +4,6 @@
 """
 
 from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
-from .model import HybridLM
+from .model.hybrid import HybridLM
 
 __all__ = ["AttentionMixer", "GatedDeltaNetMixer", "GatedDeltaProductMixer", "HybridLM", "KDAMixer", "Mamba2Mixer"]

@@ -101,7 +101,7 @@ def test_the_graph_sees_function_level_imports():
     graph = _graph()
     assert "ssm_pack.checks" in graph["ssm_pack.formats.params"]
     assert "torch.distributed" in graph["ssm_pack.parallel.layout_check"]      # imported inside a function
-    assert "ssm_pack" in graph["mixers.model"]
+    assert "ssm_pack" in graph["mixers.model.hybrid"]
 
 
 @pytest.mark.parametrize("graph,cycle", [

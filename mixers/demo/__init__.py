@@ -2,7 +2,7 @@
 
 Documents are the standard library's docstrings (byte tokens, no download). The demo streams them
 into packs with ``ssm_pack.pack_stream`` (documents longer than a pack split across consecutive
-packs, their states carried by ``mixers.carry.CarriedStates``), trains a small ``HybridLM`` (all
+packs, their states carried by ``mixers.model.carry.CarriedStates``), trains a small ``HybridLM`` (all
 five mixer kinds by default) with a progress bar, measures packed vs padded training throughput
 side by side, runs the leakage checker on a packed batch of the trained model, and writes a PNG
 of the loss curve and the throughput. It finishes in under 3 minutes on 2 CPU cores by default.
@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> argparse.Namespace:
     """Every flag checked before any work (the corpus, the model), each error naming its flag."""
-    from ..model import MIXERS
-    from ..sizes import size_problem
+    from ..model.hybrid import MIXERS
+    from ..model.sizes import size_problem
 
     if args.steps < 1 or args.hidden < 16 or args.docs < 4 or args.max_tokens < 64:
         raise ValueError(f"need --steps >= 1, --hidden >= 16, --docs >= 4, --max-tokens >= 64; got {args.steps}, "
@@ -77,7 +77,7 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from ..model import HybridLM
+    from ..model.hybrid import HybridLM
     from .corpus import load_documents
     from .generation import generation_demo
     from .plot import require_matplotlib, write_png

@@ -15,15 +15,15 @@ from torch import nn
 from ssm_pack import PackedSeqParams, pack_stream, plan_packs
 from ssm_pack.testing import assert_no_cross_document_leakage
 
-from ..carry import CarriedStates
-from ..model import IGNORE_INDEX, HybridLM
+from ..model.carry import CarriedStates
+from ..model.hybrid import IGNORE_INDEX, HybridLM
 
 
 @dataclass
 class Batch:
     """One pack of :func:`ssm_pack.pack_stream`: ``input_ids [1, T]``, ``labels [1, T]`` (``-100`` on
     padding and each piece's first token), its metadata and the whole pack dict (``targets``,
-    ``documents``, ``continues`` / ``continued``: what :class:`mixers.carry.CarriedStates` reads),
+    ``documents``, ``continues`` / ``continued``: what :class:`mixers.model.carry.CarriedStates` reads),
     plus the same pieces right-padded to ``[B, S]`` rows, ``S`` the pack's longest piece (as a collator
     pads a batch to its longest sequence)."""
 

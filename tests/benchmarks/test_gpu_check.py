@@ -224,7 +224,7 @@ def test_an_autocast_layer_case_grades_the_kernel_twin(tmp_path, monkeypatch, ke
     from benchmarks.gpu_autocast import case_layer_autocast
     from benchmarks.gpu_correctness import Setup
     from benchmarks.gpu_report import Recorder
-    from mixers import model
+    from mixers.model import hybrid as model
 
     monkeypatch.setitem(model.MIXERS, "Z", type("FakeMixer", (_FakeMixer,), {"KERNEL": kernel}))
     recorder = Recorder(tmp_path, "correctness", {})

@@ -215,7 +215,7 @@ def run_op(subject, inputs, varlen, lo, hi) -> dict:
 
 def build_module(subject: str, seed: int):
     from mixers import HybridLM
-    from mixers.model import MIXERS
+    from mixers.model.hybrid import MIXERS
     torch.manual_seed(seed)
     if subject.startswith("model"):          # model32: the same model in float32
         model = HybridLM(64, HIDDEN, "MGKPA", mixer_overrides=SMALL)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mixers import HybridLM
-from mixers.carry import CarriedStates
+from mixers.model import CarriedStates
 from ssm_pack import PackedSeqParams, pack_stream
 
 SMALL = {"M": {"head_dim": 16, "state_size": 8, "chunk_size": 16}, "G": {"head_dim": 8, "chunk_size": 16},

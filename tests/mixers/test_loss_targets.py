@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mixers import HybridLM
-from mixers.model import IGNORE_INDEX, next_token_targets
+from mixers.model.hybrid import IGNORE_INDEX, next_token_targets
 from ssm_pack import PackedSeqParams, VarlenBatch
 from tests.support.megatron_standin import megatron_copy
 

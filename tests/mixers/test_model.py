@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mixers import HybridLM
-from mixers.model import IGNORE_INDEX, next_token_targets
+from mixers.model.hybrid import IGNORE_INDEX, next_token_targets
 from ssm_pack import PackedSeqParams
 from ssm_pack.testing import assert_no_cross_document_leakage, assert_packed_equals_unpacked
 

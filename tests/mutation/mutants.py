@@ -154,7 +154,7 @@ MUTANTS: tuple[Mutant, ...] = (
        (GENERATE, "    if vocab is not None and not all(0 <= t < vocab for t in tokens):", "    if False:")),
     _m("token-ids-unchecked", "inference/model", (API, *OLDER),
        "the model embeds out-of-range token ids without checking",
-       ("mixers/model.py", "        check_token_ids(input_ids, self.embed.num_embeddings)\n", "")),
+       ("mixers/model/hybrid.py", "        check_token_ids(input_ids, self.embed.num_embeddings)\n", "")),
     _m("cache-under-cp-accepted", "inference/model", (API, *OLDER),
        "a cache is accepted under context parallelism",
        (CACHED, "    if layout is None and group is None and run is None:\n        return\n", "    return\n")),

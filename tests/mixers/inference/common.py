@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixers.model import MIXERS
+from mixers.model.hybrid import MIXERS
 from ssm_pack import PackedSeqParams
 
 CHUNK, WIDTH = 8, 4            # small chunks so short prompts cross several; conv width W = 4

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixers.model import MIXERS
+from mixers.model.hybrid import MIXERS
 from mixers.ops import selective_state_update
 from tests.mixers.inference.common import HIDDEN, SMALL, full, max_error, packed_call, sequences
 from tests.support.tolerances import FP64_ABS

@@ -5,7 +5,7 @@ control that must fail."""
 import pytest
 import torch
 
-from mixers.model import MIXERS
+from mixers.model.hybrid import MIXERS
 from tests.mixers.inference.common import (
     CHUNK,
     HIDDEN,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layers import AttentionConfig, GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig, Mamba2Config
+from ..layers import AttentionConfig, GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig, Mamba2Config
 
 CONFIGS = {"M": Mamba2Config, "G": GatedDeltaNetConfig, "K": KDAConfig, "P": GatedDeltaProductConfig,
            "A": AttentionConfig}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .ops.common.cp_exchange import count_sent, exchange
+from ..ops.common.cp_exchange import count_sent, exchange
 
 
 def _next_rank_first_label(run, labels: torch.Tensor) -> torch.Tensor | None:

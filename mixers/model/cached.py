@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from .inference import InferenceCache
-from .inference.generate import generate
-from .inference.slots import SlotBatch
-from .layers.cached import refuse_context_parallel
+from ..inference import InferenceCache
+from ..inference.generate import generate
+from ..inference.slots import SlotBatch
+from ..layers.cached import refuse_context_parallel
 
 
 class CachedLM:

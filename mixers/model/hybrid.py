@@ -16,13 +16,13 @@ from torch import nn
 
 from ssm_pack import PackedSeqParams, VarlenBatch
 
+from ..layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer, RMSNorm
+from ..layers.blocks.mlp import SwiGLU
+from ..layers.blocks.norm import upcast
+from ..layers.cached import refuse_context_parallel
+from ..ops.device_policy import policy_for
+from .cached import CachedLM
 from .cp_loss import continue_targets, mean_share
-from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer, RMSNorm
-from .layers.blocks.mlp import SwiGLU
-from .layers.blocks.norm import upcast
-from .layers.cached import refuse_context_parallel
-from .model_inference import CachedLM
-from .ops.device_policy import policy_for
 from .sizes import size_problem
 
 MIXERS = {"M": Mamba2Mixer, "G": GatedDeltaNetMixer, "K": KDAMixer, "P": GatedDeltaProductMixer, "A": AttentionMixer}
@@ -62,7 +62,7 @@ class HybridLM(CachedLM, nn.Module):
     with its ``cp_group`` set) the loss is this rank's share: the shares sum to the whole row's
     mean, so gradients summed over the CP group equal the single-process ones.
 
-    Inference (:mod:`mixers.model_inference`): ``allocate_inference_cache``, ``forward(...,
+    Inference (:mod:`mixers.model.cached`): ``allocate_inference_cache``, ``forward(...,
     cache=, cache_slots=)`` (packed prefill ``[1, T]`` with one slot per document, or rows
     ``[N, t]`` with one slot per row) and ``generate`` (continuous batching).
     """
@@ -92,7 +92,7 @@ class HybridLM(CachedLM, nn.Module):
         varlen = None
         if packed_seq_params is not None:
             varlen = VarlenBatch.build(packed_seq_params, hidden_states.shape[1], device=hidden_states.device)
-        if cache is not None or cache_slots is not None:  # inference: per-slot states (mixers/model_inference.py)
+        if cache is not None or cache_slots is not None:  # inference: per-slot states (mixers/model/cached.py)
             return self._backbone_cached(hidden_states, varlen, cache, cache_slots)
         for block in self.blocks:
             hidden_states = block(hidden_states, packed_seq_params=varlen)
@@ -109,7 +109,7 @@ class HybridLM(CachedLM, nn.Module):
         with ``max_length_q/k`` and ``seq_idx`` (read by :meth:`ssm_pack.PackedSeqParams.from_hf_batch`).
         ``[B, S]`` rows with ``position_ids`` run as one packed row of ``B * S`` tokens (every row
         start is a boundary) and come back as ``[B, S]``. With ``cache`` and ``cache_slots``:
-        inference on per-slot states (:mod:`mixers.model_inference`).
+        inference on per-slot states (:mod:`mixers.model.cached`).
         """
         for name, value in (("input_ids", input_ids), ("labels", labels)):
             if value is not None and not isinstance(value, torch.Tensor):
