@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.common import Result, alternate, ratio_result, results_table, settle
 from mixers import HybridLM
-from mixers.model.hybrid import MIXERS
+from mixers.layers.registry import MIXERS
 from ssm_pack import PackedSeqParams
 
 TARGETS = {"decode": 1.3, "recompute": 20.0, "prefill": 2.0}
@@ -38,7 +38,7 @@ def decode_rows(hidden: int, long: int, short: int, rows: int, steps: int, round
     out = []
     for letter in "MGKPA":
         torch.manual_seed(0)
-        layer = MIXERS[letter](hidden).eval()
+        layer = MIXERS[letter].mixer(hidden).eval()
         caches = {}
         with torch.no_grad():
             for name, prefix in (("long", long), ("short", short)):

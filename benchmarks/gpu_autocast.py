@@ -85,10 +85,10 @@ def _run_side(setup, backend, step):
 
 def case_layer_autocast(setup, letter: str):
     """One mixer layer, packed: forward under autocast, backward of a fixed projection of its output."""
-    from mixers.model.hybrid import MIXERS
+    from mixers.layers.registry import MIXERS
     from ssm_pack import PackedSeqParams
     hidden, overrides, lengths = _sizes(setup)
-    layers = _twins(lambda b: MIXERS[letter](hidden, backend=b, **overrides.get(letter, {})).to(setup.device))
+    layers = _twins(lambda b: MIXERS[letter].mixer(hidden, backend=b, **overrides.get(letter, {})).to(setup.device))
     params = PackedSeqParams.from_lengths(lengths, device=setup.device)
     T = int(params.total_tokens)
     gen = torch.Generator().manual_seed(1)
@@ -124,8 +124,8 @@ def case_model_autocast(setup):
 
 def autocast_cases(setup):
     """``[(name, function, args)]``: one per mixer layer, then the model step."""
-    from mixers.model.hybrid import MIXERS
+    from mixers.layers.registry import MIXERS
     tag = "fp16" if setup.dry else "bf16"
-    cases = [(f"{MIXERS[letter].__name__} under autocast [{tag}]", case_layer_autocast, (setup, letter))
+    cases = [(f"{MIXERS[letter].mixer.__name__} under autocast [{tag}]", case_layer_autocast, (setup, letter))
              for letter in MIXERS]
     return cases + [(f"HybridLM MGKPA step under autocast [{tag}]", case_model_autocast, (setup,))]

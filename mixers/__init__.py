@@ -4,6 +4,6 @@
 """
 
 from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
-from .model.hybrid import HybridLM
+from .model import HybridLM
 
 __all__ = ["AttentionMixer", "GatedDeltaNetMixer", "GatedDeltaProductMixer", "HybridLM", "KDAMixer", "Mamba2Mixer"]

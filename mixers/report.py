@@ -10,28 +10,32 @@ from __future__ import annotations
 
 from ssm_pack.support.report import fix_lines, header_lines, kernel_lines
 
-from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
+from .layers import registry
 from .layers.base import plan_support
 
-MIXERS = (Mamba2Mixer, GatedDeltaNetMixer, KDAMixer, GatedDeltaProductMixer, AttentionMixer)
+
+def _registered() -> list[type]:
+    """Every registered mixer's layer class (:mod:`mixers.layers.registry`), in registration order."""
+    return [kind.mixer for kind in registry.MIXERS.values()]
 
 
-def mixer_backends(mixers=MIXERS) -> list[tuple[str, str, str, str | None]]:
+def mixer_backends(mixers=None) -> list[tuple[str, str, str, str | None]]:
     """``(mixer, part, backend, reason)``: what each part of each mixer's packed training runs on
-    a CUDA device here (``reason`` says why not the kernel)."""
+    a CUDA device here (``reason`` says why not the kernel); ``mixers``: layer classes, every
+    registered one by default."""
     rows = []
-    for cls in mixers:
+    for cls in _registered() if mixers is None else mixers:
         for part, kernel, ok, reason in plan_support(cls.PLAN):
             rows.append((cls.__name__, part, kernel if ok else "reference", reason))
     return rows
 
 
-def inference_backends(mixers=MIXERS) -> list[tuple[str, str, str, str | None]]:
+def inference_backends(mixers=None) -> list[tuple[str, str, str, str | None]]:
     """``(mixer, part, backend, reason)``: what each inference part of each mixer (decode steps, the
     KV cache) runs on a CUDA device here, from the mixers' ``INFERENCE_PLAN`` (a packed prefill runs
     the training parts, :func:`mixer_backends`)."""
     rows = []
-    for cls in mixers:
+    for cls in _registered() if mixers is None else mixers:
         for part, kernel, ok, reason in plan_support(cls.INFERENCE_PLAN):
             rows.append((cls.__name__, part, kernel if ok else "reference", reason))
     return rows

@@ -12,17 +12,55 @@ tensors, in their dtype and on their device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
 
-from . import fla, kimi_linear, mamba2, qwen3_next
+from ..layers import registry
 from ._source import Source, StateDict, check_keys, config_differences, detached, expected_upstream, template
 
-SOURCES: dict[str, Source] = {s.name: s for family in (mamba2, fla, qwen3_next, kimi_linear) for s in family.SOURCES}
 
-_HINTS = dict(mamba2.HINTS)
+def _module(name: str):
+    """A converter module a registry entry names: one of this package (``"mamba2"``) or a dotted path."""
+    return importlib.import_module(name if "." in name else f"{__package__}.{name}")
+
+
+def registered_sources() -> dict[str, Source]:
+    """Every converter of every registered mixer (:mod:`mixers.layers.registry`), by name: the
+    ``SOURCES`` of the modules an entry names whose ``mixer`` is that entry's."""
+    found = {}
+    for kind in registry.MIXERS.values():
+        for name in kind.checkpoints:
+            found.update((s.name, s) for s in _module(name).SOURCES if s.mixer is kind.mixer)
+    return found
+
+
+class _Sources(Mapping):
+    """:data:`SOURCES`: the registered converters by name, read from the registry on every use
+    (so a mixer registered later brings its converters along)."""
+
+    def __getitem__(self, name: str) -> Source:
+        return registered_sources()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(registered_sources())
+
+    def __len__(self) -> int:
+        return len(registered_sources())
+
+    def __repr__(self) -> str:
+        return f"SOURCES({sorted(self)})"
+
+
+SOURCES: Mapping[str, Source] = _Sources()
+
+
+def _hints() -> dict[str, str]:
+    """Key -> note, from the converter modules that give ``HINTS`` (a key that says which layout it is)."""
+    names = dict.fromkeys(name for kind in registry.MIXERS.values() for name in kind.checkpoints)
+    return {key: note for name in names for key, note in getattr(_module(name), "HINTS", {}).items()}
 
 
 def _source(source) -> Source:
@@ -47,7 +85,7 @@ def source_of(module: nn.Module) -> Source:
 
 
 def _hint(source: Source, state_dict: Mapping, config) -> str:
-    notes = [note for key, note in _HINTS.items() if key in state_dict]
+    notes = [note for key, note in _hints().items() if key in state_dict]
     keys = set(state_dict)
     for other in SOURCES.values():
         if other is source or other.mixer is not source.mixer:

@@ -19,13 +19,18 @@ from pathlib import Path
 
 import torch
 
+from ..layers import registry
+
 DEFAULTS = dict(steps=120, pattern="MGKPA", hidden=64, docs=600, max_tokens=2048, seed=0, lr=3e-3)
 MAX_BYTES = 8192           # docstrings are cut here (a few are longer than a pack of the default size)
 ALIGN = 8                  # every document's slot in a pack is a multiple of this (block-aligned kernels)
-# small mixers: the demo is about packing, not model quality
-MIXER_OVERRIDES = {"M": {"head_dim": 16, "state_size": 16, "chunk_size": 64}, "G": {"head_dim": 16},
-                   "K": {"head_dim": 16}, "P": {"head_dim": 16}, "A": {"head_dim": 16}}
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def mixer_overrides() -> dict:
+    """Small mixers, the demo being about packing, not model quality: each registered mixer's
+    ``small`` sizes (:mod:`mixers.layers.registry`)."""
+    return {letter: dict(kind.small) for letter, kind in registry.MIXERS.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,8 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Progress and results go to stdout: ssm-pack demo > demo.log keeps every line.")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="training steps")
     p.add_argument("--pattern", default=DEFAULTS["pattern"],
-                   help="mixer per block, one letter each (any case): M Mamba2, G Gated DeltaNet, K KDA, "
-                        "P Gated DeltaProduct, A attention")
+                   help=f"mixer per block, one letter each (any case): {registry.legend()}")
     p.add_argument("--hidden", type=int, default=DEFAULTS["hidden"],
                    help="hidden size (the Mamba2 blocks need a multiple of 8: head size 16, expand 2)")
     p.add_argument("--docs", type=int, default=DEFAULTS["docs"], help="documents to load")
@@ -53,21 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> argparse.Namespace:
     """Every flag checked before any work (the corpus, the model), each error naming its flag."""
-    from ..model.hybrid import MIXERS
     from ..model.sizes import size_problem
 
     if args.steps < 1 or args.hidden < 16 or args.docs < 4 or args.max_tokens < 64:
         raise ValueError(f"need --steps >= 1, --hidden >= 16, --docs >= 4, --max-tokens >= 64; got {args.steps}, "
                          f"{args.hidden}, {args.docs}, {args.max_tokens}")
     pattern = args.pattern.upper()
-    unknown = sorted(set(pattern) - set(MIXERS))
-    if not pattern or unknown:
-        raise ValueError(f"--pattern must be letters of {''.join(MIXERS)} (M Mamba2, G Gated DeltaNet, K KDA, "
-                         f"P Gated DeltaProduct, A attention; any case), got {args.pattern!r}")
-    problem = size_problem(pattern, args.hidden, MIXER_OVERRIDES)
+    if not pattern or registry.unknown_letters(pattern):
+        raise ValueError(f"--pattern must be letters of {registry.letters()} ({registry.legend()}; any case), "
+                         f"got {args.pattern!r}")
+    problem = size_problem(pattern, args.hidden, mixer_overrides())
     if problem is not None:
-        raise ValueError(problem.message("--hidden", pattern) + " (the demo's head sizes: MIXER_OVERRIDES in "
-                         "mixers/demo/__init__.py)")
+        raise ValueError(problem.message("--hidden", pattern) + " (the demo's head sizes: each mixer's small= "
+                         "in mixers/layers/registry.py)")
     if not _DEVICE.match(args.device):
         raise ValueError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -77,7 +79,7 @@ def check_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from ..model.hybrid import HybridLM
+    from ..model import HybridLM
     from .corpus import load_documents
     from .generation import generation_demo
     from .plot import require_matplotlib, write_png
@@ -96,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
     batches, packs = make_batches(documents, args.max_tokens, ALIGN, device)
     print(f"  packs:  {packs.summary()}")
     print(f"  carry:  {packs.carry()}")
-    model = HybridLM(256, args.hidden, args.pattern, mixer_overrides=MIXER_OVERRIDES).to(device)
+    model = HybridLM(256, args.hidden, args.pattern, mixer_overrides=mixer_overrides()).to(device)
     print(f"  model:  {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
     losses = train(model, batches, args.steps, args.lr)
     print(f"  loss:   {losses[0]:.3f} -> {min(losses[-5:]):.3f} (first step -> best of the last 5)")

@@ -37,7 +37,11 @@ from .hf_state_dict import check_whole_load, load_upstream, save_upstream
 _BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
 _LENGTH_KEYS = ("input_ids", "inputs_embeds", "labels")
 _CACHE_KEYS = ("cache", "cache_params", "past_key_values")
-_HF_CLASSES = {c for s in SOURCES.values() for c in s.classes if c.startswith("transformers:")}
+
+
+def _hf_classes() -> set[str]:
+    """The Hugging Face layer classes a registered mixer's converter reads (``"transformers:Name"``)."""
+    return {c for s in SOURCES.values() for c in s.classes if c.startswith("transformers:")}
 
 
 class _Batch:
@@ -131,10 +135,11 @@ def _resolve(params: PackedSeqParams, kwargs: dict) -> VarlenBatch:
 
 def _hf_mixers(model: nn.Module):
     """(parent, attribute, module) for every layer a converter reads."""
+    classes = _hf_classes()
     for parent in model.modules():
         for attr, child in parent.named_children():
             key = f"{type(child).__module__.split('.')[0]}:{type(child).__name__}"
-            if key in _HF_CLASSES:
+            if key in classes:
                 yield parent, attr, child
 
 
@@ -156,7 +161,7 @@ def enable_packing(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     found = list(_hf_mixers(model))
     if not found:
         raise ValueError(f"{type(model).__name__} has no layer enable_packing converts; it reads "
-                         f"{sorted(c.split(':')[1] for c in _HF_CLASSES)}")
+                         f"{sorted(c.split(':')[1] for c in _hf_classes())}")
     attention = attention_modules(model, skip=[child for _, _, child in found])
     implementation = check_implementation(model, attention)
     converted = [from_module(child, backend=backend) for _, _, child in found]      # all or nothing

@@ -83,12 +83,13 @@ class AttentionConfig:
 class AttentionMixer(CachedMixin, MixerBase):
     """GQA attention mixer: ``forward(hidden_states [B, T, D], packed_seq_params=None) -> [B, T, D]``."""
 
+    CONFIG = AttentionConfig
     PLAN = (("varlen attention", (("torch_varlen", ()), ("flash_attn", ("varlen",)))),)
     INFERENCE_PLAN = (("KV-cache attention", (("flash_attn", ("kvcache",)),)),)
 
     def __init__(self, hidden_size: int | None = None, *, config: AttentionConfig | None = None,
                  backend: str = "auto", **overrides):
-        super().__init__(AttentionConfig, hidden_size, config, backend, overrides)
+        super().__init__(self.CONFIG, hidden_size, config, backend, overrides)
         c = self.config
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)

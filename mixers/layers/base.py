@@ -67,9 +67,11 @@ def default_heads(hidden_size: int, head_dim: int, share: float) -> int:
 class MixerBase(nn.Module):
     """Base of the five mixers: ``self.config`` and ``self.backend`` set, the kernels checked.
 
-    Subclasses set ``PLAN`` and build their modules after ``super().__init__``.
+    Subclasses set ``CONFIG`` (their config class) and ``PLAN``, and build their modules after
+    ``super().__init__``.
     """
 
+    CONFIG: type | None = None
     PLAN: tuple = ()
 
     def __init__(self, config_cls, hidden_size, config, backend: str, overrides: dict):

@@ -112,7 +112,6 @@ class DeltaMixerBase(CachedMixin, MixerBase):
     """Base of the delta-rule mixers; subclasses set ``CONFIG``, their ops ``CHUNK`` (the chunked
     op: training, packed prefill, chunks of rows) and ``STEP`` (the decode step), and build the gates."""
 
-    CONFIG = None
     CHUNK = None
     STEP = None
     PLAN = (("short convs", SHORT_CONV), ("delta-rule scan", (("fla", ("varlen",)),)))

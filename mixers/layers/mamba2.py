@@ -116,6 +116,7 @@ class Mamba2Mixer(CachedMixin, MixerBase):
     ``"reference"``.
     """
 
+    CONFIG = Mamba2Config
     PLAN = (("short conv", SHORT_CONV), ("SSD scan", (("mamba_ssd", ("seq_idx",)),)))
     INFERENCE_PLAN = (
         ("conv decode", (("causal_conv1d", ("update_indices",)), ("fla_conv", ("update",)))),
@@ -124,7 +125,7 @@ class Mamba2Mixer(CachedMixin, MixerBase):
 
     def __init__(self, hidden_size: int | None = None, *, config: Mamba2Config | None = None, backend: str = "auto",
                  **overrides):
-        super().__init__(Mamba2Config, hidden_size, config, backend, overrides)
+        super().__init__(self.CONFIG, hidden_size, config, backend, overrides)
         c = self.config
         conv_dim = c.d_inner + 2 * c.num_groups * c.state_size
         self.in_proj = nn.Linear(c.hidden_size, 2 * c.d_inner + 2 * c.num_groups * c.state_size + c.num_heads,

@@ -4,8 +4,9 @@
 
 token embedding -> blocks (pre-norm RMSNorm -> mixer -> residual; pre-norm RMSNorm -> SwiGLU
 MLP -> residual) -> final RMSNorm -> output head tied to the embedding. The stack is a pattern
-string, one letter per block: ``M`` Mamba2, ``G`` Gated DeltaNet, ``K`` KDA, ``P`` Gated
-DeltaProduct, ``A`` attention.
+string, one letter per block, read from the mixer registry (:mod:`mixers.layers.registry`): ``M``
+Mamba2, ``G`` Gated DeltaNet, ``K`` KDA, ``P`` Gated DeltaProduct, ``A`` attention, and any mixer
+registered there.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 from ssm_pack import PackedSeqParams, VarlenBatch
 
-from ..layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer, RMSNorm
+from ..layers import RMSNorm, registry
 from ..layers.blocks.mlp import SwiGLU
 from ..layers.blocks.norm import upcast
 from ..layers.cached import refuse_context_parallel
@@ -25,7 +26,6 @@ from .cached import CachedLM
 from .cp_loss import continue_targets, mean_share
 from .sizes import size_problem
 
-MIXERS = {"M": Mamba2Mixer, "G": GatedDeltaNetMixer, "K": KDAMixer, "P": GatedDeltaProductMixer, "A": AttentionMixer}
 IGNORE_INDEX = -100
 
 
@@ -33,7 +33,7 @@ class Block(nn.Module):
     def __init__(self, letter: str, hidden: int, backend: str, overrides: dict):
         super().__init__()
         self.mixer_norm, self.mlp_norm = RMSNorm(hidden), RMSNorm(hidden)
-        self.mixer = MIXERS[letter](hidden, backend=backend, **overrides.get(letter, {}))
+        self.mixer = registry.MIXERS[letter].mixer(hidden, backend=backend, **overrides.get(letter, {}))
         self.mlp = SwiGLU(hidden)
 
     def forward(self, x, packed_seq_params=None, *, cache=None, cache_slots=None):
@@ -70,10 +70,8 @@ class HybridLM(CachedLM, nn.Module):
     def __init__(self, vocab_size: int = 256, hidden_size: int = 128, pattern: str = "MGKPA", *,
                  backend: str = "auto", mixer_overrides: dict | None = None):
         super().__init__()
-        unknown = sorted(set(pattern) - set(MIXERS))
-        if not pattern or unknown:
-            raise ValueError(f"pattern must be letters of {''.join(MIXERS)} (M Mamba2, G Gated DeltaNet, K KDA, "
-                             f"P Gated DeltaProduct, A attention), got {pattern!r}")
+        if not pattern or registry.unknown_letters(pattern):
+            raise ValueError(f"pattern must be letters of {registry.letters()} ({registry.legend()}), got {pattern!r}")
         problem = size_problem(pattern, hidden_size, mixer_overrides)
         if problem is not None:
             raise ValueError(f"HybridLM: {problem.message(pattern=pattern)}")

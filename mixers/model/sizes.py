@@ -1,6 +1,7 @@
 """Which hidden sizes a stack of mixers can be built with, and what to change when one cannot.
 
-A block's config refuses a size it cannot split into heads (Mamba2: ``head_dim`` must divide
+The configs are the registered mixers' (:mod:`mixers.layers.registry`). A block's config refuses a
+size it cannot split into heads (Mamba2: ``head_dim`` must divide
 ``expand * hidden_size``). :func:`size_problem` finds the first block of a pattern that refuses a
 hidden size and works out the fixes by trying the configs (cheap dataclasses, no weights): the
 nearest hidden sizes every block of the pattern accepts, and the head sizes that block accepts at
@@ -12,17 +13,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layers import AttentionConfig, GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig, Mamba2Config
+from ..layers import registry
 
-CONFIGS = {"M": Mamba2Config, "G": GatedDeltaNetConfig, "K": KDAConfig, "P": GatedDeltaProductConfig,
-           "A": AttentionConfig}
-NAMES = {"M": "Mamba2Mixer", "G": "GatedDeltaNetMixer", "K": "KDAMixer", "P": "GatedDeltaProductMixer",
-         "A": "AttentionMixer"}
+
+def _config(letter: str) -> type:
+    """The config class of the mixer registered for ``letter``."""
+    return registry.MIXERS[letter].config
 
 
 def _fits(letter: str, hidden: int, overrides: dict) -> bool:
     try:
-        CONFIGS[letter](hidden_size=hidden, **overrides.get(letter, {}))
+        _config(letter)(hidden_size=hidden, **overrides.get(letter, {}))
     except ValueError:
         return False
     return True
@@ -52,8 +53,8 @@ class SizeProblem:
         def given(h):
             return f"{hidden_name} {h}" if hidden_name.startswith("-") else f"{hidden_name}={h}"
 
-        text = (f"{given(self.hidden)}: block {self.index} ({self.letter!r}, {NAMES[self.letter]}) cannot be "
-                f"built: {self.reason}")
+        name = registry.MIXERS[self.letter].mixer.__name__
+        text = f"{given(self.hidden)}: block {self.index} ({self.letter!r}, {name}) cannot be built: {self.reason}"
         near = [given(h) for h in (self.below, self.above) if h is not None]
         if near:
             text += f"; sizes that work for pattern {pattern!r} with these head sizes: {' or '.join(near)}"
@@ -70,7 +71,7 @@ def size_problem(pattern: str, hidden: int, overrides: dict | None = None, *, se
     overrides = overrides or {}
     for index, letter in enumerate(pattern):
         try:
-            CONFIGS[letter](hidden_size=hidden, **overrides.get(letter, {}))
+            _config(letter)(hidden_size=hidden, **overrides.get(letter, {}))
         except ValueError as err:
             reason = str(err)
         else:
@@ -82,7 +83,7 @@ def size_problem(pattern: str, hidden: int, overrides: dict | None = None, *, se
         below = next((h for h in range(hidden - 1, max(hidden - search, 0), -1) if works(h)), None)
         above = next((h for h in range(hidden + 1, hidden + search) if works(h)), None)
         own = dict(overrides.get(letter, {}))
-        head_dim = own.get("head_dim", CONFIGS[letter].__dataclass_fields__["head_dim"].default)
+        head_dim = own.get("head_dim", _config(letter).__dataclass_fields__["head_dim"].default)
         candidates = sorted(range(1, 4 * head_dim + 1), key=lambda h: (abs(h - head_dim), -h))
         fits = [h for h in candidates if _fits(letter, hidden, {letter: {**own, "head_dim": h}})]
         return SizeProblem(index, letter, hidden, reason, below, above, tuple(fits[:4]), head_dim)

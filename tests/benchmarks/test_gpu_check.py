@@ -224,9 +224,10 @@ def test_an_autocast_layer_case_grades_the_kernel_twin(tmp_path, monkeypatch, ke
     from benchmarks.gpu_autocast import case_layer_autocast
     from benchmarks.gpu_correctness import Setup
     from benchmarks.gpu_report import Recorder
-    from mixers.model import hybrid as model
+    from mixers.layers import registry
 
-    monkeypatch.setitem(model.MIXERS, "Z", type("FakeMixer", (_FakeMixer,), {"KERNEL": kernel}))
+    fake = type("FakeMixer", (_FakeMixer,), {"KERNEL": kernel})
+    monkeypatch.setitem(registry.MIXERS, "Z", registry.MixerKind("Z", "fake", fake, "state"))
     recorder = Recorder(tmp_path, "correctness", {})
     recorder.run("fake", case_layer_autocast, Setup(dry_run=True), "Z")
     case = json.loads((tmp_path / "correctness.json").read_text())["cases"][0]

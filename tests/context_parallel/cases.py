@@ -215,12 +215,12 @@ def run_op(subject, inputs, varlen, lo, hi) -> dict:
 
 def build_module(subject: str, seed: int):
     from mixers import HybridLM
-    from mixers.model.hybrid import MIXERS
+    from mixers.layers.registry import MIXERS as REGISTERED
     torch.manual_seed(seed)
     if subject.startswith("model"):          # model32: the same model in float32
         model = HybridLM(64, HIDDEN, "MGKPA", mixer_overrides=SMALL)
         return model if subject == "model32" else model.double()
-    return MIXERS[subject](HIDDEN, **SMALL[subject]).double()
+    return REGISTERED[subject].mixer(HIDDEN, **SMALL[subject]).double()
 
 
 def module_inputs(subject: str, total: int, seed: int) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixers.model.hybrid import MIXERS
+from mixers.layers.registry import MIXERS
 from ssm_pack import PackedSeqParams
 
 CHUNK, WIDTH = 8, 4            # small chunks so short prompts cross several; conv width W = 4
@@ -15,12 +15,12 @@ SMALL = {"M": {"head_dim": 8, "state_size": 4, "chunk_size": CHUNK},
          "P": {"head_dim": 8, "chunk_size": CHUNK},
          "A": {"head_dim": 8}}
 HIDDEN = 32
-LETTERS = [pytest.param(letter, id=MIXERS[letter].__name__) for letter in "MGKPA"]
+LETTERS = [pytest.param(letter, id=MIXERS[letter].mixer.__name__) for letter in "MGKPA"]
 
 
 def make_mixer(letter: str, dtype=torch.float64, seed: int = 0, backend: str = "auto"):
     torch.manual_seed(seed)
-    return MIXERS[letter](HIDDEN, backend=backend, **SMALL[letter]).to(dtype)
+    return MIXERS[letter].mixer(HIDDEN, backend=backend, **SMALL[letter]).to(dtype)
 
 
 def sequences(lengths, dtype=torch.float64, seed: int = 1) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixers.model.hybrid import MIXERS
+from mixers.layers.registry import MIXERS
 from mixers.ops import selective_state_update
 from tests.mixers.inference.common import HIDDEN, SMALL, full, max_error, packed_call, sequences
 from tests.support.tolerances import FP64_ABS
@@ -60,7 +60,7 @@ def test_selective_state_update_matches_the_written_reference(dt_limit):
 
 def mamba(dt_limit):
     torch.manual_seed(0)
-    return MIXERS["M"](HIDDEN, dt_limit=dt_limit, **SMALL["M"]).double()
+    return MIXERS["M"].mixer(HIDDEN, dt_limit=dt_limit, **SMALL["M"]).double()
 
 
 def test_mixer_decoding_with_a_dt_limit_equals_its_full_forward():

@@ -5,7 +5,7 @@ control that must fail."""
 import pytest
 import torch
 
-from mixers.model.hybrid import MIXERS
+from mixers.layers.registry import MIXERS
 from tests.mixers.inference.common import (
     CHUNK,
     HIDDEN,
@@ -181,7 +181,7 @@ def test_fp32_within_tolerance(letter):
 def test_sliding_window_attention_cache():
     """A window of 3 keys back: packed prefill, a packed continuation, a decode row."""
     torch.manual_seed(0)
-    layer = MIXERS["A"](HIDDEN, head_dim=8, window_size=(3, 0)).double()
+    layer = MIXERS["A"].mixer(HIDDEN, head_dim=8, window_size=(3, 0)).double()
     seqs = sequences([9, 2, 5])
     cache = layer.allocate_inference_cache(3, 16)
     with torch.no_grad():
