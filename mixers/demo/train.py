@@ -103,7 +103,7 @@ def make_batches(documents: list[bytes], max_tokens: int, align_to: int, device)
     for pack, each in zip(packs, pieces):
         padded_ids, padded_labels = _padded_rows(each, max(map(len, each)))
         moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in pack.items()}
-        moved["packed_seq_params"] = _to(pack["packed_seq_params"], device)
+        moved["packed_seq_params"] = pack["packed_seq_params"].to(device)
         batches.append(Batch(moved["input_ids"], moved["labels"], moved["packed_seq_params"], moved,
                              padded_ids.to(device), padded_labels.to(device), sum(len(p) for p in each)))
     stats = stream.stats
@@ -111,13 +111,6 @@ def make_batches(documents: list[bytes], max_tokens: int, align_to: int, device)
                             max_tokens, sum(b.padded_ids.numel() for b in batches), stats["split_documents"],
                             sum(bool(pack["continues"]) for pack in packs))
     return batches, figures
-
-
-def _to(params: PackedSeqParams, device) -> PackedSeqParams:
-    moved = {name: getattr(params, name).to(device) for name in
-             ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "seq_idx")
-             if getattr(params, name) is not None}
-    return params.replace(**moved)
 
 
 class Progress:
@@ -242,4 +235,4 @@ def leakage_check(model: HybridLM, documents: list[bytes], device, align_to: int
     packed = plan.assemble(0, sample, fixed_length=False)
     with torch.no_grad():
         hidden = model.embed(packed["input_ids"].to(device)).float()
-    return assert_no_cross_document_leakage(_Backbone(model).float(), hidden, _to(packed["packed_seq_params"], device))
+    return assert_no_cross_document_leakage(_Backbone(model).float(), hidden, packed["packed_seq_params"].to(device))

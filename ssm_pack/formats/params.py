@@ -254,6 +254,33 @@ class PackedSeqParams:
                 values["max_seqlen_q"] = values["max_seqlen_kv"] = longest
         return PackedSeqParams(**values)
 
+    def to(self, device) -> PackedSeqParams:
+        """A new params with every tensor field on ``device`` (the boundaries, the precomputed
+        ``seq_idx``, ``doc_ids``; ``None`` stays ``None``) and every other field as it is.
+
+        The values are the ones checked at construction (a boundary changed in place since is
+        refused first), so nothing is checked again and no value is read: moving to a GPU costs
+        the copies only. A tensor shared by two fields (``cu_seqlens_q`` and ``cu_seqlens_kv``
+        for self-attention) is copied once and stays shared.
+        """
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"device must be a torch.device or a device name ('cpu', 'cuda', 'cuda:1'), got "
+                             f"{device!r}") from err
+        self.check_unmodified()
+        values, copies = {}, {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                if id(value) not in copies:
+                    copies[id(value)] = value.to(device)
+                value = copies[id(value)]
+            values[f.name] = value
+        moved = PackedSeqParams(**{**values, "validate": False})       # checked already: nothing to read
+        object.__setattr__(moved, "validate", self.validate)
+        return moved
+
     # ----------------------------------------------------------------- builders
     @classmethod
     def from_lengths(cls, lengths, *, pad_to_multiple_of: int = 1, total_tokens: int | None = None,

@@ -1,7 +1,9 @@
+import dataclasses
+
 import pytest
 import torch
 
-from ssm_pack import PackedSeqParams
+from ssm_pack import PackedSeqParams, VarlenBatch
 
 
 class Group:
@@ -84,3 +86,64 @@ def test_replace_rebuilds_seq_idx():
 def test_repr_is_short():
     text = repr(PackedSeqParams.from_lengths([2, 2]))
     assert "cu_seqlens_q=tensor(dtype=torch.int32, shape=(3,))" in text and "validate" not in text
+
+
+TENSOR_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "seq_idx", "doc_ids")
+
+
+@pytest.mark.parametrize("params", [
+    pytest.param(lambda: PackedSeqParams.from_lengths([3, 0, 5], pad_to_multiple_of=4, total_tokens=14), id="padded"),
+    pytest.param(lambda: PackedSeqParams.from_doc_ids(torch.tensor([[1, 1, 2, 0], [3, 3, 3, 3]])), id="doc-ids"),
+    pytest.param(lambda: PackedSeqParams.from_lengths([1, 1, 2]), id="unpadded"),
+    pytest.param(lambda: PackedSeqParams(cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32), validate=False),
+                 id="unvalidated"),
+])
+def test_to_moves_every_tensor_field_and_keeps_the_rest(params):
+    """``meta`` stands in for a GPU: every tensor moves, none is read (a meta tensor has no values)."""
+    params = params()
+    moved = params.to("meta")
+    assert moved is not params and isinstance(moved, PackedSeqParams)
+    for f in dataclasses.fields(params):
+        before, after = getattr(params, f.name), getattr(moved, f.name)
+        if isinstance(before, torch.Tensor):
+            assert after.device.type == "meta" and after.shape == before.shape and after.dtype == before.dtype, f.name
+        else:
+            assert after is before or after == before, f.name           # None kept, ints, groups, flags
+    assert (moved.seq_idx is None) == (params.seq_idx is None)           # the precomputed one moved, not rebuilt
+    assert all(getattr(params, name).device.type == "cpu" for name in TENSOR_FIELDS
+               if getattr(params, name) is not None)                     # the original is untouched
+
+
+def test_to_the_same_device_gives_an_equal_params_that_packs_the_same():
+    params = PackedSeqParams.from_lengths([4, 1, 3], pad_to_multiple_of=2, total_tokens=12)
+    moved = params.to(torch.device("cpu"))
+    for name in TENSOR_FIELDS:
+        if getattr(params, name) is not None:
+            assert torch.equal(getattr(moved, name), getattr(params, name)), name
+    assert torch.equal(VarlenBatch.build(moved, 12).seq_idx, VarlenBatch.build(params, 12).seq_idx)
+
+
+def test_to_keeps_a_shared_boundary_tensor_shared():
+    params = PackedSeqParams.from_lengths([2, 3])
+    assert params.cu_seqlens_kv is params.cu_seqlens_q
+    moved = params.to("meta")
+    assert moved.cu_seqlens_kv is moved.cu_seqlens_q
+
+
+def test_to_refuses_a_bad_device_and_a_modified_params():
+    params = PackedSeqParams.from_lengths([2, 3])
+    with pytest.raises(ValueError, match="device must be a torch.device or a device name .* got 'gpu0'"):
+        params.to("gpu0")
+    params.cu_seqlens_q.add_(0)                                           # changed in place after construction
+    with pytest.raises(ValueError, match="cu_seqlens_q was modified in place"):
+        params.to("cpu")
+
+
+@pytest.mark.cuda
+def test_to_cuda_and_back():
+    params = PackedSeqParams.from_lengths([4, 1, 3], pad_to_multiple_of=2, total_tokens=12)
+    on_gpu = params.to("cuda")
+    assert all(getattr(on_gpu, name).is_cuda for name in TENSOR_FIELDS if getattr(params, name) is not None)
+    back = on_gpu.to("cpu")
+    assert torch.equal(back.seq_idx, params.seq_idx)
+    assert torch.equal(back.cu_seqlens_q_padded, params.cu_seqlens_q_padded)
