@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import alternate
 from benchmarks.gpu_correctness import kernel_refusal
-from benchmarks.gpu_report import Skip, stage_main
+from benchmarks.gpu_results import Skip, stage_main
 
 
 class Sizes:

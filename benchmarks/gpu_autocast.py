@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.gpu_report import Skip
+from benchmarks.gpu_results import Skip
 
 BF16 = torch.bfloat16
 SMALL = {"M": {"head_dim": 16, "state_size": 8, "chunk_size": 16}, "G": {"head_dim": 8, "chunk_size": 16},

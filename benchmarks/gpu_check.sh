@@ -17,7 +17,7 @@
 #   kernels      which kernel of the table runs here once the sources are loaded
 #   correctness  every kernel vs the reference (benchmarks/gpu_correctness.py)
 #   speed        packed vs padded, wrapper overhead, a HybridLM training step (benchmarks/bench_gpu.py)
-# then OUT_DIR/gpu_check.json and OUT_DIR/summary.md (benchmarks/gpu_report.py); per stage
+# then OUT_DIR/gpu_check.json and OUT_DIR/summary.md (benchmarks/gpu_results.py); per stage
 # OUT_DIR/<stage>.log and <stage>.json. Exit code 0 only when every stage passed.
 #
 # --dry-run: every stage on the CPU, tiny sizes, the Triton kernels under TRITON_INTERPRET=1 (cases
@@ -82,7 +82,7 @@ stage correctness "$(budget correctness 300 900)" \
     "$PY" -m benchmarks.gpu_correctness --out "$OUT" --cases "$CASES" ${FLAGS[@]+"${FLAGS[@]}"}
 stage speed "$(budget speed 150 1200)" "$PY" -m benchmarks.bench_gpu --out "$OUT" --cases "$CASES" ${FLAGS[@]+"${FLAGS[@]}"}
 
-"$PY" -m benchmarks.gpu_report "$OUT"
+"$PY" -m benchmarks.gpu_results "$OUT"
 RESULT=$?
 tee -a "$LOG" <"$OUT/summary.md"
 say "gpu_check: exit code $RESULT"

@@ -24,7 +24,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu_report import Skip, stage_main
+from benchmarks.gpu_results import Skip, stage_main
 from ssm_pack.testing import TOLERANCES
 
 LIMITS = {dtype: TOLERANCES[dtype] for dtype in (torch.float32, torch.bfloat16, torch.float16)}   # (forward, grads)

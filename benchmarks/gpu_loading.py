@@ -158,7 +158,7 @@ def prepare(dry_run: bool) -> list[str]:
 
 def report(out: Path, dry_run: bool) -> int:
     """The support stage: how the kernels were loaded, then which kernel of the table can run here."""
-    from benchmarks.gpu_report import Recorder
+    from benchmarks.gpu_results import Recorder
     lines = prepare(dry_run)
     recorder = Recorder(out, "kernels", {"loading": "; ".join(lines)})
     from mixers.ops import dispatch

@@ -169,7 +169,7 @@ def test_a_correctness_case_grades_the_kernel(tmp_path, kernel, expected):
     import torch
 
     from benchmarks.gpu_correctness import Setup, compare
-    from benchmarks.gpu_report import Recorder
+    from benchmarks.gpu_results import Recorder
 
     def op(backend, a):
         return (kernel if backend == "kernel" else lambda x, y: 2 * x + y)(a["x"], a["y"])
@@ -223,7 +223,7 @@ def test_an_autocast_layer_case_grades_the_kernel_twin(tmp_path, monkeypatch, ke
     computes outside autocast or loses a gradient fails, one that refuses is skipped with its reason."""
     from benchmarks.gpu_autocast import case_layer_autocast
     from benchmarks.gpu_correctness import Setup
-    from benchmarks.gpu_report import Recorder
+    from benchmarks.gpu_results import Recorder
     from mixers.layers import registry
 
     fake = type("FakeMixer", (_FakeMixer,), {"KERNEL": kernel})

@@ -3,7 +3,7 @@ markdown summary.
 
 Each stage process writes ``OUT/<stage>.json`` after every case (so a stage stopped by its time
 budget keeps what it finished); the script appends one line per stage to ``OUT/stages.tsv``
-(``name``, exit code, seconds, budget). ``python -m benchmarks.gpu_report OUT`` merges both into
+(``name``, exit code, seconds, budget). ``python -m benchmarks.gpu_results OUT`` merges both into
 ``OUT/gpu_check.json`` and ``OUT/summary.md`` and exits 0 only when every stage passed.
 
 A case is ``passed``, ``failed`` or ``skipped`` (with the reason: a package missing here, a kernel
@@ -136,6 +136,6 @@ def summarise(out: Path) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        print("usage: python -m benchmarks.gpu_report OUT_DIR", file=sys.stderr)
+        print("usage: python -m benchmarks.gpu_results OUT_DIR", file=sys.stderr)
         raise SystemExit(2)
     raise SystemExit(summarise(Path(sys.argv[1])))
