@@ -3,8 +3,10 @@
 Every import a module makes is an edge, wherever it sits (module level or inside a function;
 only ``if TYPE_CHECKING:`` blocks are left out, they never run). ``from pkg import sub`` where
 ``sub`` is a module is an edge to ``pkg.sub``; ``from pkg import name`` is an edge to ``pkg``.
-The graph must have no cycle, and ``ssm_pack`` (metadata) must import nothing from ``mixers``,
-``benchmarks`` or ``tests``.
+The graph must have no cycle, ``ssm_pack`` (metadata) must import nothing from ``mixers``,
+``benchmarks`` or ``tests``, and inside ``mixers`` every import points down its rooms (ops,
+inference, layers, model, then checkpoints and the report, integrations and the demo, the command:
+:data:`MIXER_FLOORS`).
 """
 
 from __future__ import annotations
@@ -136,3 +138,49 @@ def test_the_upward_finder(graph, arrows):
 def test_ssm_pack_imports_nothing_above_it():
     upward = _upward(_graph())
     assert upward == [], f"ssm_pack imports from a layer above it: {upward}"
+
+
+# The rooms of mixers, lowest first: a module may import from its own room or a lower floor only.
+# ``mixers`` (the package's __init__), ``mixers.__main__`` and the ``mixers.carry`` re-export sit on top.
+MIXER_FLOORS = {
+    "mixers.ops": 1, "mixers.inference": 2, "mixers.layers": 3, "mixers.model": 4,
+    "mixers.checkpoints": 5, "mixers.report": 5, "mixers.integrations": 6, "mixers.demo": 6, "mixers.cli": 7,
+    "mixers.carry": 8, "mixers.__main__": 8, "mixers": 8,
+}
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "mixers" else None
+
+
+def _downward_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """``(module, target)`` pairs where a ``mixers`` module imports from a higher room (or a room the
+    table does not know, so a new room has to be given its floor)."""
+    bad = []
+    for name, targets in graph.items():
+        room = _room(name)
+        if room is None:
+            continue
+        for target in targets:
+            other = _room(target)
+            if other is None or other == room:
+                continue
+            if room not in MIXER_FLOORS or other not in MIXER_FLOORS or MIXER_FLOORS[other] > MIXER_FLOORS[room]:
+                bad.append((name, target))
+    return sorted(bad)
+
+
+@pytest.mark.parametrize("graph,arrows", [
+    pytest.param({"mixers.ops.x": {"mixers.layers.y"}}, [("mixers.ops.x", "mixers.layers.y")], id="ops-up"),
+    pytest.param({"mixers.model.x": {"mixers.demo"}}, [("mixers.model.x", "mixers.demo")], id="model-up"),
+    pytest.param({"mixers.training.x": {"mixers.model"}}, [("mixers.training.x", "mixers.model")], id="new-room"),
+    pytest.param({"mixers.demo.x": {"mixers.model", "mixers.ops.y", "ssm_pack", "torch"}}, [], id="down"),
+])
+def test_the_floor_finder(graph, arrows):
+    assert _downward_violations(graph) == arrows
+
+
+def test_mixers_rooms_only_import_downward():
+    bad = _downward_violations(_graph())
+    assert bad == [], f"an import points up the rooms of mixers (or into a room with no floor in MIXER_FLOORS): {bad}"

@@ -151,3 +151,33 @@ def test_readme_stays_short():
 def test_readme_links_only_pages_that_exist():
     links = re.findall(r"\]\(((?:docs/)?[\w./-]+\.(?:md|png))(?:#[\w-]+)?\)", README.read_text())
     assert links and all((ROOT / link).exists() for link in links), [x for x in links if not (ROOT / x).exists()]
+
+
+def layout_paths(text: str) -> list[str]:
+    """The paths README's Layout block names: the first column of each line, top-level folders
+    unindented, the others relative to the folder above (a ``<op>`` placeholder: the folder holding it)."""
+    block = text.split("## Layout", 1)[1].split("```")[1]
+    top, paths = "", []
+    for line in block.splitlines():
+        if not line.strip() or line.startswith("    "):                 # a description's second line
+            continue
+        for token in re.split(r"\s{2,}", line.strip())[0].split(", "):
+            path = token if not line.startswith(" ") else top + token
+            top = path if not line.startswith(" ") else top
+            paths.append(path.split("<")[0])
+    return paths
+
+
+def test_the_layout_names_only_paths_that_exist_and_every_package_room():
+    paths = layout_paths(README.read_text())
+    assert [p for p in paths if not (ROOT / p).exists()] == []
+    rooms = sorted(f"{pkg}/{d.name}/" for pkg in ("ssm_pack", "mixers") for d in (ROOT / pkg).iterdir()
+                   if (d / "__init__.py").is_file())
+    assert [room for room in rooms if room not in paths] == [], "README's Layout misses a package"
+
+
+def test_the_layout_reader_sees_a_missing_path():
+    """Negative control."""
+    text = "## Layout\n\n```\nmixers/          x\n  nowhere.py, ops/<op>/     y\n        more of y\n```\n"
+    assert layout_paths(text) == ["mixers/", "mixers/nowhere.py", "mixers/ops/"]
+    assert not (ROOT / "mixers/nowhere.py").exists()
