@@ -1,6 +1,10 @@
-"""Mixer ops and layers for packed hybrid models (see README).
+"""Mixer ops, layers and the model for packed hybrid models (see README).
 
-``mixers.ops``: the ops (reference + kernel dispatch); ``mixers.layers``: the mixer layers.
+The rooms, lowest first (an import only points down): :mod:`.ops` (one folder per op: spec, torch
+backend, kernel dispatch), :mod:`.inference` (slot caches, continuous batching), :mod:`.layers`
+(the mixers, their building blocks and the mixer registry), :mod:`.model` (``HybridLM`` and what
+trains and serves it), then :mod:`.checkpoints` and :mod:`.integrations` (converters,
+``enable_packing``), :mod:`.demo`, :mod:`.report` and :mod:`.cli` (the ``ssm-pack`` command).
 """
 
 from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer

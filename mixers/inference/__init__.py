@@ -15,7 +15,7 @@ slot; decoding reads and updates slots by index; a chunked prefill continues a s
 * :func:`check_against_recompute` (:mod:`.recompute`): cached decoding vs a full forward.
 
 This package imports torch and ``ssm_pack`` only: the layers (their step logic lives next to
-each mixer, ``mixers/layers/*_cache.py``) and the model build on it.
+each mixer, in its layer file and ``mixers/layers/cached.py``) and the model build on it.
 """
 
 from .cache import InferenceCache

@@ -1,9 +1,13 @@
 """Packed-sequence ops: each keeps the signature of the upstream kernel it stands in for.
 
 Every op folder holds ``naive.py``, the algorithm as its paper states it, one document at a time:
-the specification the rest is tested against. A call runs either the torch backend (exact, any
-device, fp64 capable, differentiable; ``backend="reference"``) or the upstream CUDA kernel, chosen
-by ``backend="auto" | "kernel" | "reference"``.
+the specification the rest is tested against. A call runs either the torch backend
+(``reference.py``: exact, any device, fp64 capable, differentiable; ``backend="reference"``) or the
+upstream CUDA kernel (``kernel*.py``), chosen by ``backend="auto" | "kernel" | "reference"``
+(:mod:`.dispatch`). The decode steps are ``update.py`` (with ``update_kernel.py``), context
+parallelism ``cp.py``, the checks and the checked call record ``_validate.py``; the ``__init__`` of
+a folder routes only. What the folders share: :mod:`.common`; CPU vs GPU computation shapes:
+:mod:`.device_policy`.
 """
 
 from .attention import varlen_attention

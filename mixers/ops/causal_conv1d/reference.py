@@ -188,7 +188,7 @@ def causal_conv1d_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
     Args:
         weight: ``[D, W]``; bias: ``[D]`` or ``None``.
-        segs: the segments of ``x`` (see :mod:`mixers.ops._segments`).
+        segs: the segments of ``x`` (:class:`ssm_pack.Segments`).
         initial_slots: ``[S, D, J]`` initial state of every segment (the J inputs before its
             first token, oldest first), or ``None`` for zeros.
         activation: ``None`` or ``"silu"`` / ``"swish"``.
