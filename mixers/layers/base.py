@@ -51,16 +51,22 @@ def plan_support(plan) -> list[tuple[str, str, bool, str | None]]:
     return rows
 
 
+# ----------------------------------------------------------------- the checks the configs run
+
+
 def positive(name: str, value) -> None:
+    """``value`` must be an int >= 1 (``ValueError`` / ``TypeError`` naming ``name``)."""
     check_int(name, value, minimum=1)
 
 
 def divides(a_name: str, a: int, b_name: str, b: int) -> None:
+    """``a`` must divide ``b``, or a ``ValueError`` names both."""
     if b % a:
         raise ValueError(f"{a_name}={a} must divide {b_name}={b}")
 
 
 def default_heads(hidden_size: int, head_dim: int, share: float) -> int:
+    """Heads of ``head_dim`` covering ``share`` of ``hidden_size`` (at least one)."""
     return max(1, int(hidden_size * share) // head_dim)
 
 
