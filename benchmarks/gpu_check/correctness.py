@@ -1,33 +1,38 @@
 """Correctness stage of the GPU check: every kernel through ssm-pack (``backend="kernel"``) against
-ssm-pack's reference, on the same inputs.
+ssm-pack's reference, on the same inputs (:func:`.grading.compare`).
 
-    python -m benchmarks.gpu_correctness --out OUT [--dry-run] [--cases REGEX]
+    python -m benchmarks.gpu_check stage correctness --out OUT [--dry-run] [--cases REGEX]
 
 Packed inputs hold empty and 1-token documents and a padding tail; the chunked ops get one initial
 state per document and return per-document final states; outputs and the gradient of every input
 are compared (relative RMS, the project's limits: fp32 1e-5, bf16 / fp16 5e-3 forward and 1e-2
 gradients). The kernel runs in the case's dtype; the reference runs in fp32 on the same values
 (the kernel's inputs upcast), so the figure is the kernel's own error. The decode kernels have no
-backward: their outputs and updated states are compared.
+backward: their outputs and updated states are compared. Each case names the kernel of the table
+it exercises; the short convolution and attention cases run once per kernel of their family
+(:func:`.grading.pinned`), so causal-conv1d and fla's conv are both checked where both are present.
 
 A kernel that refuses the inputs (``ValueError``: a feature upstream lacks, e.g. fp32 in fla's
-Gated DeltaProduct) or whose package is missing (``RuntimeError: ... unavailable``) makes the case
-``skipped`` with upstream's reason. ``--dry-run``: CPU, tiny sizes, Triton kernels under
+Gated DeltaProduct) makes the case ``skipped``/``refused`` with upstream's reason; one whose package
+is missing here (``RuntimeError: ... unavailable``) ``skipped``/``unavailable``, which fails the check
+unless the kernel is allowed to skip. ``--dry-run``: CPU, tiny sizes, Triton kernels under
 ``TRITON_INTERPRET=1`` (fp32, fp16 where fla refuses fp32: the interpreter has no bf16 arithmetic).
 """
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu_results import Skip, stage_main
-from ssm_pack.testing import TOLERANCES
+from .autocast import autocast_cases
+from .grading import compare
+from .record import Case, Skip
+from .stage import stage_main
 
-LIMITS = {dtype: TOLERANCES[dtype] for dtype in (torch.float32, torch.bfloat16, torch.float16)}   # (forward, grads)
+CONV = ("causal_conv1d", "fla_conv")                 # the short convolution's kernels, in dispatch order
+ATTENTION = ("torch_varlen", "flash_attn")           # attention's
 
 
 class Setup:
@@ -47,84 +52,29 @@ class Setup:
         return lengths_to_cu_seqlens(self.lengths, device=self.device)
 
 
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().double(), want.detach().double()
-    return float((got - want).square().mean().sqrt() / want.square().mean().sqrt().clamp_min(1e-30))
-
-
-def kernel_refusal(err: Exception) -> bool:
-    """Whether ``err`` is dispatch refusing ``backend="kernel"`` (a feature upstream lacks, a package
-    missing here, no device), as opposed to a failure inside a kernel that ran."""
-    text = str(err)
-    refused = "backend='kernel'" in text or "use backend='reference'" in text
-    return isinstance(err, (ValueError, RuntimeError)) and refused
-
-
-def compare(op, tensors: dict, dtype, setup: Setup, *, grad=True, keep_fp32=()):
-    """``op(backend, args)`` on the kernel (inputs in ``dtype``) and on the reference (the same values in
-    fp32); returns ``(detail, figures, ok)`` over every output and input gradient."""
-    def leaves(reference):
-        out = {}
-        for name, t in tensors.items():
-            if t is not None and t.is_floating_point():
-                t = t if name in keep_fp32 else t.to(dtype)
-                t = (t.float() if reference else t).to(setup.device).detach().requires_grad_(grad)
-            out[name] = t.to(setup.device) if isinstance(t, torch.Tensor) else t
-        return out
-
-    projections = []
-
-    def run(backend, args):
-        outs = op(backend, args)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        if not grad:
-            return outs, {}
-        if not projections:
-            gen = torch.Generator().manual_seed(7)
-            projections.extend(torch.randn(o.shape, generator=gen) for o in outs)
-        loss = sum((o.float() * p.to(o.device)).sum() for o, p in zip(outs, projections))
-        present = {k: v for k, v in args.items() if isinstance(v, torch.Tensor) and v.requires_grad}
-        return outs, dict(zip(present, torch.autograd.grad(loss, list(present.values()), allow_unused=True)))
-
-    try:
-        k_outs, k_grads = run("kernel", leaves(False))
-    except (ValueError, RuntimeError) as err:
-        if kernel_refusal(err):
-            raise Skip(str(err)) from err
-        raise
-    r_outs, r_grads = run("reference", leaves(True))
-    fwd, bwd = LIMITS[dtype]
-    figures = {f"out{i}": rel_rms(k, r) for i, (k, r) in enumerate(zip(k_outs, r_outs))}
-    figures.update({f"d{name}": math.inf if k_grads.get(name) is None else rel_rms(k_grads[name], r_grads[name])
-                    for name in r_grads if r_grads[name] is not None})          # a missing kernel gradient fails
-    bad = [n for n, e in figures.items() if not e <= (fwd if n.startswith("out") else bwd)]
-    worst = max(figures, key=lambda n: figures[n] if math.isfinite(figures[n]) else math.inf)
-    detail = f"worst {worst} {figures[worst]:.2e} (limits {fwd:.0e} / {bwd:.0e})"
-    return (detail + (f"; over the limit: {bad}" if bad else "")), figures, not bad
-
-
 # ---------------------------------------------------------------------------- the cases
 def _randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def case_conv(setup: Setup, dtype):
-    """Short convolution (causal-conv1d if its wheel is given, else fla's Triton conv): packed,
-    per-document initial and final states, channel-last x, silu."""
+def case_conv(setup: Setup, dtype, kernel: str, initial: bool):
+    """Short convolution on ``kernel`` (causal-conv1d or fla's Triton conv): packed, per-document final
+    states, channel-last x, silu; with ``initial`` one initial state per document too (causal-conv1d
+    refuses those: one per row)."""
     from mixers.ops import causal_conv1d_fn
     D, W, N = 4 * setup.dim, 4, len(setup.lengths)
     cu = setup.cu()
     tensors = {"x": _randn(1, setup.T, D).transpose(1, 2), "weight": _randn(D, W, seed=1),
-               "bias": _randn(D, seed=2), "initial_states": _randn(N, D, W - 1, seed=3)}
+               "bias": _randn(D, seed=2), "initial_states": _randn(N, D, W - 1, seed=3) if initial else None}
 
     def op(backend, a):
         return causal_conv1d_fn(a["x"], a["weight"], a["bias"], initial_states=a["initial_states"],
                                 return_final_states=True, activation="silu", cu_seqlens=cu, backend=backend)
-    return compare(op, tensors, dtype, setup)
+    return compare(op, tensors, dtype, setup, kernels=(kernel,), pin=kernel)
 
 
-def case_conv_seq_idx(setup: Setup, dtype):
-    """Short convolution over two rows described by ``seq_idx`` with negative padding runs."""
+def case_conv_seq_idx(setup: Setup, dtype, kernel: str):
+    """Short convolution on ``kernel`` over two rows described by ``seq_idx`` with negative padding runs."""
     from mixers.ops import causal_conv1d_fn
     D, W, T = 2 * setup.dim, 4, setup.T
     ids = [0] * 2 + [1] * (T // 2) + [-1] * 3
@@ -134,7 +84,7 @@ def case_conv_seq_idx(setup: Setup, dtype):
 
     def op(backend, a):
         return causal_conv1d_fn(a["x"], a["weight"], seq_idx=a["seq_idx"], activation="silu", backend=backend)
-    return compare(op, tensors, dtype, setup)
+    return compare(op, tensors, dtype, setup, kernels=(kernel,), pin=kernel)
 
 
 def case_ssd(setup: Setup, dtype, per_doc_initial: bool):
@@ -154,7 +104,7 @@ def case_ssd(setup: Setup, dtype, per_doc_initial: bool):
         return mamba_chunk_scan_combined(a["x"], a["dt"], a["A"], a["B"], a["C"], chunk, D=a["D"], z=a["z"],
                                          dt_bias=a["dt_bias"], initial_states=a["initial_states"], cu_seqlens=cu,
                                          dt_softplus=True, return_final_states=True, backend=backend)
-    return compare(op, tensors, dtype, setup, keep_fp32=("A", "D", "dt_bias"))
+    return compare(op, tensors, dtype, setup, keep_fp32=("A", "D", "dt_bias"), kernels=("mamba_ssd",))
 
 
 def case_ssd_varlen_states(setup: Setup, dtype):
@@ -171,7 +121,7 @@ def case_ssd_varlen_states(setup: Setup, dtype):
             return mamba_chunk_scan_combined(a["x"], a["dt"], a["A"], a["B"], a["C"], 16 if setup.dry else 64,
                                              cu_seqlens=cu, dt_softplus=True, return_final_states=True,
                                              return_varlen_states=True, backend=backend)
-    return compare(op, tensors, dtype, setup, grad=False, keep_fp32=("A",))
+    return compare(op, tensors, dtype, setup, grad=False, keep_fp32=("A",), kernels=("mamba_ssd",))
 
 
 def case_delta(setup: Setup, dtype, kind: str):
@@ -195,7 +145,7 @@ def case_delta(setup: Setup, dtype, kind: str):
         if kind == "gdp":
             return chunk_gated_delta_product(*args, nh, **kwargs)
         return (chunk_kda if kind == "kda" else chunk_gated_delta_rule)(*args, **kwargs)
-    return compare(op, tensors, dtype, setup)
+    return compare(op, tensors, dtype, setup, kernels=("fla",))
 
 
 def _decode_inputs(setup: Setup, kind: str):
@@ -220,7 +170,7 @@ def case_recurrent_step(setup: Setup, dtype, kind: str):
         if kind == "gdp":
             return gdp_step(*args, 2, **kwargs)
         return (kda_step if kind == "kda" else gdn_step)(*args, **kwargs)
-    return compare(op, _decode_inputs(setup, kind), dtype, setup, grad=False)
+    return compare(op, _decode_inputs(setup, kind), dtype, setup, grad=False, kernels=("fla",))
 
 
 def case_state_update(setup: Setup, dtype):
@@ -238,11 +188,12 @@ def case_state_update(setup: Setup, dtype):
                                      dt_bias=a["dt_bias"], dt_softplus=True, state_batch_indices=a["index"],
                                      backend=backend)
         return out, state
-    return compare(op, tensors, dtype, setup, grad=False, keep_fp32=("A", "D", "dt_bias", "state"))
+    return compare(op, tensors, dtype, setup, grad=False, keep_fp32=("A", "D", "dt_bias", "state"),
+                   kernels=("mamba_decode",))
 
 
-def case_conv_update(setup: Setup, dtype):
-    """The short convolution's decode step (causal-conv1d's if given, else fla's) on pooled states."""
+def case_conv_update(setup: Setup, dtype, kernel: str):
+    """The short convolution's decode step on ``kernel`` (causal-conv1d's or fla's) on pooled states."""
     from mixers.ops import causal_conv1d_update
     D, W = 2 * setup.dim, 4
     tensors = {"x": _randn(2, D), "conv_state": _randn(5, D, W - 1, seed=1), "weight": _randn(D, W, seed=2),
@@ -253,11 +204,11 @@ def case_conv_update(setup: Setup, dtype):
         out = causal_conv1d_update(a["x"], state, a["weight"], a["bias"], "silu", conv_state_indices=a["index"],
                                    backend=backend)
         return out, state
-    return compare(op, tensors, dtype, setup, grad=False)
+    return compare(op, tensors, dtype, setup, grad=False, kernels=(kernel,), pin=kernel)
 
 
-def case_attention(setup: Setup, dtype):
-    """ssm-pack's varlen attention (the kernel its dispatch picks on this machine): packed, causal, GQA."""
+def case_attention(setup: Setup, dtype, kernel: str):
+    """ssm-pack's varlen attention on ``kernel`` (PyTorch's ``varlen_attn`` or flash-attn): packed, causal, GQA."""
     from mixers.ops import varlen_attention
     H, Dh, T = setup.heads, setup.dim, setup.T
     cu = setup.cu()
@@ -265,7 +216,7 @@ def case_attention(setup: Setup, dtype):
 
     def op(backend, a):
         return varlen_attention(a["q"], a["k"], a["v"], cu, max(setup.lengths), causal=True, backend=backend)
-    return compare(op, tensors, dtype, setup)
+    return compare(op, tensors, dtype, setup, kernels=(kernel,), pin=kernel)
 
 
 def case_torch_varlen_attn(setup: Setup, dtype):
@@ -274,11 +225,12 @@ def case_torch_varlen_attn(setup: Setup, dtype):
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError as err:
-        raise Skip(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn") from err
+        raise Skip(f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn", "unavailable",
+                   ("torch_varlen",)) from err
     if setup.device != "cuda":
-        raise Skip("varlen_attn runs on CUDA only")
+        raise Skip("varlen_attn runs on CUDA only", "not applicable")
     if dtype == torch.float32:
-        raise Skip("varlen_attn (FlashAttention-2) takes fp16 / bf16 only")
+        raise Skip("varlen_attn (FlashAttention-2) takes fp16 / bf16 only", "refused")
     from mixers.ops import varlen_attention
     params = inspect.signature(varlen_attn).parameters
     causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
@@ -292,7 +244,7 @@ def case_torch_varlen_attn(setup: Setup, dtype):
         if backend == "kernel":
             return varlen_attn(a["q"], a["k"], a["v"], cu, cu, longest, longest, **causal)
         return varlen_attention(a["q"], a["k"], a["v"], cu, longest, causal=True, backend="reference")
-    return compare(op, tensors, dtype, setup)
+    return compare(op, tensors, dtype, setup, kernels=("torch_varlen",))
 
 
 def case_context_parallel(setup: Setup):
@@ -300,31 +252,40 @@ def case_context_parallel(setup: Setup):
     raise Skip("context parallelism is not covered by the one-GPU check: NCCL refuses two ranks on one GPU, gloo "
                "moves CUDA tensors through host copies (not the path CP users train on) and a world of 1 exchanges "
                "nothing; the exchange runs on CPU with gloo in tests/context_parallel, and the per-document initial "
-               "and final states it hands between ranks are checked on the kernels above")
+               "and final states it hands between ranks are checked on the kernels above", "not covered")
 
 
-def all_cases(setup: Setup):
-    """``[(name, function, args)]`` in the order they run."""
+def all_cases(setup: Setup) -> list[Case]:
+    """Every case, in the order they run."""
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     out = []
     for dtype in setup.dtypes:
         tag = names[dtype]
-        out += [(f"conv packed, per-document states [{tag}]", case_conv, (setup, dtype)),
-                (f"conv seq_idx rows with padding [{tag}]", case_conv_seq_idx, (setup, dtype)),
-                (f"conv decode step [{tag}]", case_conv_update, (setup, dtype)),
-                (f"ssd packed, row initial state, per-document final states [{tag}]", case_ssd, (setup, dtype, False)),
-                (f"ssd packed, per-document initial states [{tag}]", case_ssd, (setup, dtype, True)),
-                (f"ssd varlen states [{tag}]", case_ssd_varlen_states, (setup, dtype)),
-                (f"ssd decode step (selective_state_update) [{tag}]", case_state_update, (setup, dtype))]
+        for kernel in CONV:
+            out += [Case(f"conv packed, per-document final states [{tag}] on {kernel}", case_conv,
+                         (setup, dtype, kernel, False), (kernel,)),
+                    Case(f"conv packed, per-document states [{tag}] on {kernel}", case_conv,
+                         (setup, dtype, kernel, True), (kernel,)),
+                    Case(f"conv seq_idx rows with padding [{tag}] on {kernel}", case_conv_seq_idx,
+                         (setup, dtype, kernel), (kernel,)),
+                    Case(f"conv decode step [{tag}] on {kernel}", case_conv_update, (setup, dtype, kernel), (kernel,))]
+        out += [Case(f"ssd packed, row initial state, per-document final states [{tag}]", case_ssd,
+                     (setup, dtype, False), ("mamba_ssd",)),
+                Case(f"ssd packed, per-document initial states [{tag}]", case_ssd, (setup, dtype, True),
+                     ("mamba_ssd",)),
+                Case(f"ssd varlen states [{tag}]", case_ssd_varlen_states, (setup, dtype), ("mamba_ssd",)),
+                Case(f"ssd decode step (selective_state_update) [{tag}]", case_state_update, (setup, dtype),
+                     ("mamba_decode",))]
         for kind in ("gdn", "kda", "gdp"):
-            out += [(f"{kind} packed, per-document states [{tag}]", case_delta, (setup, dtype, kind)),
-                    (f"{kind} decode step (fused_recurrent) [{tag}]", case_recurrent_step, (setup, dtype, kind))]
-        out += [(f"attention packed, GQA [{tag}]", case_attention, (setup, dtype)),
-                (f"torch varlen_attn direct [{tag}]", case_torch_varlen_attn, (setup, dtype))]
+            out += [Case(f"{kind} packed, per-document states [{tag}]", case_delta, (setup, dtype, kind), ("fla",)),
+                    Case(f"{kind} decode step (fused_recurrent) [{tag}]", case_recurrent_step, (setup, dtype, kind),
+                         ("fla",))]
+        out += [Case(f"attention packed, GQA [{tag}] on {kernel}", case_attention, (setup, dtype, kernel), (kernel,))
+                for kernel in ATTENTION]
+        out += [Case(f"torch varlen_attn direct [{tag}]", case_torch_varlen_attn, (setup, dtype), ("torch_varlen",))]
     if setup.dry:      # fla's Gated DeltaProduct refuses fp32 and the interpreter has no bf16 arithmetic
-        out += [("gdp packed, per-document states [fp16]", case_delta, (setup, torch.float16, "gdp"))]
-    from benchmarks.gpu_autocast import autocast_cases
-    out += [("context parallelism", case_context_parallel, (setup,))]     # before the slow cases: always reported
+        out += [Case("gdp packed, per-document states [fp16]", case_delta, (setup, torch.float16, "gdp"), ("fla",))]
+    out += [Case("context parallelism", case_context_parallel, (setup,))]     # before the slow cases: always reported
     return out + autocast_cases(setup)
 
 

@@ -1,11 +1,11 @@
 """Speed stage of the GPU check (``benchmarks/gpu_check.sh``): what the kernels buy, measured.
 
-    python -m benchmarks.bench_gpu --out OUT [--dry-run] [--cases REGEX]
+    python -m benchmarks.gpu_check stage speed --out OUT [--dry-run] [--cases REGEX]
 
 * every mixer built with ``backend="kernel"``: packed vs padded forward + backward at 50% padding
   (target: packed >= 1.8x faster);
-* ssm-pack's wrapper vs calling the upstream kernel directly with the same packed input (conv,
-  SSD, GDN; target: <= 5% slower);
+* ssm-pack's wrapper vs calling the upstream kernel directly with the same packed input (fla's
+  conv, pinned even where causal-conv1d would be taken first; SSD; GDN; target: <= 5% slower);
 * one ``HybridLM("MGKPA")`` training step (forward, backward, AdamW) on a packed batch, kernels
   vs references.
 
@@ -23,8 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import alternate
-from benchmarks.gpu_correctness import kernel_refusal
-from benchmarks.gpu_results import Skip, stage_main
+
+from .autocast import plan_kernels
+from .grading import pinned, refusals_as_skips
+from .record import Case, Skip
+from .stage import stage_main
 
 
 class Sizes:
@@ -49,21 +52,18 @@ def _graded(figure: float, target: float | None, higher_is_better: bool, dry: bo
     return f"{figure:.2f}x (target {'>=' if higher_is_better else '<='} {target}: {'met' if met else 'MISSED'})"
 
 
-def _kernel_only(build):
+def _kernel_only(build, kernels):
     """Run ``build()``; a refusal of ``backend="kernel"`` becomes a skip with its reason."""
-    try:
+    with refusals_as_skips(kernels):
         return build()
-    except (ValueError, RuntimeError) as err:
-        if kernel_refusal(err):
-            raise Skip(str(err)) from err
-        raise
 
 
 def case_layer(sizes: Sizes, cls):
     """Packed vs padded forward + backward of one mixer on its kernels."""
     from ssm_pack import PackedSeqParams, pack_padded
     dtype = torch.float16 if sizes.dry and cls.__name__ == "GatedDeltaProductMixer" else sizes.dtype
-    layer = _kernel_only(lambda: cls(sizes.hidden, backend="kernel").to(sizes.device, dtype))
+    kernels = plan_kernels(cls)
+    layer = _kernel_only(lambda: cls(sizes.hidden, backend="kernel").to(sizes.device, dtype), kernels)
     lengths, width = sizes.lengths, max(sizes.lengths)
     padded = torch.randn(len(lengths), width, sizes.hidden, device=sizes.device, dtype=dtype)
     packed = pack_padded(padded, lengths)
@@ -74,7 +74,7 @@ def case_layer(sizes: Sizes, cls):
         layer(x, packed_seq_params=p).float().square().mean().backward()
 
     t = _kernel_only(lambda: alternate({"packed": lambda: step(packed, params), "padded": lambda: step(padded, None)},
-                                       rounds=sizes.rounds, warmup=0 if sizes.dry else 1))
+                                       rounds=sizes.rounds, warmup=0 if sizes.dry else 1), kernels)
     padding = 1 - sum(lengths) / (len(lengths) * width)
     speedup = _ratio(t, "packed", "padded")
     figures = {"packed_ms": 1e3 * t.median("packed"), "padded_ms": 1e3 * t.median("padded"), "speedup": speedup}
@@ -82,9 +82,9 @@ def case_layer(sizes: Sizes, cls):
             f"padding: {_graded(speedup, 1.8, True, sizes.dry)}"), figures, True
 
 
-def _overhead(sizes: Sizes, ours, direct):
+def _overhead(sizes: Sizes, ours, direct, kernel):
     t = _kernel_only(lambda: alternate({"ours": ours, "direct": direct}, rounds=sizes.rounds,
-                                       warmup=0 if sizes.dry else 1))
+                                       warmup=0 if sizes.dry else 1), (kernel,))
     overhead = t.median("ours") / t.median("direct")
     figures = {"ours_ms": 1e3 * t.median("ours"), "direct_ms": 1e3 * t.median("direct"), "ratio": overhead}
     return (f"ours {figures['ours_ms']:.3f} ms vs direct {figures['direct_ms']:.3f} ms: "
@@ -99,17 +99,28 @@ def _packed_metadata(sizes: Sizes):
 
 
 def case_conv_overhead(sizes: Sizes):
-    """Our causal_conv1d_fn (fla's conv here unless causal-conv1d's wheel is given) vs fla's conv directly."""
+    """Our causal_conv1d_fn pinned to fla's conv vs fla's conv directly."""
     import mixers.ops.causal_conv1d.kernel_fla as fla_conv
     from mixers.ops import causal_conv1d_fn
     cu, _ = _packed_metadata(sizes)
     D = 4 * sizes.hidden
     x = torch.randn(1, sizes.tokens, D, device=sizes.device, dtype=sizes.dtype)
     w = torch.randn(D, 4, device=sizes.device, dtype=sizes.dtype)
-    raw = _kernel_only(lambda: fla_conv.load_upstream())
-    return _overhead(sizes, lambda: causal_conv1d_fn(x.transpose(1, 2), w, activation="silu", cu_seqlens=cu,
-                                                     backend="kernel"),
-                     lambda: raw(x, w, None, activation="silu", backend="triton", cu_seqlens=cu.long()))
+    raw = _kernel_only(lambda: _loaded(fla_conv.load_upstream, "fla_conv"), ("fla_conv",))
+
+    def ours():
+        with pinned("fla_conv"):
+            return causal_conv1d_fn(x.transpose(1, 2), w, activation="silu", cu_seqlens=cu, backend="kernel")
+    return _overhead(sizes, ours, lambda: raw(x, w, None, activation="silu", backend="triton", cu_seqlens=cu.long()),
+                     "fla_conv")
+
+
+def _loaded(load, kernel: str):
+    """``load()`` (an upstream function); its package missing is an ``unavailable`` skip of ``kernel``."""
+    try:
+        return load()
+    except ImportError as err:
+        raise Skip(f"{kernel}: {err}", "unavailable", (kernel,)) from err
 
 
 def case_ssd_overhead(sizes: Sizes):
@@ -118,7 +129,7 @@ def case_ssd_overhead(sizes: Sizes):
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as raw
     except ImportError as err:
-        raise Skip(f"mamba-ssm is not available: {err}") from err
+        raise Skip(f"mamba-ssm is not available: {err}", "unavailable", ("mamba_ssd",)) from err
     cu, seq_idx = _packed_metadata(sizes)
     h, p, n, chunk = (2, 8, 8, 16) if sizes.dry else (32, 64, 128, 256)
     dev, dt_ = sizes.device, sizes.dtype
@@ -126,14 +137,14 @@ def case_ssd_overhead(sizes: Sizes):
     dt, A = torch.rand(1, sizes.tokens, h, device=dev, dtype=dt_), -torch.rand(h, device=dev)
     B, C = (torch.randn(1, sizes.tokens, 1, n, device=dev, dtype=dt_) for _ in range(2))
     return _overhead(sizes, lambda: mamba_chunk_scan_combined(x, dt, A, B, C, chunk, cu_seqlens=cu, backend="kernel"),
-                     lambda: raw(x, dt, A, B, C, chunk, seq_idx=seq_idx))
+                     lambda: raw(x, dt, A, B, C, chunk, seq_idx=seq_idx), "mamba_ssd")
 
 
 def case_gdn_overhead(sizes: Sizes):
     """Our chunk_gated_delta_rule vs fla's, packed with cu_seqlens, l2norm in the kernel."""
     import mixers.ops.delta_rule.kernel as delta
     from mixers.ops import chunk_gated_delta_rule
-    raw = _kernel_only(lambda: delta.load_upstream("gdn"))
+    raw = _kernel_only(lambda: _loaded(lambda: delta.load_upstream("gdn"), "fla"), ("fla",))
     cu, _ = _packed_metadata(sizes)
     h, d = (2, 16) if sizes.dry else (16, 128)
     dev, dt_ = sizes.device, sizes.dtype
@@ -142,7 +153,7 @@ def case_gdn_overhead(sizes: Sizes):
     beta = torch.rand(1, sizes.tokens, h, device=dev, dtype=dt_)
     return _overhead(sizes, lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
                                                            cu_seqlens=cu, backend="kernel"),
-                     lambda: raw(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long()))
+                     lambda: raw(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long()), "fla")
 
 
 def case_training_step(sizes: Sizes):
@@ -167,17 +178,27 @@ def case_training_step(sizes: Sizes):
     figures = {"kernels_ms": 1e3 * t.median("kernels"), "references_ms": 1e3 * t.median("references"),
                "speedup": _ratio(t, "kernels", "references"), "tokens": sum(sizes.lengths)}
     return (f"{figures['tokens']} tokens, hidden {hidden}, {dtype}: kernels {figures['kernels_ms']:.1f} ms vs "
-            f"references {figures['references_ms']:.1f} ms ({figures['speedup']:.2f}x)"), figures, True
+            f"references {figures['references_ms']:.1f} ms ({figures['speedup']:.2f}x); auto ran "
+            f"{_auto_kernels()}"), figures, True
 
 
-def all_cases(sizes: Sizes):
+def _auto_kernels() -> str:
+    """Which kernel ``backend="auto"`` takes for each part of each mixer here (the reference where none can)."""
+    from mixers.layers.base import plan_support
+    from mixers.layers.registry import MIXERS
+    parts = [f"{letter} {part}: {kernel if ok else 'reference'}" for letter, kind in MIXERS.items()
+             for part, kernel, ok, _ in plan_support(kind.mixer.PLAN)]
+    return ", ".join(parts)
+
+
+def all_cases(sizes: Sizes) -> list[Case]:
     from mixers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
-    out = [(f"{cls.__name__} packed vs padded", case_layer, (sizes, cls))
+    out = [Case(f"{cls.__name__} packed vs padded", case_layer, (sizes, cls), plan_kernels(cls))
            for cls in (Mamba2Mixer, GatedDeltaNetMixer, KDAMixer, GatedDeltaProductMixer, AttentionMixer)]
-    out += [("wrapper overhead: conv vs fla directly", case_conv_overhead, (sizes,)),
-            ("wrapper overhead: SSD vs mamba-ssm directly", case_ssd_overhead, (sizes,)),
-            ("wrapper overhead: GDN vs fla directly", case_gdn_overhead, (sizes,)),
-            ("HybridLM MGKPA training step", case_training_step, (sizes,))]
+    out += [Case("wrapper overhead: conv vs fla directly", case_conv_overhead, (sizes,), ("fla_conv",)),
+            Case("wrapper overhead: SSD vs mamba-ssm directly", case_ssd_overhead, (sizes,), ("mamba_ssd",)),
+            Case("wrapper overhead: GDN vs fla directly", case_gdn_overhead, (sizes,), ("fla",)),
+            Case("HybridLM MGKPA training step", case_training_step, (sizes,))]
     return out
 
 
