@@ -91,7 +91,7 @@ def publish(plan: Plan) -> None:
     out, results = Path(plan.out), Path(plan.results)
     results.mkdir(parents=True, exist_ok=True)
     for name in RESULT_FILES[:2]:
-        if (out / name).exists():
+        if (out / name).exists() and results.resolve() != out.resolve():
             shutil.copyfile(out / name, results / f".{name}.part")
             os.replace(results / f".{name}.part", results / name)
     part = results / ".logs.tar.gz.part"

@@ -25,8 +25,9 @@ def not_applicable(case: Case, dry_run: bool) -> str | None:
     if not dry_run or not case.kernels:
         return None
     if all(expectation(k, True, ())[0] == NOT_APPLICABLE for k in case.kernels):
-        return (f"not applicable in a dry run: {', '.join(case.kernels)} need a CUDA device "
-                "(CUDA C++ kernels: no Triton to interpret)")
+        verb = "needs" if len(case.kernels) == 1 else "need"
+        return (f"not applicable in a dry run: {', '.join(case.kernels)} {verb} a CUDA device "
+                "(no Triton kernel to interpret)")
     return None
 
 

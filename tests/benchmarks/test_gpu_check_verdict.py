@@ -5,6 +5,7 @@ summary, so every rule is pinned without running a stage."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -230,3 +231,13 @@ def test_expectations():
     assert plan_mod.expectation("flash_attn", False, ("flash_attn",))[0] == "allowed"
     assert all(plan_mod.expectation(k, True, ())[0] == "expected" for k in TRITON)
     assert all(plan_mod.expectation(k, False, ())[0] == "expected" for k in KERNELS)
+
+
+def test_the_docs_state_the_budgets_the_check_uses():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "gpu.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in page.splitlines() if line.startswith("| ")}
+    for stage in STAGES:
+        gpu, dry, _ = plan_mod.BUDGETS[stage]
+        assert f"| {gpu} s" in rows[stage] and f"({dry} s" in rows[stage], rows[stage]
+    assert f"+ build {plan_mod.BUDGETS['build'][0]} s" in rows["setup"]
+    assert f"`TOTAL` ({plan_mod.BUDGETS['total'][0]} s on a GPU)" in page
