@@ -78,7 +78,7 @@ def run_stage(argv: list[str], env: dict, limit: float, log: Path) -> tuple[int,
 
 
 def clean(out: Path) -> None:
-    """Remove what an earlier run wrote at the top of ``out`` (``site`` and ``build`` stay)."""
+    """Remove the records, logs and summaries at the top of ``out`` (``site`` and ``build`` stay)."""
     for path in out.iterdir():
         if path.is_file() and (path.suffix in (".json", ".log") or path.name in ("summary.md", "stages.tsv")):
             path.unlink()
