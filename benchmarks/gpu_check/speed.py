@@ -10,9 +10,10 @@
   vs references.
 
 Figures are medians of alternating rounds (``benchmarks.common.alternate``, which synchronises the
-device). A missed target is reported in the case's detail, not as a failure: the stage fails only
-when something errors. ``--dry-run``: CPU, tiny sizes, one round, Triton kernels under the
-interpreter; its figures say nothing about speed and carry no target.
+device). A missed target is reported in the case's detail, not as a failure: the stage fails when
+something errors or a kernel that should run here is missing (:mod:`.verdict`). ``--dry-run``: CPU,
+tiny sizes, one round, Triton kernels under the interpreter; its figures say nothing about speed
+and carry no target.
 """
 
 from __future__ import annotations
