@@ -34,7 +34,7 @@ RESULT_FILES = ("summary.md", "gpu_check.json", "logs.tar.gz")
 def stage_env(plan: Plan) -> dict:
     """The environment of every stage process: ``OUT/site`` first on the path, fla pinned to Triton,
     IEEE fp32 in Triton dots (fp32 kernels are compared at 1e-5), the interpreter on a dry run."""
-    from ssm_pack.support import FLA_TRITON_PIN
+    from ssm_pack.support.installed import FLA_TRITON_PIN
     env = dict(os.environ)
     site = str(Path(plan.out) / "site")
     env["PYTHONPATH"] = os.pathsep.join([site, str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
