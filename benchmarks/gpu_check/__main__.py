@@ -27,7 +27,8 @@ def parse_run(argv) -> argparse.Namespace:
     parser.add_argument("--stages", default=os.environ.get("GPU_CHECK_STAGES", ""),
                         help=f"run only these stages, comma separated (of {','.join(STAGES)}); default all")
     parser.add_argument("--allow-skip", action="append", default=None, metavar="KERNEL",
-                        help="a kernel of ssm_pack.support.requirements.KERNELS that may be skipped (repeatable, or a comma list)")
+                        help="a kernel of ssm_pack.support.requirements.KERNELS that may be skipped "
+                             "(repeatable, or a comma list)")
     parser.add_argument("--cases", default=os.environ.get("GPU_CHECK_CASES", ""),
                         help="run only the correctness / speed cases whose name matches this regex")
     parser.add_argument("--results", default=os.environ.get("GPU_CHECK_RESULTS") or None,
