@@ -3,6 +3,13 @@
     python -m tests.mutation.run [--area inference] [--only NAME ...] [--timeout 240] [--json out.json]
     python -m tests.mutation.run --list                         # the planted changes
     python -m tests.mutation.run --only NAME --tests PATH ...   # other tests instead of the mutant's own
+    python -m tests.mutation.run --changed-since REF            # generated mutants of the modules REF..now changed
+    python -m tests.mutation.run --all [--budget S]             # generated mutants of every product module
+    python -m tests.mutation.run --module PATH [--max-per-module N]
+
+Generated mutants (``lane.py``, ``generate.py``, ``coverage_map.py``) run against the tests that
+cover each mutated line and write a dated report under ``mutation-reports/``; the rest of this
+text is about the fixed list of ``mutants.py``.
 
 The repository is copied once (without ``.git``, virtual environments and caches) into a
 temporary directory; each mutant's edits are applied there, its test files run in the given order
@@ -90,7 +97,7 @@ def preload() -> None:
     assert not leaked, f"a preloaded module imported the project: {leaked[:5]}"
 
 
-def _forked(repo: Path, args: list[str], timeout: float) -> tuple[int | None, str]:
+def _forked(repo: Path, args: list[str], timeout: float, plugins=()) -> tuple[int | None, str]:
     """Run ``pytest.main(args)`` in a forked child (the parent's third-party imports reused), in ``repo``."""
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     pid = os.fork()
@@ -107,7 +114,7 @@ def _forked(repo: Path, args: list[str], timeout: float) -> tuple[int | None, st
             os.environ.update(_env(repo))
             sys.dont_write_bytecode = True
             import pytest as _pytest
-            code = int(_pytest.main(args))
+            code = int(_pytest.main(args, plugins=list(plugins)))
             for pkg in ("mixers", "ssm_pack"):
                 module = sys.modules.get(pkg)
                 if module is not None and not str(module.__file__).startswith(str(repo)):
@@ -134,16 +141,16 @@ def _forked(repo: Path, args: list[str], timeout: float) -> tuple[int | None, st
     return os.waitstatus_to_exitcode(status), output
 
 
-def pytest(repo: Path, paths, *, timeout: float, first_failure: bool, deselect=(), fork: bool = True
-           ) -> tuple[str, str, float]:
+def pytest(repo: Path, paths, *, timeout: float, first_failure: bool, deselect=(), fork: bool = True,
+           plugins=()) -> tuple[str, str, float]:
     """``(status, output, seconds)``: status is passed, failed, error or timeout."""
-    present = [p for p in paths if (repo / p).exists()]
+    present = [p for p in paths if (repo / p.split("::")[0]).exists()]
     if not present:
         return "passed", "no test path exists", 0.0
     args = ["-q", "-p", "no:cacheprovider", "-rfE", *(["-x"] if first_failure else [])] + exclusions(deselect) + present
     start = time.monotonic()
     if fork:
-        code, output = _forked(repo, args, timeout)
+        code, output = _forked(repo, args, timeout, plugins)
     else:
         try:
             run = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=repo, env=_env(repo),
@@ -213,8 +220,26 @@ def main(argv=None) -> int:
                         help="first run every named test path unmutated and leave out what fails there")
     parser.add_argument("--no-fork", action="store_true",
                         help="a fresh interpreter per run (slower: re-imports torch, transformers and fla each time)")
+    lane = parser.add_argument_group("generated mutants (tests/mutation/lane.py)")
+    which = lane.add_mutually_exclusive_group()
+    which.add_argument("--changed-since", metavar="REF", help="the product modules git diff REF touches")
+    which.add_argument("--all", action="store_true", help="every product module (budgeted)")
+    which.add_argument("--module", action="append", metavar="PATH", help="this module (repeatable; any .py file)")
+    lane.add_argument("--max-per-module", type=int, default=40, help="mutants sampled per module")
+    lane.add_argument("--module-budget", type=float, default=300.0, help="seconds per module (tracing included)")
+    lane.add_argument("--budget", type=float, default=3600.0, help="seconds for the whole lane")
+    lane.add_argument("--max-test-files", type=int, default=8, help="candidate test files traced per module")
+    lane.add_argument("--tests-per-mutant", type=int, default=12, help="covering tests run per mutant, fastest first")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)
+    if args.changed_since or args.all or args.module:
+        from tests.mutation import lane as lane_mod
+        try:
+            return lane_mod.main(args, scratch_copy=scratch_copy, check_imports=check_imports, preload=preload,
+                                 pytest_run=pytest)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     mutants = [m for m in MUTANTS if in_areas(m.area, args.area) and (not args.only or m.name in args.only)]
     if args.tests:
         mutants = [replace(m, tests=tuple(args.tests)) for m in mutants]

@@ -1,0 +1,187 @@
+"""The generated-mutant lane of ``python -m tests.mutation.run`` (``--changed-since REF``, ``--all``, ``--module``).
+
+For each chosen module: its mutants (:mod:`.generate`) less those ``equivalent.txt`` lists, sampled
+to ``--max-per-module`` (a fixed sample per module name); its candidate tests traced once
+(:mod:`.coverage_map`); then each mutant planted in the scratch copy (the working tree is never
+edited; the copy's file is restored in ``finally``) and run against the tests that passed and
+executed its line, fastest first, with ``-x``. Statuses: ``killed`` (a test failed, or the run
+exceeded its time: a hang counts as caught), ``survived``, ``uncovered`` (no selected test runs
+the line), ``budget`` (the module's time ran out first: not counted). Score per module: killed /
+(killed + survived + uncovered). The report (markdown and JSON) goes to a dated file under
+``mutation-reports/`` (ignored by git).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.mutation.coverage_map import LineRecorder, candidate_tests, read_map
+from tests.mutation.generate import Generated, mutants_of, product_modules
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+EQUIVALENT = HERE / "equivalent.txt"
+REPORTS = ROOT / "mutation-reports"
+PRODUCT = ("ssm_pack/", "mixers/")
+
+
+def read_equivalent(path: Path = EQUIVALENT) -> dict[tuple[str, str], tuple[str, str]]:
+    """``{(module, fingerprint): (id, reason)}`` of the allow-list: ``ID FINGERPRINT REASON`` per line."""
+    out = {}
+    for number, raw in enumerate(Path(path).read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split(None, 2)
+        if len(parts) < 3 or parts[0].count(":") != 3:
+            raise ValueError(f"{path.name}:{number}: want 'module:line:kind:n fingerprint reason', got {raw!r}")
+        out[(parts[0].split(":")[0], parts[1])] = (parts[0], parts[2])
+    return out
+
+
+def changed_modules(ref: str, root: Path = ROOT) -> list[str]:
+    """Product modules that ``git diff REF`` touches (and that still exist)."""
+    check = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"], cwd=root,
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        raise ValueError(f"--changed-since {ref!r} is not a commit of this repository; pass a branch, tag or "
+                         "commit (e.g. $(git merge-base HEAD origin/main))")
+    names = subprocess.run(["git", "diff", "--name-only", ref, "--"], cwd=root, capture_output=True, text=True,
+                           check=True).stdout.split()
+    return sorted(n for n in names if n.endswith(".py") and n.startswith(PRODUCT) and (root / n).is_file())
+
+
+def sample(mutants: list[Generated], limit: int | None, module: str) -> list[Generated]:
+    """At most ``limit`` of ``mutants``, the same ones for the same module and list, in id order."""
+    if limit is None or len(mutants) <= limit:
+        return mutants
+    chosen = set(random.Random(module).sample(range(len(mutants)), limit))
+    return [m for i, m in enumerate(mutants) if i in chosen]
+
+
+def plant(repo: Path, mutant: Generated, run):
+    """``run()`` with ``mutant`` written into the copy ``repo``; the file is restored whatever happens."""
+    path = repo / mutant.module
+    original = path.read_text()
+    try:
+        path.write_text(mutant.apply(original))
+        return run()
+    finally:
+        path.write_text(original)
+
+
+def trace(repo: Path, module: str, args, pytest_run) -> tuple[dict, dict, list[str]]:
+    """The coverage map of ``module`` from its candidate test files (within half the module budget)."""
+    files = candidate_tests(repo, module, args.max_test_files)
+    if not files:
+        return {}, {}, []
+    log = Path(tempfile.mkdtemp(prefix="ssm-pack-cover-")) / "lines.jsonl"
+    recorder = LineRecorder([repo / module], log)
+    recorder.pytest_configure = lambda config: recorder.start()
+    pytest_run(repo, files, timeout=args.module_budget / 2, first_failure=False, plugins=[recorder])
+    by_line, seconds = read_map(log, repo)
+    return by_line.get(module, {}), seconds, files
+
+
+def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
+    start = time.monotonic()
+    every = mutants_of(repo, module)
+    listed = [m for m in every if (module, m.fingerprint) in equivalent]
+    chosen = sample([m for m in every if (module, m.fingerprint) not in equivalent], args.max_per_module, module)
+    by_line, seconds, files = trace(repo, module, args, pytest_run)
+    rows = []
+    for mutant in chosen:
+        tests = sorted(by_line.get(mutant.line, ()), key=lambda n: (seconds.get(n, 0.0), n))[:args.tests_per_mutant]
+        row = {"id": mutant.id, "fingerprint": mutant.fingerprint, "old": mutant.old.strip(),
+               "new": mutant.new.strip(), "tests": len(tests), "killed_by": "", "seconds": 0.0}
+        left = args.module_budget - (time.monotonic() - start)
+        if not tests:
+            row["status"] = "uncovered"
+        elif left <= 0:
+            row["status"] = "budget"
+        else:
+            limit = min(args.timeout, left, 30 + 3 * sum(seconds.get(n, 1.0) for n in tests))
+            status, output, spent = plant(repo, mutant, lambda: pytest_run(repo, tests, timeout=limit,
+                                                                           first_failure=True))
+            failing = [line.split()[1] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+            row.update(status={"failed": "killed", "timeout": "killed", "error": "killed"}.get(status, "survived"),
+                       killed_by="(time limit)" if status == "timeout" else (failing or [""])[0],
+                       seconds=round(spent, 1))
+        rows.append(row)
+        print(f"  {row['status']:9} {mutant.id:48} {row['killed_by'][:60]}", flush=True)
+    counted = [r for r in rows if r["status"] in ("killed", "survived", "uncovered")]
+    killed = sum(r["status"] == "killed" for r in counted)
+    return {"module": module, "generated": len(every), "equivalent": len(listed), "sampled": len(chosen),
+            "killed": killed, "counted": len(counted), "score": round(killed / len(counted), 3) if counted else None,
+            "test_files": files, "seconds": round(time.monotonic() - start), "mutants": rows}
+
+
+def write_report(results: list[dict], args, started: str) -> Path:
+    REPORTS.mkdir(exist_ok=True)
+    base = REPORTS / f"mutants-{started}"
+    Path(f"{base}.json").write_text(json.dumps({"args": vars(args), "modules": results}, indent=1, default=str))
+    lines = [f"# Generated mutants, {started}", "", f"command: python -m tests.mutation.run {' '.join(sys.argv[1:])}",
+             "", "| module | score | killed / counted | generated | equivalent | sampled | seconds |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        score = "-" if r["score"] is None else f"{r['score']:.0%}"
+        lines.append(f"| {r['module']} | {score} | {r['killed']} / {r['counted']} | {r['generated']} | "
+                     f"{r['equivalent']} | {r['sampled']} | {r['seconds']} |")
+    lines += ["", "## Survivors (and uncovered lines)", ""]
+    for r in results:
+        for m in r["mutants"]:
+            if m["status"] in ("survived", "uncovered"):
+                lines.append(f"- `{m['id']} {m['fingerprint']}` {m['status']} ({m['tests']} tests): "
+                             f"`{m['old']}` -> `{m['new']}`")
+    Path(f"{base}.md").write_text("\n".join(lines) + "\n")
+    return Path(f"{base}.md")
+
+
+def choose_modules(args) -> list[str]:
+    if args.module:
+        missing = [m for m in args.module if not (ROOT / m).is_file()]
+        if missing:
+            raise ValueError(f"--module: no such file {missing}; give paths relative to the repository root")
+        return list(dict.fromkeys(args.module))
+    if args.all:
+        return product_modules(ROOT)
+    return changed_modules(args.changed_since)
+
+
+def main(args, *, scratch_copy, check_imports, preload, pytest_run) -> int:
+    """Run the lane for ``args`` (parsed by ``run.py``); exits 0 (it reports, it does not gate)."""
+    modules = choose_modules(args)
+    if not modules:
+        print(f"no product module (ssm_pack/, mixers/) changed since {args.changed_since}: no mutant to run")
+        return 0
+    equivalent = read_equivalent()
+    started = time.strftime("%Y-%m-%d-%H%M%S")
+    deadline = time.monotonic() + args.budget
+    repo = scratch_copy()
+    results = []
+    try:
+        check_imports(repo)
+        preload()
+        for module in modules:
+            if time.monotonic() > deadline:
+                print(f"total budget ({args.budget:g} s) spent: {module} and later modules not run")
+                break
+            print(f"{module}", flush=True)
+            results.append(run_module(repo, module, args, pytest_run, equivalent))
+    finally:
+        import shutil
+        shutil.rmtree(repo.parent, ignore_errors=True)
+        if results:
+            path = write_report(results, args, started)
+            print(f"\nreport: {path}")
+    for r in results:
+        score = "-" if r["score"] is None else f"{r['score']:.0%}"
+        print(f"{r['module']:50} {score:>5} killed {r['killed']} / {r['counted']} "
+              f"(generated {r['generated']}, equivalent {r['equivalent']}, sampled {r['sampled']})")
+    return 0

@@ -1,0 +1,123 @@
+"""The generated-mutant lane's pieces: the generator (kinds, ids, order, validity), the planting
+(the copy's file always restored) and the allow-list of equivalent mutants (every entry still
+names a mutant, with a reason)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.mutation.coverage_map import candidate_tests, read_map
+from tests.mutation.generate import KINDS, mutants_of, mutants_of_source, product_modules
+from tests.mutation.lane import plant, read_equivalent, sample
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SOURCE = '''\
+def f(x, y, items):
+    """A docstring with 1 < 2 stays."""
+    assert x >= 0, "invariants stay"
+    if x < 3:
+        return y + 1
+    items.append(x)
+    z = g(x, y).detach()
+    if y in items:
+        raise ValueError(f"bad {y + 1}")
+    total = 0  # pragma: no mutate
+    return z
+'''
+
+
+def _by_kind(mutants):
+    out = {}
+    for m in mutants:
+        out.setdefault(m.kind, []).append(m.new.strip())
+    return out
+
+
+def test_every_kind_is_generated_and_protected_text_is_not():
+    found = _by_kind(mutants_of_source("m.py", SOURCE))
+    assert set(found) == set(KINDS)
+    assert "if x <= 3:" in found["cmp"] and "if y not in items:" in found["cmp"]
+    assert "return y - 1" in found["arith"] and "if x < 4:" in found["const"]
+    assert {"if True:", "if False:"} <= set(found["cond"])
+    assert {"pass"} == set(found["drop"])               # the early return, the call, the raise
+    assert "z = g(y, x).detach()" in found["swap"] and "z = g(x, y)" in found["detach"]
+    every = [m.new for m in mutants_of_source("m.py", SOURCE)]
+    assert not any("1 <= 2" in t or "x > 0" in t or "{y - 1}" in t or "total = 1" in t for t in every)
+    assert len([m for m in mutants_of_source("m.py", SOURCE) if m.kind == "drop"]) == 3
+
+
+def test_ids_are_ordered_unique_and_every_mutant_compiles_to_a_different_tree():
+    module = "ssm_pack/stream/assemble.py"
+    source = (ROOT / module).read_text()
+    mutants = mutants_of(ROOT, module)
+    assert mutants == mutants_of(ROOT, module)                                  # deterministic
+    assert len({m.id for m in mutants}) == len(mutants)
+    assert [m.line for m in mutants] == sorted(m.line for m in mutants)
+    assert all(m.id.startswith(f"{module}:{m.line}:{m.kind}:") for m in mutants)
+    reference = ast.dump(ast.parse(source))
+    for m in mutants[:40]:
+        assert ast.dump(ast.parse(m.apply(source))) != reference, m.id
+
+
+def test_product_modules_are_the_two_packages():
+    modules = product_modules(ROOT)
+    assert "ssm_pack/stream/assemble.py" in modules and "mixers/model/carry.py" in modules
+    assert all(m.startswith(("ssm_pack/", "mixers/")) for m in modules)
+
+
+def test_planting_restores_the_file_even_when_the_run_fails(tmp_path):
+    (tmp_path / "m.py").write_text(SOURCE)
+    mutant = mutants_of(tmp_path, "m.py")[0]
+    seen = []
+
+    def run():
+        seen.append((tmp_path / "m.py").read_text())
+        raise RuntimeError("the test run broke")
+
+    with pytest.raises(RuntimeError):
+        plant(tmp_path, mutant, run)
+    assert seen and seen[0] != SOURCE                    # the mutant was in place during the run
+    assert (tmp_path / "m.py").read_text() == SOURCE     # and is gone after it
+
+
+def test_sampling_is_fixed_per_module():
+    mutants = mutants_of(ROOT, "ssm_pack/stream/assemble.py")
+    a, b = sample(mutants, 10, "x"), sample(mutants, 10, "x")
+    assert a == b and len(a) == 10 and a == sorted(a, key=mutants.index)
+    assert sample(mutants, 10, "y") != a
+
+
+def test_every_equivalent_entry_names_a_mutant_and_a_reason():
+    entries = read_equivalent()
+    assert entries
+    for (module, fingerprint), (ident, reason) in entries.items():
+        prints = {m.fingerprint: m for m in mutants_of(ROOT, module)}
+        assert fingerprint in prints, f"{ident}: no mutant has fingerprint {fingerprint} any more"
+        assert prints[fingerprint].kind == ident.split(":")[2] and len(reason.split()) >= 4
+
+
+def test_a_malformed_equivalent_entry_is_refused(tmp_path):
+    path = tmp_path / "equivalent.txt"
+    path.write_text("ssm_pack/x.py:1:cmp 0123456789\n")
+    with pytest.raises(ValueError, match="want 'module:line:kind:n fingerprint reason'"):
+        read_equivalent(path)
+
+
+def test_candidate_tests_mirror_the_module_first():
+    files = candidate_tests(ROOT, "mixers/model/carry.py", 3)
+    assert files[0].startswith("tests/mixers/test_carry")
+
+
+def test_the_coverage_map_gives_import_lines_to_every_test_of_the_module(tmp_path):
+    log = tmp_path / "lines.jsonl"
+    f = str(tmp_path / "m.py")
+    log.write_text('{"node": "<import>", "seconds": 0, "passed": true, "lines": {"%s": [1]}}\n'
+                   '{"node": "t::a", "seconds": 0.5, "passed": true, "lines": {"%s": [4]}}\n'
+                   '{"node": "t::b", "seconds": 0.1, "passed": false, "lines": {"%s": [5]}}\n' % (f, f, f))
+    by_line, seconds = read_map(log, tmp_path)
+    assert by_line["m.py"] == {1: {"t::a"}, 4: {"t::a"}}           # a failing test selects nothing
+    assert seconds == {"t::a": 0.5}
