@@ -60,3 +60,17 @@ def test_without_reset_the_continuing_pack_is_accepted():
     with torch.no_grad():
         out = carry(packs[follow])
     assert torch.isfinite(out["logits"]).all()
+
+
+@pytest.mark.parametrize("value", [pytest.param(1, id="one"), pytest.param(2, id="two")])
+def test_the_smallest_sizes_are_accepted(value):
+    """max_documents / max_document_tokens of 1 are valid (the check refuses only < 1); a pack of
+    one document runs with max_documents=1."""
+    model, _ = _setup("GA")
+    carry = CarriedStates(model, max_documents=value, max_document_tokens=value)
+    assert carry.max_documents == value
+    docs = [torch.arange(1, 6)]
+    (pack,) = list(pack_stream(docs, 8))
+    with torch.no_grad():
+        out = CarriedStates(model, max_documents=value, max_document_tokens=8)(pack)
+    assert torch.isfinite(out["logits"]).all()
