@@ -33,7 +33,7 @@ import torch
 from .checks import as_boundaries, check_boundaries, check_int, describe, is_numpy_array
 from .formats.params import PackedSeqParams
 from .formats.segments import Segments, segments_from_cu_seqlens
-from .formats.seq_idx import get_cu_seqlens, seq_idx_from_cu_seqlens
+from .formats.seq_idx import get_cu_seqlens, renumber_seq_idx, seq_idx_from_cu_seqlens
 from .parallel import layout as context_parallel
 
 # the fields any Megatron-core style PackedSeqParams has (duck typing: no methods of ours needed)
@@ -180,6 +180,12 @@ class VarlenBatch:
         return seq_idx_from_cu_seqlens(self.cu_seqlens, self.total_tokens, validate=self.validated).to(self.device)
 
     @cached_property
+    def renumbered_seq_idx(self) -> torch.Tensor:
+        """``[1, T]`` int32: ``seq_idx`` renumbered 0, 1, ... (the indices of empty documents closed up),
+        what causal-conv1d's by-value compare wants (:func:`ssm_pack.formats.seq_idx.renumber_seq_idx`)."""
+        return renumber_seq_idx(self.seq_idx)
+
+    @cached_property
     def cu_seqlens_long(self) -> torch.Tensor:
         """``[N+1]`` int64 copy of ``cu_seqlens`` (fla's dtype)."""
         return self.cu_seqlens.to(torch.int64)
@@ -226,8 +232,8 @@ class VarlenBatch:
 
     def materialize(self) -> VarlenBatch:
         """Derive every lazy field now (before ``torch.compile`` tracing or CUDA-graph capture)."""
-        for name in ("max_seqlen", "seq_idx", "cu_seqlens_long", "position_ids", "segments", "covering_cu_seqlens",
-                     "nonempty_layout", "real_tokens"):
+        for name in ("max_seqlen", "seq_idx", "renumbered_seq_idx", "cu_seqlens_long", "position_ids", "segments",
+                     "covering_cu_seqlens", "nonempty_layout", "real_tokens"):
             getattr(self, name)
         return self
 

@@ -76,3 +76,12 @@ def _seq_idx_numpy(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
     bounds = _np.append(cu_seqlens.numpy().astype(_np.int64), total_tokens)
     index = _np.arange(bounds.size - 1, dtype=_np.int32)
     return torch.from_numpy(_np.repeat(index, _np.diff(bounds))).unsqueeze(0)
+
+
+def renumber_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` int32 contiguous: per row 0 for the first run of ``seq_idx``, +1 at every change of
+    value, so every run (a negative padding run included) gets a value of its own, larger than any
+    before it. This is the form a kernel comparing ``seq_idx`` by value reads as ssm-pack means it
+    (causal-conv1d). Torch ops only: nothing is read on the host."""
+    changed = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int32)
+    return torch.cat([torch.zeros_like(changed[:, :1]), changed.cumsum(1, dtype=torch.int32)], dim=1).contiguous()

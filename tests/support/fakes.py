@@ -39,10 +39,54 @@ def _runs_read_apart(seq_idx) -> bool:
     return True
 
 
+def _conv_by_value(x, weight, bias, seq_idx, initial_states, silu):
+    """What causal-conv1d's backward differentiates (csrc/causal_conv1d_bwd.cu, the ``kHasSeqIdx``
+    path, causal-conv1d 1.6.1): every output ``t`` (padding included: no ``seq_idx < 0`` test)
+    recomputed as ``bias + sum_w [seq_idx[t - J + w] == seq_idx[t]] weight[w] x[t - J + w]``, the
+    SiLU derivative taken at it, ``dbias`` summed over every token. The row's initial state sits
+    before token 0 with the first token's id (it feeds the row's first segment, the 1.7.0 feature)."""
+    b, d, _ = x.shape
+    state_len = weight.shape[1] - 1
+    before = x.new_zeros(b, d, state_len) if initial_states is None else initial_states.float()
+    xp = torch.cat([before, x.float()], dim=2)                                # [B, D, J + T]
+    ids = torch.cat([seq_idx[:, :1].expand(b, state_len), seq_idx], dim=1)   # [B, J + T]
+    same = ids.unfold(1, state_len + 1, 1) == seq_idx.unsqueeze(-1)           # [B, T, W]
+    out = (xp.unfold(2, state_len + 1, 1) * same.unsqueeze(1) * weight.float()[None, :, None]).sum(-1)
+    if bias is not None:
+        out = out + bias.float()[None, :, None]
+    return torch.nn.functional.silu(out) if silu else out
+
+
+class _UpstreamConv(torch.autograd.Function):
+    """Forward as causal-conv1d computes it (through the reference: padding outputs are 0), backward
+    as its kernel does (:func:`_conv_by_value`): the cotangent at padding is not dropped, so ``dx``
+    at padding, ``dweight`` and ``dbias`` take it in, as on a GPU."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, initial_states, seq_idx, activation):
+        ctx.save_for_backward(x, weight, bias, initial_states, seq_idx)
+        ctx.silu = activation is not None
+        return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states,
+                                activation=activation, backend="reference")
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, weight, bias, initial_states, seq_idx = ctx.saved_tensors
+        inputs = [t for t in (x, weight, bias, initial_states) if t is not None]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in inputs]
+            it = iter(leaves)
+            args = [next(it) if t is not None else None for t in (x, weight, bias, initial_states)]
+            out = _conv_by_value(*args[:3], seq_idx, args[3], ctx.silu)
+            grads = iter(torch.autograd.grad(out, leaves, dout.float()))
+        return tuple(None if t is None else next(grads).to(t.dtype) for t in (x, weight, bias, initial_states)) \
+            + (None, None)
+
+
 def fake_conv(calls):
     """causal-conv1d's ``causal_conv1d_fn`` with ``seq_idx``: checks of csrc/causal_conv1d.cpp
     (``causal_conv1d_fwd``) and causal_conv1d/causal_conv1d_interface.py; the by-value compare of
-    csrc/causal_conv1d_fwd.cu."""
+    csrc/causal_conv1d_fwd.cu; the backward of csrc/causal_conv1d_bwd.cu (:class:`_UpstreamConv`)."""
     def conv(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
              final_states_out=None, activation=None):
         b, d, t = x.shape
@@ -61,8 +105,7 @@ def fake_conv(calls):
             assert tuple(initial_states.shape) == (b, d, width - 1) and initial_states.stride(1) == 1
         assert activation in (None, "silu", "swish")
         calls.append(("conv", dict(seq_idx=seq_idx, initial_states=initial_states)))
-        return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states,
-                                activation=activation, backend="reference")
+        return _UpstreamConv.apply(x, weight, bias, initial_states, seq_idx, activation)
     return conv
 
 

@@ -33,16 +33,13 @@ __all__ = ["causal_conv1d_fn"]
 
 def _choose(call: ConvCall) -> str:
     """``"causal_conv1d"`` (CUDA kernel), else ``"fla_conv"`` (Triton kernel), else ``"reference"``."""
-    x, seq_idx = call.x, call.seq_idx
+    x = call.x
+    # padding needs no kernel feature: the kernel never sees a negative seq_idx (kernel.py)
     features = ("seq_idx",) + (("initial_states_with_seq_idx",) if call.initial_states is not None else ())
-
-    def causal_conv1d_state():
-        padded = seq_idx is not None and bool((seq_idx < 0).any())   # one device sync, kernel path only
-        return dispatch.cached_support("causal_conv1d", features + (("padding_seq_idx",) if padded else ()))
-
     candidates = (
         ("causal_conv1d", "causal-conv1d",
-         "per-document initial states" if call.per_doc else unsupported_shape(x, call.weight), causal_conv1d_state),
+         "per-document initial states" if call.per_doc else unsupported_shape(x, call.weight),
+         lambda: dispatch.cached_support("causal_conv1d", features)),
         ("fla_conv", "fla's Triton conv", kernel_fla.unsupported(x), lambda: dispatch.cached_support("fla_conv")),
     )
     return dispatch.choose_kernel("causal_conv1d_fn", call.backend, on_cuda=dispatch.is_cuda(x), candidates=candidates)
@@ -58,9 +55,12 @@ def _run(call: ConvCall):
     pad_mask = seq_idx < 0 if seq_idx is not None else None
     segs = final = None
     if choice == "causal_conv1d":     # reads seq_idx only: no segment structure is built
-        kernel_seq_idx = seq_idx if seq_idx is not None else (
-            varlen.seq_idx if varlen is not None else zeros_seq_idx(x))
-        out = causal_conv1d_kernel(x, weight, bias, kernel_seq_idx, call.initial_states, call.activation)
+        if seq_idx is not None:       # the caller's: renumbered, padding runs as segments, zeroed after
+            out = causal_conv1d_kernel(x, weight, bias, seq_idx, call.initial_states, call.activation,
+                                       pad_mask=pad_mask)
+        else:                         # the forward's (built once, already normal) or one segment per row
+            normal = varlen.renumbered_seq_idx if varlen is not None else zeros_seq_idx(x)
+            out = causal_conv1d_kernel(x, weight, bias, normal, call.initial_states, call.activation, normal=True)
     else:
         segs = segments(call)
         slots = initial_slots(call, segs)

@@ -11,11 +11,20 @@ The kernel (csrc/causal_conv1d_fwd.cu) compares ``seq_idx`` by value inside the 
 used again by a later segment would join the two (a value that skips, as after an empty document,
 is harmless). ssm-pack's semantics are "a boundary at every change of value,
 negative = padding", so the kernel gets the normal form (:func:`normal_seq_idx`).
+
+Padding: the forward zeroes the outputs of negative ``seq_idx`` tokens, but the backward
+(csrc/causal_conv1d_bwd.cu, causal-conv1d 1.6.1, the ``kHasSeqIdx`` path) only compares values:
+the cotangent at padding flows into ``dx`` at padding, ``dweight`` and ``dbias``. So the kernel
+never sees a negative ``seq_idx``: in the normal form every padding run is a segment of its own,
+and :func:`causal_conv1d_kernel` zeroes the padding outputs after the call (``masked_fill``, whose
+backward hands the kernel a zero cotangent there), which gives the reference's gradients.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ssm_pack.formats.seq_idx import renumber_seq_idx
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -51,24 +60,27 @@ def channel_last(x: torch.Tensor) -> torch.Tensor:
 
 def normal_seq_idx(seq_idx: torch.Tensor, device) -> torch.Tensor:
     """``[B, T]`` int32 contiguous on ``device``: per row 0 for the first segment, +1 at every change
-    of value, every negative (padding) token kept at -1."""
-    seq_idx = seq_idx.to(device=device)
-    changed = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int32)
-    normal = torch.cat([torch.zeros_like(changed[:, :1]), changed.cumsum(1, dtype=torch.int32)], dim=1)
-    return torch.where(seq_idx < 0, -1, normal).to(torch.int32).contiguous()
+    of value, a padding (negative) run included: it is a segment of its own, never negative. Torch
+    ops only (no value is read on the host)."""
+    return renumber_seq_idx(seq_idx.to(device=device))
 
 
-def causal_conv1d_kernel(x, weight, bias, seq_idx, initial_states, activation):
+def causal_conv1d_kernel(x, weight, bias, seq_idx, initial_states, activation, *, pad_mask=None, normal=False):
     """Run upstream's ``causal_conv1d_fn`` with ``seq_idx`` resets (no final states); ``initial_states``
-    ``[B, D, W-1]`` are handed over in ``x``'s dtype (the op returns ``x``'s dtype either way)."""
+    ``[B, D, W-1]`` are handed over in ``x``'s dtype (the op returns ``x``'s dtype either way).
+
+    ``normal``: ``seq_idx`` is already in the normal form, int32 and contiguous (a
+    :class:`ssm_pack.VarlenBatch`'s ``renumbered_seq_idx``, built once per forward); ``pad_mask`` ``[B, T]`` bool: the
+    padding outputs, zeroed after the call (see the module docstring)."""
     conv_fn, _ = load_upstream()
     x = channel_last(x)
-    seq_idx = normal_seq_idx(seq_idx, x.device)
+    seq_idx = seq_idx if normal else normal_seq_idx(seq_idx, x.device)
     if initial_states is not None:
         initial_states = initial_states.to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)
     weight = weight.contiguous()
     bias = None if bias is None else bias.to(weight.dtype).contiguous()
-    return conv_fn(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states, activation=activation)
+    out = conv_fn(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states, activation=activation)
+    return out if pad_mask is None else out.masked_fill(pad_mask.unsqueeze(1), 0.0)
 
 
 def varlen_states_kernel(x: torch.Tensor, cu_seqlens: torch.Tensor, state_len: int):

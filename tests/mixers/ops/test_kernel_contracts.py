@@ -119,32 +119,35 @@ def test_conv_per_document_initial_states_run_on_fla(fake_cuda, fake_conv, monke
         causal_conv1d_fn(x, w, b, initial_states=init, cu_seqlens=cu, backend="kernel")
 
 
-def test_conv_negative_seq_idx_asks_for_the_padding_feature(fake_cuda, fake_conv):
+def test_conv_padding_needs_no_kernel_feature_and_no_negative_seq_idx(monkeypatch, fake_conv):
+    """The kernel never sees a negative seq_idx (its backward would take padding in), so padding asks for
+    no kernel feature: a causal-conv1d too old for negative seq_idx runs it, and the output is zeroed."""
+    too_old = "causal-conv1d 1.4.0 is too old for negative seq_idx"
+    asked = []
+
+    def support(name, features=()):
+        asked.append((name, features))
+        return (False, too_old) if "padding_seq_idx" in features else (True, None)
+
+    monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
+    monkeypatch.setattr(dispatch, "cached_support", support)
     x, w, b, _ = conv_case()
     seq_idx = torch.tensor([[0] * 10 + [-1] * 5 + [1] * 10], dtype=torch.int32)
-    causal_conv1d_fn(x, w, b, seq_idx=seq_idx)
-    assert ("causal_conv1d", ("seq_idx", "padding_seq_idx")) in fake_cuda
+    out = causal_conv1d_fn(x, w, b, seq_idx=seq_idx, activation="silu", backend="kernel")
+    ref = causal_conv1d_fn(x, w, b, seq_idx=seq_idx, activation="silu", backend="reference")
+    assert asked == [("causal_conv1d", ("seq_idx",))] and of_kind(fake_conv, "fla_conv") == []
+    assert of_kind(fake_conv, "conv")[0]["seq_idx"].tolist() == [[0] * 10 + [1] * 5 + [2] * 10]
+    assert bool((out[..., 10:15] == 0).all()) and torch.allclose(out, ref)
 
 
-def test_conv_missing_padding_feature_takes_fla_which_zeroes_padding(monkeypatch, fake_conv):
-    too_old = "causal-conv1d 1.4.0 is too old for negative seq_idx"
-    monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
-    monkeypatch.setattr(dispatch, "cached_support", lambda name, features=(): (
-        (False, too_old) if "padding_seq_idx" in features else (True, None)))
+def test_conv_padding_on_fla_is_zeroed(monkeypatch, fake_conv):
+    support_without(monkeypatch, {"causal_conv1d": "causal-conv1d is not installed"})
     x, w, b, _ = conv_case()
     seq_idx = torch.tensor([[0] * 10 + [-1] * 5 + [1] * 10], dtype=torch.int32)
     out = causal_conv1d_fn(x, w, b, seq_idx=seq_idx, activation="silu")
     ref = causal_conv1d_fn(x, w, b, seq_idx=seq_idx, activation="silu", backend="reference")
-    assert of_kind(fake_conv, "conv") == [] and of_kind(fake_conv, "fla_conv")[0]["cu_seqlens"].tolist() == \
-        [0, 10, 15, 25]
+    assert of_kind(fake_conv, "fla_conv")[0]["cu_seqlens"].tolist() == [0, 10, 15, 25]
     assert bool((out[..., 10:15] == 0).all()) and torch.allclose(out, ref)
-    monkeypatch.setattr(dispatch, "cached_support", lambda name, features=(): (
-        (False, too_old) if "padding_seq_idx" in features else
-        (False, "flash-linear-attention is not installed") if name == "fla_conv" else (True, None)))
-    out = causal_conv1d_fn(x, w, b, seq_idx=seq_idx)
-    assert len(of_kind(fake_conv, "fla_conv")) == 1 and bool((out[..., 10:15] == 0).all())
-    with pytest.raises(RuntimeError, match="too old for negative seq_idx"):
-        causal_conv1d_fn(x, w, b, seq_idx=seq_idx, backend="kernel")
 
 
 def test_conv_rows_of_a_batch_are_segments_for_fla(monkeypatch, fake_conv):

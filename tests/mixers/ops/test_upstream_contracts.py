@@ -43,8 +43,8 @@ def test_conv_initial_states_reach_causal_conv1d_in_x_dtype(monkeypatch):
 @pytest.mark.parametrize("seq_idx,normal", [
     pytest.param([3] * 6 + [7] * 6 + [3] * 8, [0] * 6 + [1] * 6 + [2] * 8, id="value-used-again"),
     pytest.param([2] * 10 + [1] * 10, [0] * 10 + [1] * 10, id="decreasing"),
-    pytest.param([5] * 6 + [-1] * 2 + [5] * 12, [0] * 6 + [-1] * 2 + [2] * 12, id="padding-between-one-value"),
-    pytest.param([0] * 7 + [-3] * 3 + [4] * 10, [0] * 7 + [-1] * 3 + [2] * 10, id="padding-kept"),
+    pytest.param([5] * 6 + [-1] * 2 + [5] * 12, [0] * 6 + [1] * 2 + [2] * 12, id="padding-between-one-value"),
+    pytest.param([0] * 7 + [-3] * 3 + [4] * 10, [0] * 7 + [1] * 3 + [2] * 10, id="padding-its-own-segment"),
 ])
 def test_conv_seq_idx_reaches_causal_conv1d_in_normal_form(monkeypatch, seq_idx, normal):
     calls = fakes.install(monkeypatch)
