@@ -39,6 +39,27 @@ def _runs_read_apart(seq_idx) -> bool:
     return True
 
 
+def assert_vector_aligned(name, t):
+    """causal-conv1d's channel-last kernels (csrc/causal_conv1d_fwd.cu, _bwd.cu, 1.6.1) move whole 16-byte
+    vectors of channels (``vec_t``, 8 bf16 / 4 fp32 elements) from ``data_ptr + b * stride(0) + t * stride(2)``
+    and no TORCH_CHECK looks at the pointer: a view starting mid-vector (a channel slice at an odd offset)
+    stops the device with a misaligned address."""
+    assert t.data_ptr() % 16 == 0, f"{name} starts {t.data_ptr() % 16} bytes into a 16-byte vector " \
+        f"(storage offset {t.storage_offset()}): the kernel's vector loads fault on a misaligned address"
+
+
+def _dout_as_read(dout):
+    """causal_conv1d.cpp ``causal_conv1d_bwd`` on a channel-last ``x``: ``dout`` made channel-last when its
+    ``stride(1) != 1``, then TORCH_CHECKed (strides multiples of 8) and read in 16-byte vectors."""
+    if dout.stride(1) != 1:
+        dout = dout.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert dout.stride(2) % 8 == 0 and dout.stride(0) % 8 == 0, \
+        f"causal_conv1d with channel last layout requires strides (dout.stride(0) and dout.stride(2)) to be " \
+        f"multiples of 8, got {dout.stride()}"
+    assert_vector_aligned("dout", dout)
+    return dout
+
+
 def _conv_by_value(x, weight, bias, seq_idx, initial_states, silu):
     """What causal-conv1d's backward differentiates (csrc/causal_conv1d_bwd.cu, the ``kHasSeqIdx``
     path, causal-conv1d 1.6.1): every output ``t`` (padding included: no ``seq_idx < 0`` test)
@@ -72,6 +93,7 @@ class _UpstreamConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, weight, bias, initial_states, seq_idx = ctx.saved_tensors
+        dout = _dout_as_read(dout)
         inputs = [t for t in (x, weight, bias, initial_states) if t is not None]
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(True) for t in inputs]
@@ -92,8 +114,10 @@ def fake_conv(calls):
         b, d, t = x.shape
         width = weight.shape[1]
         assert x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES
-        assert x.stride(1) == 1, "seq_idx is only supported for channel last layout"
+        assert x.stride(2) == 1 or x.stride(1) == 1                               # causal_conv1d.cpp
+        assert x.stride(1) == 1 and x.stride(2) > 1, "seq_idx is only supported for channel last layout"
         assert d % 8 == 0 and x.stride(0) % 8 == 0 and x.stride(2) % 8 == 0
+        assert_vector_aligned("x", x)
         assert 2 <= width <= 4 and weight.is_contiguous()
         assert bias is None or (bias.dtype == weight.dtype and bias.stride(-1) == 1), "bias dtype == weight dtype"
         assert seq_idx is not None and seq_idx.dtype == torch.int32 and seq_idx.is_contiguous()
@@ -103,6 +127,7 @@ def fake_conv(calls):
         if initial_states is not None:
             assert initial_states.dtype == x.dtype, "initial_states.scalar_type() == input_type"
             assert tuple(initial_states.shape) == (b, d, width - 1) and initial_states.stride(1) == 1
+            assert_vector_aligned("initial_states", initial_states)
         assert activation in (None, "silu", "swish")
         calls.append(("conv", dict(seq_idx=seq_idx, initial_states=initial_states)))
         return _UpstreamConv.apply(x, weight, bias, initial_states, seq_idx, activation)

@@ -51,9 +51,20 @@ def unsupported_shape(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
+def reads_channel_last(x: torch.Tensor) -> bool:
+    """Whether the kernel reads ``x [B, D, T]`` (or ``initial_states [B, D, W-1]``) as it is: channel-last as
+    csrc/causal_conv1d.cpp defines it (``stride(1) == 1`` and ``stride(2) > 1``, so not broadcast over
+    tokens), ``stride(0)`` and ``stride(2)`` multiples of 8 (its TORCH_CHECKs), and the data pointer on a
+    16-byte boundary: the channel-last kernels move whole 16-byte vectors of channels and nothing checks
+    the pointer (a channel slice starting mid-vector faults on a misaligned address)."""
+    return (x.stride(1) == 1 and x.stride(2) > 1 and x.stride(0) % 8 == 0 and x.stride(2) % 8 == 0
+            and x.data_ptr() % 16 == 0)
+
+
 def channel_last(x: torch.Tensor) -> torch.Tensor:
-    """``[B, D, T]`` with ``stride(1) == 1`` (a copy unless it already is)."""
-    if x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.stride(2) % 8 == 0:
+    """``x [B, D, T]`` as the kernel reads it: ``x`` itself when :func:`reads_channel_last`, else a dense
+    channel-last copy (differentiable; its gradient flows back to the view)."""
+    if reads_channel_last(x):
         return x
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
@@ -76,7 +87,7 @@ def causal_conv1d_kernel(x, weight, bias, seq_idx, initial_states, activation, *
     x = channel_last(x)
     seq_idx = seq_idx if normal else normal_seq_idx(seq_idx, x.device)
     if initial_states is not None:
-        initial_states = initial_states.to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        initial_states = channel_last(initial_states.to(x.dtype))
     weight = weight.contiguous()
     bias = None if bias is None else bias.to(weight.dtype).contiguous()
     out = conv_fn(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states, activation=activation)
