@@ -39,6 +39,14 @@ def _runs_read_apart(seq_idx) -> bool:
     return True
 
 
+def assert_tokens(t: int, kernel: str):
+    """No kernel here is launched with T == 0: the CUDA launches (causal-conv1d's
+    ``dim3 grid(batch, n_chunks_L, ...)``, csrc/causal_conv1d_fwd.cu; flash-attn's) fail with an invalid
+    configuration, and a Triton launcher skips a grid with a zero dimension, leaving every output it
+    allocated with ``torch.empty`` (final states included) uninitialised (mamba-ssm, fla)."""
+    assert t > 0, f"{kernel}: a launch over T = 0 tokens (a grid with a zero dimension)"
+
+
 def assert_vector_aligned(name, t):
     """causal-conv1d's channel-last kernels (csrc/causal_conv1d_fwd.cu, _bwd.cu, 1.6.1) move whole 16-byte
     vectors of channels (``vec_t``, 8 bf16 / 4 fp32 elements) from ``data_ptr + b * stride(0) + t * stride(2)``
@@ -113,6 +121,7 @@ def fake_conv(calls):
              final_states_out=None, activation=None):
         b, d, t = x.shape
         width = weight.shape[1]
+        assert_tokens(t, "causal-conv1d")
         assert x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES
         assert x.stride(2) == 1 or x.stride(1) == 1                               # causal_conv1d.cpp
         assert x.stride(1) == 1 and x.stride(2) > 1, "seq_idx is only supported for channel last layout"
@@ -138,6 +147,7 @@ def fake_conv_states(calls):
     """causal-conv1d's ``causal_conv1d_varlen_states`` (causal_conv1d/causal_conv1d_varlen.py): ``x [T, D]``,
     the last ``state_len`` inputs of each document."""
     def states(x, cu_seqlens, state_len):
+        assert_tokens(x.shape[0], "causal_conv1d_varlen_states")
         assert x.dim() == 2 and cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous()
         calls.append(("states", cu_seqlens))
         out = x.new_zeros(cu_seqlens.numel() - 1, x.shape[1], state_len)
@@ -158,6 +168,7 @@ def fake_fla_conv(calls):
     def conv(x, weight, bias=None, residual=None, initial_state=None, output_final_state=False, activation=None,
              backend="triton", cu_seqlens=None):
         _, t, d = x.shape
+        assert_tokens(t, "fla's causal_conv1d")
         assert x.dim() == 3 and x.shape[0] == 1 and x.dtype in KERNEL_DTYPES and residual is None
         assert backend == "triton", "ssm-pack must never route fla to its own causal-conv1d backend"
         assert cu_seqlens is not None and cu_seqlens.dtype == torch.int64 and int(cu_seqlens[0]) == 0
@@ -187,6 +198,7 @@ def fake_ssd(calls):
              cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
              return_varlen_states=False):
         batch, seqlen, nheads, headdim = x.shape
+        assert_tokens(seqlen, "mamba_chunk_scan_combined")
         assert x.dtype in KERNEL_DTYPES and nheads % B.shape[2] == 0
         assert tuple(dt.shape) == (batch, seqlen, nheads) and tuple(A.shape) == (nheads,)
         assert tuple(B.shape[:2]) == (batch, seqlen) and C.shape == B.shape
@@ -219,6 +231,7 @@ def fake_fla(calls):
     def make(kind):
         def op(q, k, v, g, beta, *args, scale=None, initial_state=None, output_final_state=False,
                use_qk_l2norm_in_kernel=False, cu_seqlens=None, num_householder=None):
+            assert_tokens(q.shape[1], f"fla's {kind}")
             if cu_seqlens is not None:
                 assert q.shape[0] == 1 and cu_seqlens.dtype == torch.int64
                 assert int(cu_seqlens[-1]) == q.shape[1], "fla needs cu_seqlens[-1] == T"
@@ -248,6 +261,7 @@ def fake_flash(calls):
     """flash-attn's ``flash_attn_varlen_func`` (csrc/flash_attn/flash_api.cpp, ``mha_varlen_fwd``): fp16 /
     bf16 with one dtype, the last dimension contiguous, int32 contiguous boundaries."""
     def flash(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False, window_size=(-1, -1)):
+        assert_tokens(q.shape[0], "flash_attn_varlen_func")
         assert q.dtype in (torch.float16, torch.bfloat16) and cu_q.dtype == torch.int32
         assert k.dtype == q.dtype and v.dtype == q.dtype, "query and key must have the same dtype"
         assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dimension must be contiguous"
@@ -265,6 +279,7 @@ def fake_torch_varlen(calls):
     token), ``Hq == Hk`` unless ``enable_gqa``, a window as ``(left, right)``."""
     def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                     window_size=(-1, -1), enable_gqa=False):
+        assert_tokens(query.shape[0], "varlen_attn")
         assert query.dtype in (torch.float16, torch.bfloat16) and key.dtype == value.dtype == query.dtype
         assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
         assert cu_seq_q.dtype == torch.int32 and cu_seq_q.is_contiguous() and int(cu_seq_q[-1]) == query.shape[0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .. import dispatch
 from ..common.autocast import outside_autocast
+from ..common.empty import empty_output, no_tokens
 from ._validate import AttentionCall, checked_call
 from .kernel import flash_varlen, unsupported
 from .kernel_torch import torch_varlen_attention
@@ -46,6 +47,8 @@ def _run(call: AttentionCall):
     if call.varlen.cp is not None:
         from .cp import varlen_attention_cp
         return varlen_attention_cp(call, varlen_attention)
+    if no_tokens(call.q.shape[0]):       # (mixers.ops.common.empty)
+        return empty_output(call.q, (0, call.q.shape[1], call.v.shape[2]))
     choice = _choose(call)
     if choice == "torch_varlen":
         return torch_varlen_attention(call)

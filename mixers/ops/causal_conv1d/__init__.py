@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from .. import dispatch
 from ..common.autocast import outside_autocast
+from ..common.empty import no_tokens
 from . import kernel_fla
 from ._validate import ConvCall, checked_call
 from .kernel import causal_conv1d_kernel, unsupported_shape
 from .reference import causal_conv1d_reference
-from .states import final_states, gather_final_states, initial_slots, segments, zeros_seq_idx
+from .states import empty_result, final_states, gather_final_states, initial_slots, segments, zeros_seq_idx
 
 __all__ = ["causal_conv1d_fn"]
 
@@ -50,6 +51,8 @@ def _run(call: ConvCall):
     if call.varlen is not None and call.varlen.cp is not None:
         from .cp import causal_conv1d_cp
         return causal_conv1d_cp(call, causal_conv1d_fn)
+    if no_tokens(call.x.shape[2]):
+        return empty_result(call)
     x, weight, bias, seq_idx, varlen = call.x, call.weight, call.bias, call.seq_idx, call.varlen
     choice = _choose(call)
     pad_mask = seq_idx < 0 if seq_idx is not None else None

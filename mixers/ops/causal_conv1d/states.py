@@ -15,6 +15,7 @@ import torch
 
 from ssm_pack.formats.segments import Segments, segments_from_seq_idx
 
+from ..common.empty import empty_output, passed_through
 from ._validate import ConvCall
 from .kernel import varlen_states_kernel
 from .reference import gather_final_slots
@@ -71,3 +72,22 @@ def gather_final_states(call: ConvCall, segs: Segments | None, kernel: bool):
     segs = segs if segs is not None else segments(call)
     final_slots = gather_final_slots(x, segs, call.state_len, initial_slots(call, segs))
     return final_states(call, final_slots, segs)
+
+
+def empty_result(call: ConvCall):
+    """No token (:mod:`mixers.ops.common.empty`): an empty output, every final state its initial state
+    (per document with ``cu_seqlens``, else per row) or zeros."""
+    x = call.x
+    batch, dim, _ = x.shape
+    out = empty_output(x, (batch, dim, 0))
+    if not call.return_final_states:
+        return out
+    if call.varlen is not None:
+        final = passed_through(call.initial_states if call.per_doc else None,
+                               (call.varlen.num_docs, dim, call.state_len), x)
+    else:
+        final = passed_through(call.initial_states, (batch, dim, call.state_len), x)
+    if call.final_states_out is not None:
+        call.final_states_out.copy_(final)
+        final = call.final_states_out
+    return out, final

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from .. import dispatch
 from ..common.autocast import outside_autocast
+from ..common.empty import no_tokens
 from ._validate import DeltaCall, checked_call
 from .kernel import fla_kernel, unsupported
-from .reference import delta_rule_reference
+from .reference import delta_rule_reference, empty_result
 from .step import gated_delta_product_step, gated_delta_rule_step, kda_step
 
 __all__ = ["chunk_gated_delta_product", "chunk_gated_delta_rule", "chunk_kda", "gated_delta_product_step",
@@ -34,6 +35,8 @@ def _run(call: DeltaCall):
         from .cp import delta_rule_cp
         return delta_rule_cp(call, _PUBLIC[call.kind])
     q, v = call.q, call.v
+    if no_tokens(q.shape[1]):
+        return empty_result(call)
     features = (("varlen",) if call.varlen is not None else ()) + (("grouped_values",) if v.shape[2] != q.shape[2]
                                                                   else ())
     choice = dispatch.select_backend(call.name, call.backend, on_cuda=dispatch.is_cuda(q),

@@ -40,6 +40,7 @@ from types import SimpleNamespace
 import torch
 
 from ..common.chunks import compute_dtype, entering_segments, pad_tokens, untracked
+from ..common.empty import passed_through
 from ..common.isolation import Isolation
 from ._validate import DeltaCall
 from .blocked import DeltaRuleBlocked
@@ -57,8 +58,6 @@ def delta_rule_reference(call: DeltaCall):
     if g is None:
         g = beta.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     g = g if call.kind == "kda" else g.unsqueeze(-1)
-    if q.shape[1] == 0:
-        return _empty(call)
     o, final = _chunked_call(call.replace(g=g))
     return o.to(v.dtype), final
 
@@ -113,18 +112,16 @@ def _chunked_call(call: DeltaCall):
     return o, final
 
 
-def _empty(call: DeltaCall):
-    """No tokens: the output is empty and every state is its initial state (or zeros)."""
-    q, v, initial_state = call.q, call.v, call.initial_state
+def empty_result(call: DeltaCall):
+    """No token (:mod:`mixers.ops.common.empty`): the output is empty and every state is its initial
+    state (or zeros), in the compute dtype as the reference returns them."""
+    q, v = call.q, call.v
     b, _, _, kd = q.shape
     o = v.new_zeros(b, 0, v.shape[2], v.shape[3])
     if not call.output_final_state:
         return o, None
     rows = b if call.varlen is None else call.varlen.num_docs
-    compute = compute_dtype(v.dtype)
-    final = initial_state.to(compute) if initial_state is not None else \
-        v.new_zeros(rows, v.shape[2], kd, v.shape[3], dtype=compute)
-    return o, final
+    return o, passed_through(call.initial_state, (rows, v.shape[2], kd, v.shape[3]), v, compute_dtype(v.dtype))
 
 
 @dataclass

@@ -19,6 +19,7 @@ import math
 
 from .. import dispatch
 from ..common.autocast import outside_autocast
+from ..common.empty import no_tokens
 from ._validate import SSDCall, checked_call
 from .kernel import ssd_kernel, unsupported
 from .reference import empty_result, ssd_reference
@@ -31,7 +32,7 @@ def _run(call: SSDCall):
     if call.varlen is not None and call.varlen.cp is not None:
         from .cp import ssd_cp
         return ssd_cp(call, mamba_chunk_scan_combined)
-    if call.x.shape[1] == 0:
+    if no_tokens(call.x.shape[1]):
         return empty_result(call)
     choice = dispatch.select_backend("mamba_chunk_scan_combined", call.backend, on_cuda=dispatch.is_cuda(call.x),
                                      support_state=lambda: dispatch.cached_support("mamba_ssd", ("seq_idx",)),

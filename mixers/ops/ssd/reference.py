@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from ssm_pack.formats.segments import segments_from_seq_idx
 
 from ..common.chunks import compute_dtype, entering_segments, pad_tokens, records_grad, same_segment_causal
+from ..common.empty import passed_through
 from ..common.isolation import Isolation
 from ._validate import SSDCall
 from .chunk_scan import SSDChunkScan
@@ -86,17 +87,15 @@ def ssd_reference(call: SSDCall):
 
 
 def empty_result(call: SSDCall):
-    """No tokens: every state is its initial state (or zeros)."""
+    """No token (:mod:`mixers.ops.common.empty`): every state is its initial state (or zeros)."""
     x, initial_states, per_doc = call.x, call.initial_states, call.per_doc
     batch, _, heads, p = x.shape
     ns = call.B.shape[-1]
     results = [x.new_zeros(batch, 0, heads, p)]
     if call.return_final_states:
-        rows = initial_states if initial_states is not None and not per_doc else x.new_zeros(batch, heads, p, ns)
-        results.append(rows)
+        results.append(passed_through(None if per_doc else initial_states, (batch, heads, p, ns), x))
     if call.return_varlen_states:
-        docs = call.varlen.num_docs
-        results.append(initial_states if per_doc else x.new_zeros(docs, heads, p, ns))
+        results.append(passed_through(initial_states if per_doc else None, (call.varlen.num_docs, heads, p, ns), x))
     return results[0] if len(results) == 1 else tuple(results)
 
 

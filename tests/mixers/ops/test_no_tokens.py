@@ -1,0 +1,101 @@
+"""T == 0 (an empty pack or context-parallel shard): every op returns empty outputs of the right shape
+and dtype and passes its initial states through as final states, without calling a kernel (the
+fakes in ``tests/support/fakes.py`` refuse a launch over zero tokens, as the device would)."""
+
+import pytest
+import torch
+
+from mixers.ops import (
+    causal_conv1d_fn,
+    chunk_gated_delta_product,
+    chunk_gated_delta_rule,
+    chunk_kda,
+    mamba_chunk_scan_combined,
+    varlen_attention,
+)
+from tests.support import fakes
+
+CU = torch.tensor([0, 0, 0], dtype=torch.int32)          # two empty documents
+BF16 = torch.bfloat16
+
+
+def conv(dtype, per_doc):
+    init = torch.randn(2 if per_doc else 1, 16, 3, dtype=dtype, requires_grad=True)
+    x = torch.randn(1, 16, 0, dtype=dtype, requires_grad=True)
+    out, final = causal_conv1d_fn(x, torch.randn(16, 4, dtype=dtype), initial_states=init, return_final_states=True,
+                                  cu_seqlens=CU if per_doc else None)
+    return out, (1, 16, 0), init, final
+
+
+def ssd(dtype, per_doc):
+    init = torch.randn(2 if per_doc else 1, 2, 4, 8, dtype=dtype, requires_grad=True)
+    x = torch.randn(1, 0, 2, 4, dtype=dtype, requires_grad=True)
+    b, c = torch.randn(1, 0, 1, 8, dtype=dtype), torch.randn(1, 0, 1, 8, dtype=dtype)
+    out, final = mamba_chunk_scan_combined(x, torch.rand(1, 0, 2, dtype=dtype), -torch.rand(2), b, c, 16,
+                                           initial_states=init,
+                                           cu_seqlens=CU if per_doc else None, seq_idx=None,
+                                           return_varlen_states=per_doc, return_final_states=not per_doc)
+    return out, (1, 0, 2, 4), init, final
+
+
+def delta(op, gate, nh=1):
+    def run(dtype, per_doc):
+        init = torch.randn(2 if per_doc else 1, 2, 8, 8, requires_grad=True)     # fp32 states, as fla keeps them
+        q = torch.randn(1, 0, 2, 8, dtype=dtype, requires_grad=True)
+        k, v = torch.randn(1, 0, 2, 8, dtype=dtype), torch.randn(1, 0, 2, 8, dtype=dtype)
+        extra = (nh,) if op is chunk_gated_delta_product else ()
+        g = -torch.rand(1, 0, 2, *gate).to(dtype)
+        out, final = op(q, k, v, g, torch.rand(1, 0, 2, dtype=dtype), *extra, initial_state=init,
+                        output_final_state=True, cu_seqlens=CU.long() if per_doc else None)
+        return out, (1, 0, 2, 8), init, final
+    return run
+
+
+OPS = [
+    pytest.param(conv, id="causal_conv1d"),
+    pytest.param(ssd, id="mamba_ssd"),
+    pytest.param(delta(chunk_gated_delta_rule, ()), id="gated_delta_rule"),
+    pytest.param(delta(chunk_kda, (8,)), id="kda"),
+    pytest.param(delta(chunk_gated_delta_product, (), nh=2), id="gated_delta_product"),
+]
+
+
+@pytest.mark.parametrize("path", ["kernel", "cpu"])
+@pytest.mark.parametrize("per_doc", [True, False], ids=["per-document", "per-row"])
+@pytest.mark.parametrize("run", OPS)
+def test_no_token_passes_initial_states_through(monkeypatch, run, per_doc, path):
+    calls = fakes.install(monkeypatch) if path == "kernel" else None
+    out, shape, init, final = run(BF16, per_doc)
+    assert tuple(out.shape) == shape and out.dtype == BF16
+    assert torch.equal(final.to(init.dtype), init.detach()) and final.data_ptr() != init.data_ptr()
+    cotangent = torch.randn(final.shape, dtype=final.dtype)
+    (grad,) = torch.autograd.grad(final, init, cotangent)
+    assert torch.equal(grad, cotangent.to(grad.dtype))
+    if calls is not None:
+        assert calls == [], "no kernel is launched over zero tokens"
+
+
+@pytest.mark.parametrize("path", ["kernel", "cpu"])
+def test_no_token_attention(monkeypatch, path):
+    calls = fakes.install(monkeypatch) if path == "kernel" else None
+    q = torch.randn(0, 4, 8, dtype=BF16, requires_grad=True)
+    out = varlen_attention(q, torch.randn(0, 2, 8, dtype=BF16), torch.randn(0, 2, 16, dtype=BF16), CU, 0)
+    assert tuple(out.shape) == (0, 4, 16) and out.dtype == BF16
+    if calls is not None:
+        assert calls == []
+
+
+def test_no_token_conv_without_metadata(monkeypatch):
+    calls = fakes.install(monkeypatch)
+    out = causal_conv1d_fn(torch.randn(1, 16, 0), torch.randn(16, 4), seq_idx=torch.zeros(1, 0, dtype=torch.int32))
+    assert tuple(out.shape) == (1, 16, 0) and calls == []
+
+
+def test_fakes_refuse_zero_tokens():
+    """Negative control: the fakes stop a launch over T == 0 as the device would."""
+    x = torch.randn(1, 0, 16).transpose(1, 2)
+    with pytest.raises(AssertionError, match="T = 0"):
+        fakes.fake_conv([])(x, torch.randn(16, 4), seq_idx=torch.zeros(1, 0, dtype=torch.int32))
+    q = torch.randn(1, 0, 2, 8, dtype=BF16)
+    with pytest.raises(AssertionError, match="T = 0"):
+        fakes.fake_fla([])("gdn")(q, q, q, torch.zeros(1, 0, 2, dtype=BF16), torch.zeros(1, 0, 2, dtype=BF16))
