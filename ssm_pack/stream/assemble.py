@@ -159,3 +159,15 @@ def _arange_np(n: int):
     out = _np.arange(n, dtype=_np.int64)
     out.flags.writeable = False
     return out
+
+
+def byte_pieces(pieces: list, *, split: bool) -> tuple[list[torch.Tensor], int | None]:
+    """Byte-level documents: every piece of a pack converted at once (one join, one copy to int64);
+    one tensor holding them back to back unless ``split``. ``pieces``: the planner's pieces (``doc``,
+    ``offset``, ``length``, ``continued``)."""
+    joined = b"".join(piece.doc if piece.offset == 0 and piece.length == len(piece.doc)
+                      else piece.doc[piece.offset:piece.offset + piece.length] for piece in pieces)
+    row = torch.frombuffer(bytearray(joined), dtype=torch.uint8).to(torch.int64)
+    last = pieces[-1]
+    next_token = last.doc[last.offset + last.length] if last.continued else None
+    return (list(row.split([piece.length for piece in pieces])) if split else [row]), next_token

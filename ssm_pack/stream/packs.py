@@ -13,6 +13,12 @@ get one padding pack (all padding, labels -100): every rank yields ``ceil(P / wo
 epoch; ``pack_index`` is ``round * world + rank``. A carried
 document stays on its rank, so when the stream runs dry while one rank still carries one, the
 others get empty packs until it ends (at most ``ceil(longest / max_tokens)`` per epoch).
+
+A refused document (a bad token, a type that holds no ids, one too long under
+``split_long="refuse"``, more than ``MAX_EMPTY_RUN`` empty documents in a row) stops the stream:
+the documents read with it cannot be handed back to the source, so every later ``next()`` and
+``state_dict()`` raises the same error rather than go on without them. Fix the documents and
+resume from a ``state_dict()`` saved before the refusal (or start a new stream).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..checks import check_int, describe
-from .assemble import assemble_pack
+from .assemble import assemble_pack, byte_pieces
 from .buffer import Doc, Piece, Planner, deal
 from .source import (
     _CHECKSUM_MOD,
@@ -33,8 +39,10 @@ from .source import (
     fingerprint,
     is_indexable,
 )
+from .state import check_state
 
 SPLIT_LONG = ("carry", "truncate", "refuse")
+MAX_EMPTY_RUN = 65536       # consecutive empty documents read before the stream refuses the source
 _CONFIG = ("max_tokens", "align_to", "lookahead", "split_long", "world", "rank", "seed")
 _COUNTERS = ("documents", "empty_documents", "truncated_tokens", "split_documents", "packs", "padding_packs",
              "real_tokens", "padding_tokens", "max_buffered_tokens")
@@ -56,6 +64,7 @@ class _Pass:
         self.done = False
         self.counters = dict.fromkeys(_COUNTERS, 0)
         self.cache: dict[int, torch.Tensor] = {}    # converted long documents, by source index
+        self.empty_run = 0              # empty documents read since the last non-empty one
 
 
 class PackStream(IterableDataset):
@@ -93,6 +102,7 @@ class PackStream(IterableDataset):
         self.epoch = 0
         self._pass: _Pass | None = None
         self._pending: dict | None = None
+        self._failure: Exception | None = None      # a refused document: the stream cannot go on
 
     # ------------------------------------------------------------------ iteration
     def set_epoch(self, epoch: int) -> None:
@@ -106,6 +116,22 @@ class PackStream(IterableDataset):
         return self
 
     def __next__(self) -> dict:
+        self._check_not_failed()
+        try:
+            return self._next()
+        except (ValueError, TypeError) as err:
+            if self._pass is not None:               # a refusal inside a pass: documents were read
+                self._failure = err
+            raise
+
+    def _check_not_failed(self) -> None:
+        if self._failure is not None:
+            err = self._failure
+            raise type(err)(f"pack_stream stopped at a refused document and cannot go on without losing the "
+                            f"documents read with it ({err}); fix the documents and resume from a state_dict() "
+                            "saved before the refusal, or build a new stream") from err
+
+    def _next(self) -> dict:
         p = self._pass if self._pass is not None else self._begin()
         if p.done:
             raise StopIteration
@@ -170,7 +196,7 @@ class PackStream(IterableDataset):
         capacity, align_to, room = planner.capacity, self.align_to, self.lookahead - len(buffer)
         if room <= 0 or p.source_done:
             return
-        fitting, read, empty, check = [], 0, 0, p.checksum
+        fitting, read, empty, check, run = [], 0, 0, p.checksum, p.empty_run
         take, sized = source.next, _SIZED
         try:                                  # a bad document raises: what was read stays read
             while room > 0:
@@ -184,7 +210,13 @@ class PackStream(IterableDataset):
                 read += 1
                 if length == 0:
                     empty += 1
+                    run += 1
+                    if run >= MAX_EMPTY_RUN:
+                        raise ValueError(f"documents[{index}] is the {run}th empty document in a row (at most "
+                                         f"MAX_EMPTY_RUN={MAX_EMPTY_RUN}); the source yields no tokens: check "
+                                         "its tokenizer or filter empty documents out")
                     continue
+                run = 0
                 units = -(-length // align_to)
                 if units <= capacity:
                     fitting.append(Doc(index, doc, length, units))
@@ -195,7 +227,7 @@ class PackStream(IterableDataset):
                 room -= 1
         finally:
             buffer.extend(fitting)
-            p.checksum = check
+            p.checksum, p.empty_run = check, run
             counters["documents"] += read
             counters["empty_documents"] += empty
         counters["max_buffered_tokens"] = max(counters["max_buffered_tokens"], buffer.tokens)
@@ -221,7 +253,7 @@ class PackStream(IterableDataset):
     def _build(self, p: _Pass, pieces: list[Piece], g: int) -> dict:
         lengths = None
         if pieces and all(isinstance(piece.doc, (bytes, bytearray)) for piece in pieces):
-            tokens, next_token = _byte_pieces(pieces, split=self.align_to != 1)
+            tokens, next_token = byte_pieces(pieces, split=self.align_to != 1)
             lengths = None if self.align_to != 1 else [piece.length for piece in pieces]
         else:
             tokens, next_token = [], None
@@ -275,7 +307,9 @@ class PackStream(IterableDataset):
         """Where this shard stands: after loading it into a stream built with the same documents and
         arguments, iteration yields exactly the packs this one would have yielded next. Inside
         DataLoader workers each worker's copy keeps its own state: a loader that gathers and restores
-        them per worker (torchdata's ``StatefulDataLoader``) resumes the whole loader."""
+        them per worker (torchdata's ``StatefulDataLoader``) resumes the whole loader. After a refused
+        document it raises (the state would skip the documents read with it)."""
+        self._check_not_failed()
         state = {"config": self._config(), "source": fingerprint(self.documents), "epoch": self.epoch, "pass": None}
         p = self._pass
         if p is None or p.done:
@@ -291,9 +325,9 @@ class PackStream(IterableDataset):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from :meth:`state_dict`; a state from another configuration or source is refused."""
-        if not isinstance(state, dict) or not {"config", "source", "epoch", "pass"} <= set(state):
-            raise TypeError(f"state must be a dict from PackStream.state_dict(), got {describe(state)}")
+        """Resume from :meth:`state_dict`; a state from another configuration or source, or one
+        edited since, is refused before the stream changes (it also clears an earlier refusal)."""
+        check_state(state, config_keys=_CONFIG, counter_keys=_COUNTERS, checksum_mod=_CHECKSUM_MOD)
         for name, saved in state["config"].items():
             if getattr(self, name) != saved:
                 raise ValueError(f"load_state_dict: the state was saved with {name}={saved!r} but this stream has "
@@ -302,7 +336,7 @@ class PackStream(IterableDataset):
             raise ValueError(f"load_state_dict: the state was saved from documents {state['source']} but these are "
                              f"{fingerprint(self.documents)}; resume with the same documents")
         self.epoch = state["epoch"]
-        self._pass, self._pending = None, state["pass"]
+        self._pass, self._pending, self._failure = None, state["pass"], None
 
     def _restore(self, p: _Pass, saved: dict) -> None:
         if (saved["worker"], saved["num_workers"]) != (p.worker, p.num_workers):
@@ -325,17 +359,6 @@ class PackStream(IterableDataset):
         p.source_done, p.checksum, p.g = saved["source_done"], saved["checksum"], saved["g"]
         p.total, p.pad_next, p.counters = saved["total"], saved["pad_next"], dict(saved["counters"])
         p.rank_tokens = list(saved["rank_tokens"])
-
-
-def _byte_pieces(pieces: list[Piece], *, split: bool) -> tuple[list[torch.Tensor], int | None]:
-    """Byte-level documents: every piece of a pack converted at once (one join, one copy to int64);
-    one tensor holding them back to back unless ``split``."""
-    joined = b"".join(piece.doc if piece.offset == 0 and piece.length == len(piece.doc)
-                      else piece.doc[piece.offset:piece.offset + piece.length] for piece in pieces)
-    row = torch.frombuffer(bytearray(joined), dtype=torch.uint8).to(torch.int64)
-    last = pieces[-1]
-    next_token = last.doc[last.offset + last.length] if last.continued else None
-    return (list(row.split([piece.length for piece in pieces])) if split else [row]), next_token
 
 
 def pack_stream(documents, max_tokens: int, *, lookahead: int = 4096, align_to: int = 1, split_long: str = "carry",
