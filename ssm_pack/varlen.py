@@ -31,6 +31,7 @@ from functools import cached_property
 import torch
 
 from .checks import as_boundaries, check_boundaries, check_int, describe, is_numpy_array
+from .formats.consistency import check_metadata, check_within_int32
 from .formats.params import PackedSeqParams
 from .formats.segments import Segments, segments_from_cu_seqlens
 from .formats.seq_idx import get_cu_seqlens, renumber_seq_idx, seq_idx_from_cu_seqlens
@@ -84,6 +85,7 @@ class VarlenBatch:
             raise TypeError("packed_seq_params must be a PackedSeqParams (or any object with Megatron's "
                             "cu_seqlens_q field), a VarlenBatch or a cu_seqlens tensor / list / numpy array, got "
                             f"{describe(packed_seq_params)}")
+        check_within_int32(f"the input ({total_tokens} tokens)", total_tokens)
         cu = as_boundaries("cu_seqlens", packed_seq_params, device=device)
         # bare offsets are checked where that reads nothing remote (on CPU), like upstream's ops
         on_cpu = cu.device.type == "cpu"
@@ -94,6 +96,7 @@ class VarlenBatch:
     def _from_params(cls, params, total_tokens: int, device) -> VarlenBatch:
         ours = isinstance(params, PackedSeqParams)
         validate = getattr(params, "validate", True)
+        check_metadata(params, total_tokens)                 # reads no value: always
         if ours:
             params.check_unmodified()
         values = {}
@@ -134,6 +137,7 @@ class VarlenBatch:
             if not checked:
                 check_boundaries("cu_seqlens", physical)
             last = int(physical[-1])
+            check_within_int32("cu_seqlens[-1]", last)
             if last > total_tokens:
                 raise ValueError(f"cu_seqlens[-1]={last} is beyond the {total_tokens} tokens of the packed row; "
                                  "pass the boundaries of this row (the physical ones, padding included)")

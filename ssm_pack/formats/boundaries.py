@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import as_boundaries, as_index_tensor, check_boundaries, check_int, check_lengths, check_tensor
+from .consistency import check_within_int32
 from .seq_idx import _np, seq_idx_from_cu_seqlens
 
 
@@ -18,9 +19,11 @@ def lengths_to_cu_seqlens(lengths, *, device=None) -> torch.Tensor:
     """``[N]`` lengths -> ``[N+1]`` int32 offsets starting at 0."""
     lengths = as_index_tensor("lengths", lengths, device=device)
     check_lengths("lengths", lengths)
-    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     cu[1:] = torch.cumsum(lengths, 0)
-    return cu
+    if lengths.numel():
+        check_within_int32(f"lengths (sum of {lengths.numel()} documents)", int(cu[-1]))
+    return cu.to(torch.int32)
 
 
 def cu_seqlens_to_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -227,8 +230,8 @@ def as_cu_seqlens(name: str, value) -> torch.Tensor:
     value = as_boundaries(name, value)
     check_boundaries(name, value)
     if value.dtype != torch.int32:
-        if value.numel() and int(value[-1]) >= 2**31:
-            raise ValueError(f"{name}[-1]={int(value[-1])} does not fit int32")
+        if value.numel():
+            check_within_int32(f"{name}[-1]", int(value[-1]), "tokens")
         value = value.to(torch.int32)
     return value
 

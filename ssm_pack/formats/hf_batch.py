@@ -20,6 +20,7 @@ from .boundaries import (
     cu_seqlens_from_seq_idx,
     max_seqlen_from_cu_seqlens,
 )
+from .consistency import check_boundary_sources
 
 _TOKEN_KEYS = ("input_ids", "position_ids", "labels", "seq_idx", "inputs_embeds")
 _ARRAY_KEYS = _TOKEN_KEYS + ("cu_seq_lens_q", "cu_seq_lens_k")
@@ -79,14 +80,20 @@ def cu_seqlens_from_position_resets(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_length(batch: Mapping) -> int | None:
+    """T of the batch's ``[1, T]`` tensors; every one of them must cover the same T tokens."""
+    found: dict[str, int] = {}
     for key in _TOKEN_KEYS:
         value = batch.get(key)
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            if value.shape[0] != 1:
+            row = value[0] if key == "position_ids" and value.dim() == 3 else value     # MRoPE [3, 1, T]
+            if row.shape[0] != 1:
                 raise ValueError(f"batch[{key!r}] must be one packed row [1, T], got shape "
                                  f"{tuple(value.shape)}; DataCollatorWithFlattening emits batch size 1")
-            return value.shape[1]
-    return None
+            found[key] = row.shape[1]
+    if len(set(found.values())) > 1:
+        raise ValueError(f"the batch's rows cover different numbers of tokens ({found}); every [1, T] field must "
+                         "cover the same packed row")
+    return next(iter(found.values()), None)
 
 
 def _check_max(name: str, value, cu: torch.Tensor) -> int:
@@ -125,6 +132,15 @@ def hf_batch_fields(batch: Mapping) -> dict:
         total = int(cu_q[-1])
     elif int(cu_q[-1]) > total:
         raise ValueError(f"cu_seq_lens_q[-1]={int(cu_q[-1])} is beyond the {total} packed tokens")
+    positions = batch.get("position_ids")
+    mrope = isinstance(positions, torch.Tensor) and positions.dim() == 3
+    if mrope:
+        positions = positions[0]                                       # MRoPE: the temporal plane
+    source = next(k for k in ("cu_seq_lens_q", "seq_idx", "position_ids") if k in batch)
+    seq_idx = batch.get("seq_idx")
+    check_boundary_sources(total, cu_q, source=source,
+                           position_ids=positions if isinstance(positions, torch.Tensor) else None,
+                           seq_idx=seq_idx if isinstance(seq_idx, torch.Tensor) else None, mrope=mrope)
     return dict(qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k,
                 total_tokens=total)
 

@@ -30,12 +30,15 @@ def test_hf_batch_round_trip(lengths, flash, with_seq_idx):
     assert back["max_length_q"] == max(lengths)
 
 
-def test_explicit_boundaries_win_over_position_ids():
+def test_boundary_sources_that_disagree_are_refused():
     batch = collator_batch([2, 3])
+    assert sp.packed_seq_params_from_hf_batch(batch).cu_seqlens_q.tolist() == [0, 2, 5]   # they agree
     batch["position_ids"] = torch.arange(5)[None]  # positions say one document
-    assert sp.packed_seq_params_from_hf_batch(batch).cu_seqlens_q.tolist() == [0, 2, 5]
+    with pytest.raises(ValueError, match=r"position_ids'\] and batch\['cu_seq_lens_q'\] describe different documents"):
+        sp.packed_seq_params_from_hf_batch(batch)
     del batch["cu_seq_lens_q"]
-    assert sp.packed_seq_params_from_hf_batch(batch).cu_seqlens_q.tolist() == [0, 2, 5]  # seq_idx next
+    with pytest.raises(ValueError, match=r"position_ids'\] and batch\['seq_idx'\] describe different documents"):
+        sp.packed_seq_params_from_hf_batch(batch)
     del batch["seq_idx"]
     assert sp.packed_seq_params_from_hf_batch(batch).cu_seqlens_q.tolist() == [0, 5]
 

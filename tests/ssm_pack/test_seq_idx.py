@@ -112,7 +112,7 @@ def test_build_packed_seq_idx_reads_the_padded_boundaries(form, total):
     pytest.param(lambda p: megatron_copy(p, seq_idx=build_packed_seq_idx(p.cu_seqlens_q, 16)), id="megatron-stale"),
 ])
 def test_varlen_batch_seq_idx_is_the_padded_one(form, total):
-    params = form(padded())
+    params = form(PackedSeqParams.from_lengths([3, 5, 0, 2], pad_to_multiple_of=4, total_tokens=total))
     varlen = VarlenBatch.build(params, total)
     assert varlen.seq_idx.tolist() == [loop_seq_idx([0, 4, 12, 12, 16], total)]
     assert varlen.position_ids.tolist() == [[0, 1, 2, 3] + list(range(8)) + [0, 1, 2, 3] + list(range(total - 16))]
