@@ -85,7 +85,10 @@ def source_of(module: nn.Module) -> Source:
 
 
 def _hint(source: Source, state_dict: Mapping, config) -> str:
-    notes = [note for key, note in _hints().items() if key in state_dict]
+    """Notes on the keys that are part of the problem: unexpected ones, or expected ones of another shape."""
+    expected = expected_upstream(source, config)
+    notes = [note for key, note in _hints().items() if key in state_dict and (
+        key not in expected or getattr(state_dict[key], "shape", None) != expected[key])]
     keys = set(state_dict)
     for other in SOURCES.values():
         if other is source or other.mixer is not source.mixer:

@@ -82,6 +82,12 @@ class ContinuousBatcher:
         self.prefill_chunk = check_int("prefill_chunk", prefill_chunk, minimum=1, allow_none=True)
         self.temperature = check_temperature(temperature)
         self.eos_token_id = check_int("eos_token_id", eos_token_id, minimum=0, allow_none=True)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator (CPU) or None, got {describe(generator)}; "
+                            "pass torch.Generator().manual_seed(seed)")
+        if generator is not None and generator.device.type != "cpu":
+            raise ValueError(f"generator must be a CPU torch.Generator (the sampler draws on the CPU), got one on "
+                             f"{generator.device}; pass torch.Generator().manual_seed(seed)")
         self.generator, self.record_logits, self.cache = generator, record_logits, cache
         self.steps = self.packed_steps = self.decode_steps = self.admitted = self.slots_reused = 0
         self.logits: list[torch.Tensor] = []

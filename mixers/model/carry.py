@@ -19,10 +19,12 @@ gradients do not (nothing flows into earlier packs).
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from ssm_pack import VarlenBatch
 
-IGNORE_INDEX = -100
+from .hybrid import check_token_ids
+from .loss import next_token_loss
+
+_PACK_KEYS = ("input_ids", "targets", "packed_seq_params", "documents", "offsets", "continues", "continued")
 
 
 class CarriedStates:
@@ -33,6 +35,10 @@ class CarriedStates:
         max_documents: the most pieces one pack holds (one cache slot each, plus the carried one).
         max_document_tokens: the longest document (attention keeps its keys and values).
         dtype / device: of the cache (default: the model's).
+
+    A pack is refused (``ValueError`` / ``TypeError``, states untouched) unless it is the one that
+    follows: a continuing first piece must be the carried document from the token where its
+    previous piece ended (the same pack twice, or a skipped one, is refused).
     """
 
     def __init__(self, model, *, max_documents: int, max_document_tokens: int, dtype=None, device=None):
@@ -43,45 +49,60 @@ class CarriedStates:
         self.max_documents = max_documents
         self.cache = model.allocate_inference_cache(max_documents + 1, max_document_tokens, dtype=dtype,
                                                     device=device)
-        self.carried: tuple[int, int] | None = None      # (source index of the document, its slot)
+        self.carried: tuple[int, int, int] | None = None   # (source index of the document, its slot, next offset)
 
     def reset(self) -> None:
         """Forget every state (a new epoch, or packs that do not follow the previous ones)."""
         self.cache.reset()
         self.carried = None
 
-    def __call__(self, pack: dict) -> dict:
-        """``{"logits" [1, T, V], "loss"}`` of one pack; the loss is the mean cross-entropy on
-        ``pack["targets"]`` (a carried piece's last token predicts the next piece's first)."""
-        documents = pack["documents"].tolist()
-        params = pack["packed_seq_params"]
+    def _check(self, pack) -> tuple[list[int], list[int], VarlenBatch]:
+        """The pack's documents, the token where its last piece ends, and its metadata, checked against
+        its tokens and the carried state before anything changes."""
+        if not isinstance(pack, dict) or not set(_PACK_KEYS) <= set(pack):
+            missing = sorted(set(_PACK_KEYS) - set(pack)) if isinstance(pack, dict) else list(_PACK_KEYS)
+            raise TypeError(f"pack must be a dict from ssm_pack.pack_stream; missing {missing}")
+        ids = pack["input_ids"]
+        varlen = VarlenBatch.build(pack["packed_seq_params"], ids.shape[-1], device=ids.device)
+        check_token_ids(ids, self.model.embed.num_embeddings)
+        documents, offsets = pack["documents"].tolist(), pack["offsets"].tolist()
+        real = varlen.real_cu_seqlens.tolist()
+        if not len(documents) == len(offsets) == len(real) - 1:
+            raise ValueError(f"the pack's documents ({len(documents)}), offsets ({len(offsets)}) and "
+                             f"packed_seq_params ({len(real) - 1} documents) disagree; pass packs as pack_stream "
+                             "yields them")
         if len(documents) > self.max_documents:
             raise ValueError(f"the pack holds {len(documents)} documents but CarriedStates was built with "
                              f"max_documents={self.max_documents}; raise max_documents")
         continues = bool(pack["continues"])
-        if continues != (self.carried is not None) or (continues and self.carried[0] != documents[0]):
-            want = "none" if self.carried is None else f"document {self.carried[0]}"
-            got = f"document {documents[0]}" if continues else "none"
+        if continues != (bool(offsets) and offsets[0] > 0) or any(o != 0 for o in offsets[1:]):
+            raise ValueError(f"the pack says continues={continues} but its offsets are {offsets}; pass packs as "
+                             "pack_stream yields them")
+        carried = self.carried
+        if continues != (carried is not None) or (continues and carried[0::2] != (documents[0], offsets[0])):
+            want = "none" if carried is None else f"document {carried[0]} from token {carried[2]}"
+            got = f"document {documents[0]} from token {offsets[0]}" if continues else "none"
             raise ValueError(f"the pack continues {got} but the carried state is {want}; feed one rank's packs "
-                             "in order (DataLoader batch_size=None, shuffle off) or call reset() first")
-        keep = [self.carried[1]] if continues else []
+                             "in order, each once (DataLoader batch_size=None, shuffle off), or call reset() first")
+        end = offsets[-1] + real[-1] - real[-2] if documents else 0
+        return documents, [end], varlen
+
+    def __call__(self, pack: dict) -> dict:
+        """``{"logits" [1, T, V], "loss"}`` of one pack; the loss is the mean cross-entropy on
+        ``pack["targets"]`` (a carried piece's last token predicts the next piece's first); zero
+        with a zero gradient for a pack without targets (a padding pack)."""
+        documents, (end,), varlen = self._check(pack)
+        keep = [self.carried[1]] if self.carried is not None else []
         free = [s for s in range(self.cache.capacity) if s not in keep]
         fresh = free[:len(documents) - len(keep)]
         slots = keep + fresh
         if fresh:
             self.cache.reset(fresh)
         if documents:
-            out = self.model(pack["input_ids"], packed_seq_params=params, cache=self.cache, cache_slots=slots)
+            out = self.model(pack["input_ids"], packed_seq_params=varlen, cache=self.cache, cache_slots=slots)
         else:                                                            # a padding pack: no document, no slot
-            out = self.model(pack["input_ids"], packed_seq_params=params)
+            out = self.model(pack["input_ids"], packed_seq_params=varlen)
         logits = out["logits"]
-        targets = pack["targets"].to(logits.device)
-        flat = logits.reshape(-1, logits.shape[-1])
-        if flat.dtype in (torch.float16, torch.bfloat16):
-            flat = flat.float()                                          # the loss in fp32, as HybridLM's
-        if bool((targets != IGNORE_INDEX).any()):
-            loss = F.cross_entropy(flat, targets.reshape(-1), ignore_index=IGNORE_INDEX)
-        else:                                                            # a padding pack: nothing to predict
-            loss = flat.sum() * 0
-        self.carried = (documents[-1], slots[-1]) if pack["continued"] else None
+        loss = next_token_loss(logits, pack["targets"].to(logits.device))
+        self.carried = (documents[-1], slots[-1], end) if pack["continued"] else None
         return {"logits": logits, "loss": loss}

@@ -53,8 +53,9 @@ def continue_targets(run, targets: torch.Tensor, labels: torch.Tensor) -> torch.
 
 def mean_share(run, loss_sum: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
     """This rank's share of the row's mean: ``loss_sum`` (scalar) over the targets counted on
-    every rank (``counted``: ``[...]`` bool of this rank's counted targets)."""
-    return loss_sum / _sum_over_ranks(run, counted.sum().to(torch.int64)).to(loss_sum.dtype)
+    every rank (``counted``: ``[...]`` bool of this rank's counted targets); zero (and a zero
+    gradient) when no rank counts a target."""
+    return loss_sum / _sum_over_ranks(run, counted.sum().to(torch.int64)).clamp_min(1).to(loss_sum.dtype)
 
 
 __all__ = ["continue_targets", "mean_share"]

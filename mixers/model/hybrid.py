@@ -12,18 +12,18 @@ registered there.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ssm_pack import PackedSeqParams, VarlenBatch
+from ssm_pack.checks import check_int
 
 from ..layers import RMSNorm, registry
 from ..layers.blocks.mlp import SwiGLU
-from ..layers.blocks.norm import upcast
 from ..layers.cached import refuse_context_parallel
 from ..ops.device_policy import policy_for
 from .cached import CachedLM
-from .cp_loss import continue_targets, mean_share
+from .cp_loss import continue_targets
+from .loss import next_token_loss
 from .sizes import size_problem
 
 IGNORE_INDEX = -100
@@ -70,7 +70,9 @@ class HybridLM(CachedLM, nn.Module):
     def __init__(self, vocab_size: int = 256, hidden_size: int = 128, pattern: str = "MGKPA", *,
                  backend: str = "auto", mixer_overrides: dict | None = None):
         super().__init__()
-        if not pattern or registry.unknown_letters(pattern):
+        vocab_size = check_int("vocab_size", vocab_size, minimum=1)
+        hidden_size = check_int("hidden_size", hidden_size, minimum=1)
+        if not isinstance(pattern, str) or not pattern or registry.unknown_letters(pattern):
             raise ValueError(f"pattern must be letters of {registry.letters()} ({registry.legend()}), got {pattern!r}")
         problem = size_problem(pattern, hidden_size, mixer_overrides)
         if problem is not None:
@@ -115,9 +117,14 @@ class HybridLM(CachedLM, nn.Module):
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"input_ids must be [B, T] integer token ids, got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
+        if input_ids.numel() == 0:
+            raise ValueError(f"input_ids must hold at least one token, got shape {tuple(input_ids.shape)}; skip "
+                             "empty batches before the model")
         check_token_ids(input_ids, self.embed.num_embeddings)
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels must match input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        if labels is not None:
+            check_label_ids(labels, self.embed.num_embeddings)
         hf = {name: value for name, value in (("position_ids", position_ids), ("cu_seq_lens_q", cu_seq_lens_q),
                                                ("cu_seq_lens_k", cu_seq_lens_k), ("max_length_q", max_length_q),
                                                ("max_length_k", max_length_k), ("seq_idx", seq_idx))
@@ -137,18 +144,23 @@ class HybridLM(CachedLM, nn.Module):
         hidden = self.backbone(self.embed(input_ids), varlen, cache=cache, cache_slots=cache_slots)
         logits = hidden @ self.embed.weight.t()                                     # tied output head
         loss = None
-        if labels is not None:
-            targets = next_token_targets(labels, varlen)
-            flat = (upcast(logits).reshape(-1, logits.shape[-1]), targets.reshape(-1))
-            if varlen is not None and varlen.cp is not None:     # context parallel: this rank's share of the mean
-                loss = mean_share(varlen.cp, F.cross_entropy(*flat, ignore_index=IGNORE_INDEX, reduction="sum"),
-                                  targets != IGNORE_INDEX)
-            else:
-                loss = F.cross_entropy(*flat, ignore_index=IGNORE_INDEX)
+        if labels is not None:      # no target at all: zero loss, zero gradient (mixers/model/loss.py)
+            loss = next_token_loss(logits, next_token_targets(labels, varlen), None if varlen is None else varlen.cp)
         return {"logits": logits.reshape(*rows, -1), "loss": loss}
 
 
-def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+def check_label_ids(labels: torch.Tensor, vocab_size: int) -> None:
+    """Refuse labels that are not integer ids in ``0 .. vocab_size - 1`` or ``-100`` (ignored), the
+    way :func:`check_token_ids` refuses token ids (before the loss reads them)."""
+    if labels.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"labels must hold integer token ids (int64, -100 = ignore), got dtype {labels.dtype}; "
+                        "pass the token ids the model should predict, not probabilities")
+    check_token_ids(labels.masked_fill(labels == IGNORE_INDEX, 0), vocab_size, name="labels",
+                    fix="use -100 to ignore a position")
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int, *, name: str = "input_ids",
+                    fix: str = "map unknown tokens to a valid id or enlarge vocab_size") -> None:
     """Refuse token ids outside ``0 .. vocab_size - 1`` (before the embedding reads them).
 
     Under the CPU device policy (:func:`mixers.ops.device_policy.policy_for`) one min/max reduction, and
@@ -160,7 +172,7 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
         return
     if torch.compiler.is_compiling() or policy_for(input_ids) != "cpu":
         torch._assert_async(((input_ids >= 0) & (input_ids < vocab_size)).all(),
-                            f"input_ids holds a token id outside the vocabulary of {vocab_size} tokens "
+                            f"{name} holds a token id outside the vocabulary of {vocab_size} tokens "
                             f"(0..{vocab_size - 1})")
         return
     low, high = (int(v) for v in torch.aminmax(input_ids))
@@ -168,8 +180,8 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
         return
     where = torch.nonzero((input_ids < 0) | (input_ids >= vocab_size))[0].tolist()
     value = int(input_ids[tuple(where)])
-    raise ValueError(f"input_ids[{', '.join(map(str, where))}]={value} is outside the vocabulary of {vocab_size} "
-                     f"tokens (0..{vocab_size - 1}); map unknown tokens to a valid id or enlarge vocab_size")
+    raise ValueError(f"{name}[{', '.join(map(str, where))}]={value} is outside the vocabulary of {vocab_size} "
+                     f"tokens (0..{vocab_size - 1}); {fix}")
 
 
 def _params_from_hf(input_ids: torch.Tensor, hf: dict) -> PackedSeqParams:

@@ -135,6 +135,18 @@ def test_d_per_channel_is_refused_with_the_reason():
         from_state_dict(sd, "mamba_ssm", MAMBA)
 
 
+@pytest.mark.parametrize("edit", [
+    pytest.param(lambda sd: sd.pop("out_proj.weight"), id="missing-key"),
+    pytest.param(lambda sd: sd.__setitem__("dt_bias", torch.ones(97)), id="other-shape"),
+])
+def test_the_d_hint_is_given_only_when_d_is_the_problem(edit):
+    sd = to_state_dict(_random_mixer("mamba_ssm"), "mamba_ssm")
+    edit(sd)
+    with pytest.raises(ValueError) as caught:
+        from_state_dict(sd, "mamba_ssm", MAMBA)
+    assert "D_has_hdim" not in str(caught.value)
+
+
 def test_bad_arguments_name_themselves():
     mixer = _random_mixer("fla_gdn")
     with pytest.raises(ValueError, match="source must be one of"):
