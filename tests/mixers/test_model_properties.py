@@ -129,3 +129,29 @@ def test_the_carried_order_property_is_not_vacuous(order):
         with torch.no_grad():
             verdicts.append(outcome(lambda: carried(packs[i]), ("the pack continues",), lambda out: True))
     assert verdicts == (["ok"] * len(order) if order == sorted(set(order)) else ["ok", "ok", "clear"])
+
+
+_LAYER = {}
+
+
+@given(st.integers(1, 9), st.lists(st.integers(0, 4), max_size=4), st.one_of(st.none(), st.integers(0, 10)))
+def test_a_layer_refuses_clearly_or_matches_each_document_alone(t, lengths, total):
+    from mixers import GatedDeltaNetMixer
+    if "g" not in _LAYER:
+        torch.manual_seed(0)
+        _LAYER["g"] = GatedDeltaNetMixer(16, head_dim=8, chunk_size=4).double()
+    layer = _LAYER["g"]
+    x = torch.randn(1, t, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(t))
+    try:
+        params = PackedSeqParams.from_lengths(lengths, total_tokens=total)
+    except ValueError:
+        return
+
+    def alone(out) -> bool:
+        cu = params.cu_seqlens_q.tolist()
+        return params.total_tokens == t and all(
+            torch.allclose(out[0, a:b], layer(x[:, a:b])[0], atol=1e-10, rtol=0) for a, b in zip(cu, cu[1:]) if b > a)
+
+    with torch.no_grad():
+        verdict = outcome(lambda: layer(x, packed_seq_params=params), ("total_tokens", "cu_seqlens"), alone)
+    assert verdict in ("clear", "ok"), verdict
