@@ -25,7 +25,7 @@ def mixer_backends(mixers=None) -> list[tuple[str, str, str, str | None]]:
     registered one by default."""
     rows = []
     for cls in _registered() if mixers is None else mixers:
-        for part, kernel, ok, reason in plan_support(cls.PLAN):
+        for part, kernel, ok, reason in plan_support(cls.PLAN, training=True):
             rows.append((cls.__name__, part, kernel if ok else "reference", reason))
     return rows
 

@@ -9,17 +9,22 @@ import argparse
 
 def support_matrix() -> str:
     """The kernel requirements table as markdown: one row per package a kernel needs (its own
-    minimum) and one per feature packing relies on (the first release that has it)."""
+    minimums) and one per feature packing relies on, each with its forward minimum (the first
+    release with the call form ssm-pack uses), its backward minimum (the first whose gradients are
+    right; "no backward" for a forward-only row) and the upstream change that decided them."""
     from .support.requirements import FEATURES, KERNELS
 
-    rows = ["| kernel | package | minimum | needed for |", "|---|---|---|---|"]
+    rows = ["| kernel | package | forward | backward | needed for | why |", "|---|---|---|---|---|---|"]
     for kernel in KERNELS.values():
         for package, minimum in kernel.packages:
-            rows.append(f"| `{kernel.name}` | `{package}` | {minimum} | {kernel.label} |")
+            rows.append(f"| `{kernel.name}` | `{package}` | {minimum} | {kernel.backward_minimum(package, minimum)} "
+                        f"| {kernel.label} | {kernel.why} |")
         if not kernel.packages:
-            rows.append(f"| `{kernel.name}` | `torch` | (the installed signature) | {kernel.label} |")
+            rows.append(f"| `{kernel.name}` | `torch` | 2.10 | 2.10 | {kernel.label} | {kernel.why} |")
         for feature in (f for f in FEATURES.values() if f.kernel == kernel.name):
-            rows.append(f"| `{kernel.name}` | `{feature.package}` | {feature.minimum} | {feature.what} |")
+            backward = feature.backward_minimum or "no backward"
+            rows.append(f"| `{kernel.name}` | `{feature.package}` | {feature.minimum} | {backward} | {feature.what} "
+                        f"| {feature.why} |")
     return "\n".join(rows) + "\n"
 
 

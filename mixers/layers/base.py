@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ssm_pack.checks import check_int
+from ssm_pack.support import requirements
 from ssm_pack.varlen import VarlenBatch
 
 from ..ops import dispatch
@@ -34,14 +35,15 @@ _WARNED: set[tuple[str, str]] = set()
 SHORT_CONV = (("causal_conv1d", ("seq_idx",)), ("fla_conv", ()))   # the short convolutions' kernels, in order
 
 
-def plan_support(plan) -> list[tuple[str, str, bool, str | None]]:
+def plan_support(plan, training: bool = False) -> list[tuple[str, str, bool, str | None]]:
     """``[(part, kernel, ok, reason)]`` for every row of a mixer's ``PLAN``: the first kernel that
-    can run the part (or the last one tried, with every kernel's reason)."""
+    can run the part (or the last one tried, with every kernel's reason); ``training``: its backward too."""
     rows = []
+    extra = (requirements.BACKWARD,) if training else ()
     for part, choices in plan:
         reasons = []
         for kernel, features in choices:
-            ok, reason = dispatch.cached_support(kernel, tuple(features))
+            ok, reason = dispatch.cached_support(kernel, tuple(features) + extra)
             if ok:
                 rows.append((part, kernel, True, None))
                 break

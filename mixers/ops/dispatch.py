@@ -65,6 +65,12 @@ def records_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
+def backward_of(*tensors) -> tuple[str, ...]:
+    """``(BACKWARD,)`` when autograd records through ``tensors``, else ``()``: the feature that makes the
+    support decision ask every row's backward minimum (:data:`ssm_pack.support.requirements.BACKWARD`)."""
+    return (requirements.BACKWARD,) if records_grad(*tensors) else ()
+
+
 def forward_only(kernel: str, *tensors) -> str | None:
     """The missing feature of a forward-only kernel (the decode kernels) when autograd records through
     ``tensors``, else ``None``: ``"auto"`` then takes the differentiable reference and ``"kernel"``

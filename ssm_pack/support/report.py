@@ -45,12 +45,18 @@ def header_lines() -> list[str]:
 
 
 def kernel_lines() -> list[str]:
-    """One line per feature of the requirements table: its minimum and whether it runs here."""
-    lines = ["kernel features (the requirements table):"]
+    """One line per feature of the requirements table: its forward and backward minimums and whether
+    it runs here (for inference; for training too where the backward minimum is met)."""
+    lines = ["kernel features (the requirements table; training needs the backward minimum):"]
     for (kernel, feature), row in requirements.FEATURES.items():
         ok, _ = requirements.kernel_support(kernel, (feature,))
-        lines.append(f"  {kernel:14s} {feature:28s} {row.package} >= {row.minimum:12s} "
-                     f"{'available' if ok else 'unavailable'}")
+        if row.forward_only:
+            backward, state = "forward only", "available" if ok else "unavailable"
+        else:
+            trains, _ = requirements.kernel_support(kernel, (feature,), training=True)
+            backward = f"backward >= {row.backward_minimum}"
+            state = ("available" if trains else "forward only here") if ok else "unavailable"
+        lines.append(f"  {kernel:14s} {feature:28s} {row.package} >= {row.minimum:12s} {backward:22s} {state}")
     return lines
 
 

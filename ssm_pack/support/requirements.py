@@ -7,8 +7,12 @@ the kernel itself) and a device; each feature of a kernel that packing uses adds
 version of one package. :func:`kernel_support` answers ``(ok, reason)`` naming the real
 blocker first: no device, then a missing package or CUDA extension (or a package that fails to
 import, :func:`ssm_pack.support.installed.import_error`), then the newest minimum a requested feature needs.
-Each minimum is the first release with the call form ssm-pack uses, read from upstream's tagged
-sources (the comments on the rows say which).
+
+Every row has two minimums: the forward one (the first release with the call form ssm-pack uses)
+and the backward one (the first release whose gradients for that call are right; ``None`` where
+the row is forward only, e.g. decode steps). Training asks for the backward ones: pass
+``training=True`` or the feature :data:`BACKWARD` (what the ops do when autograd records).
+Each row's ``why`` says which upstream tag and change decided it (``python -m ssm_pack --matrix``).
 """
 
 from __future__ import annotations
@@ -19,78 +23,114 @@ from packaging.version import Version
 
 from . import installed
 
+BACKWARD = "backward"      # the pseudo-feature "autograd records through this call": every row's backward minimum
+
 
 @dataclass(frozen=True)
 class Kernel:
-    """One upstream kernel family: the packages it needs (with the kernel's own minimum); a
-    Triton kernel also runs under the interpreter lane's switch (:func:`installed.triton_interpreter`)."""
+    """One upstream kernel family: the packages it needs (with the kernel's own forward minimum);
+    ``backward`` names the packages whose training minimum is newer; a Triton kernel also runs under
+    the interpreter lane's switch (:func:`installed.triton_interpreter`)."""
 
     name: str
     label: str
     packages: tuple[tuple[str, str], ...]
     triton: bool = False
+    backward: tuple[tuple[str, str], ...] = ()
+    why: str = ""
+
+    def backward_minimum(self, package: str, forward: str) -> str:
+        return dict(self.backward).get(package, forward)
 
 
 @dataclass(frozen=True)
 class Feature:
-    """A feature of a kernel that packing relies on, and the first release that has it."""
+    """A feature of a kernel that packing relies on, and the first release that has it (forward);
+    ``backward`` is the first release whose gradients are right when newer (``None``: the same),
+    ``forward_only`` marks a row training never uses (no backward at all)."""
 
     kernel: str
     name: str
     package: str
     minimum: str
     what: str
+    backward: str | None = None
+    forward_only: bool = False
+    why: str = ""
+
+    @property
+    def backward_minimum(self) -> str | None:
+        return None if self.forward_only else (self.backward or self.minimum)
 
 
 KERNELS = {k.name: k for k in (
-    Kernel("causal_conv1d", "causal-conv1d's CUDA short convolution", (("causal_conv1d", "1.0.0"),)),
-    # fla's Triton causal_conv1d: the second conv kernel (pure Python, nothing to compile); 0.6.0 is
-    # the release whose varlen and [N, D, W] state semantics the interpreter lane checked
+    Kernel("causal_conv1d", "causal-conv1d's CUDA short convolution", (("causal_conv1d", "1.2.0"),),
+           why="causal_conv1d_fn(x, weight, bias, seq_idx=, initial_states=, activation=): v1.0.0 has no seq_idx, "
+               "v1.1.x no initial_states; the backward compares seq_idx like the forward from v1.2.0 on"),
     Kernel("fla_conv", "flash-linear-attention's Triton short convolution", (("fla", "0.6.0"), ("triton", "3.3.0")),
-           triton=True),
-    # mamba_chunk_scan_combined(..., cu_seqlens=, return_varlen_states=): the keywords ssm-pack passes, from
-    # mamba-ssm 2.2.0 (v2.1.0's signature ends at return_final_states)
-    Kernel("mamba_ssd", "mamba-ssm's Triton SSD scan", (("mamba_ssm", "2.2.0"), ("triton", "3.3.0")), triton=True),
-    # decoding: one token per sequence into pooled states (mixers.ops.selective_state_update); v2.0.0's
-    # selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) is what ssm-pack calls
-    # without state_batch_indices
+           triton=True, why="the release whose varlen and [N, D, W] state semantics the interpreter lane checked, "
+                            "forward and backward"),
+    Kernel("mamba_ssd", "mamba-ssm's Triton SSD scan", (("mamba_ssm", "2.2.0"), ("triton", "3.3.0")), triton=True,
+           backward=(("mamba_ssm", "2.2.5"),),
+           why="forward: cu_seqlens= and return_varlen_states= from v2.2.0 (v2.1.0 ends at return_final_states); "
+               "backward: v2.2.0 returns 14 gradients for 16 inputs (fixed v2.2.1), v2.2.3 fixes the dt softplus "
+               "and ddA_cumsum gradients, v2.2.5 the dt > 20 softplus gradient (ssd_chunk_state.py, ddt for dt)"),
     Kernel("mamba_decode", "mamba-ssm's Triton selective_state_update (decode step)",
-           (("mamba_ssm", "2.0.0"), ("triton", "3.3.0")), triton=True),
+           (("mamba_ssm", "2.0.0"), ("triton", "3.3.0")), triton=True,
+           why="selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) from v2.0.0; decode "
+               "steps run without autograd"),
     Kernel("fla", "flash-linear-attention's Triton delta-rule kernels", (("fla", "0.4.0"), ("triton", "3.3.0")),
-           triton=True),
-    # PyTorch's own varlen_attn (FlashAttention-2 inside torch, torch.nn.attention.varlen), the first
-    # attention kernel: torch >= 2.10 (is_causal= only: no scale, window or GQA); window_size= and then
-    # enable_gqa= come in later releases. It needs no package beyond torch: the op reads the installed
-    # signature (mixers.ops.attention.kernel_torch), so no release is claimed for a form it has not read
-    Kernel("torch_varlen", "PyTorch's varlen_attn (FlashAttention-2 inside PyTorch, from 2.10)", ()),
-    Kernel("flash_attn", "flash-attn's attention kernels", (("flash_attn", "2.3.0"),)),
+           triton=True, backward=(("fla", "0.5.0"),),
+           why="chunk_gated_delta_rule / chunk_kda / chunk_gated_delta_product with cu_seqlens= from v0.4.0; "
+               "v0.5.0 fixes an illegal memory access in KDA's backward on Hopper (fla/ops/kda/chunk_bwd.py)"),
+    Kernel("torch_varlen", "PyTorch's varlen_attn (FlashAttention-2 inside PyTorch, from 2.10)", (),
+           why="torch.nn.attention.varlen: v2.10 is_causal= only; v2.11 keyword-only scale= and window_size=; "
+               "v2.12 enable_gqa= (GQA then needs it); the signature is read once at import; the backward at "
+               "T == 0 raises on 2.11, so training with no token takes the next kernel there"),
+    Kernel("flash_attn", "flash-attn's attention kernels", (("flash_attn", "2.3.0"),),
+           why="flash_attn_varlen_func(..., window_size=) forward and backward from v2.3.0"),
 )}
 
 FEATURES = {(f.kernel, f.name): f for f in (
-    Feature("causal_conv1d", "seq_idx", "causal_conv1d", "1.4.0", "document resets through seq_idx"),
+    Feature("causal_conv1d", "seq_idx", "causal_conv1d", "1.4.0", "document resets through seq_idx",
+            why="Megatron-core's gate (the call form itself runs from v1.2.0)"),
     Feature("causal_conv1d", "varlen_states", "causal_conv1d", "1.4.0",
-            "per-document conv states (causal_conv1d_varlen_states)"),
-    Feature("causal_conv1d", "padding_seq_idx", "causal_conv1d", "1.5.3.post1", "negative seq_idx marking padding"),
+            "per-document conv states (causal_conv1d_varlen_states)", forward_only=True,
+            why="causal_conv1d/causal_conv1d_varlen.py from v1.4.0: a gather with no autograd function"),
+    Feature("causal_conv1d", "padding_seq_idx", "causal_conv1d", "1.5.3.post1", "negative seq_idx marking padding",
+            forward_only=True,
+            why="the forward skips seq_idx < 0 from v1.5.3.post1; the backward (csrc/causal_conv1d_bwd.cu, up to "
+                "v1.6.1.post4) never does, so no release differentiates it right"),
     Feature("causal_conv1d", "initial_states_with_seq_idx", "causal_conv1d", "1.7.0",
-            "initial_states together with seq_idx"),
-    # inference: each row's first release, read from the upstream repositories' history
+            "initial_states together with seq_idx",
+            why="up to v1.6.1.post4 causal_conv1d_fn asserts initial_states is None when seq_idx is given"),
     # every decode call passes causal_conv1d_update's 7 positional arguments (x, conv_state, weight, bias,
     # activation, cache_seqlens, conv_state_indices): v1.4.0 takes 6, v1.5.0 the 7
     Feature("causal_conv1d", "update_indices", "causal_conv1d", "1.5.0",
-            "decode steps (causal_conv1d_update's 7-argument form with conv_state_indices)"),
-    Feature("fla_conv", "update", "fla", "0.6.0", "decode steps (causal_conv1d_update, [N, D, W] cache)"),
+            "decode steps (causal_conv1d_update's 7-argument form with conv_state_indices)", forward_only=True,
+            why="v1.4.0's causal_conv1d_update takes 6 arguments, v1.5.0 the 7 ssm-pack passes"),
+    Feature("fla_conv", "update", "fla", "0.6.0", "decode steps (causal_conv1d_update, [N, D, W] cache)",
+            forward_only=True, why="the [N, D, W] cache layout ssm-pack's decode path was checked against"),
     Feature("mamba_decode", "state_batch_indices", "mamba_ssm", "2.2.3",
-            "decode steps on pooled SSM states (selective_state_update with state_batch_indices)"),
-    Feature("mamba_ssd", "seq_idx", "mamba_ssm", "2.0.0", "document resets in the SSD scan (packed training)"),
-    Feature("mamba_ssd", "packed_inference", "mamba_ssm", "2.2.6.post3", "packed inference with the SSD scan"),
-    Feature("fla", "varlen", "fla", "0.4.0", "varlen cu_seqlens in every delta-rule op"),
+            "decode steps on pooled SSM states (selective_state_update with state_batch_indices)", forward_only=True,
+            why="state_batch_indices= from v2.2.3 (selective_state_update.py)"),
+    Feature("mamba_ssd", "seq_idx", "mamba_ssm", "2.0.0", "document resets in the SSD scan (packed training)",
+            backward="2.2.5", why="seq_idx= from v2.0.0; its gradients are right from v2.2.5 (see mamba_ssd)"),
+    Feature("mamba_ssd", "packed_inference", "mamba_ssm", "2.2.6.post3", "packed inference with the SSD scan",
+            forward_only=True, why="v2.2.6.post3 skips padding tokens (seq_idx < 0) in _chunk_state_fwd_kernel"),
+    Feature("fla", "varlen", "fla", "0.4.0", "varlen cu_seqlens in every delta-rule op", backward="0.5.0",
+            why="cu_seqlens= in the three chunk ops from v0.4.0; KDA's backward is safe from v0.5.0"),
     # HV > H: fla/ops/gated_delta_rule/chunk.py and fla/ops/kda/chunk.py document GVA from v0.5.0 (not in v0.4.2)
-    Feature("fla", "grouped_values", "fla", "0.5.0", "grouped value heads (HV > H) in GDN and KDA"),
+    Feature("fla", "grouped_values", "fla", "0.5.0", "grouped value heads (HV > H) in GDN and KDA",
+            why="GVA documented in gated_delta_rule/chunk.py and kda/chunk.py from v0.5.0 (not in v0.4.2)"),
     Feature("fla", "fused_recurrent", "fla", "0.4.0",
-            "decode steps (fused_recurrent_gated_delta_rule / fused_recurrent_kda with initial states)"),
-    Feature("flash_attn", "varlen", "flash_attn", "2.3.0", "varlen attention with window_size"),
+            "decode steps (fused_recurrent_gated_delta_rule / fused_recurrent_kda with initial states)",
+            forward_only=True, why="fused_recurrent_* with initial_state= and cu_seqlens= from v0.4.0"),
+    Feature("flash_attn", "varlen", "flash_attn", "2.3.0", "varlen attention with window_size",
+            why="window_size= in flash_attn_varlen_func, forward and backward, from v2.3.0"),
     Feature("flash_attn", "kvcache", "flash_attn", "2.3.1",
-            "attention over a slot-indexed KV cache (flash_attn_with_kvcache with cache_batch_idx)"),
+            "attention over a slot-indexed KV cache (flash_attn_with_kvcache with cache_batch_idx)", forward_only=True,
+            why="cache_batch_idx= in flash_attn_with_kvcache from v2.3.1; no backward"),
 )}
 
 
@@ -110,31 +150,55 @@ def strictest_minimums() -> dict[str, str]:
     return out
 
 
-def requirements(kernel: str, features=()) -> list[tuple[str, str, str]]:
-    """``[(package, minimum, what)]`` for ``kernel`` with ``features``, newest minimum first per package."""
+class ForwardOnly(ValueError):
+    """A feature without a backward was asked for training."""
+
+
+def requirements(kernel: str, features=(), *, training: bool = False) -> list[tuple[str, str, str]]:
+    """``[(package, minimum, what)]`` for ``kernel`` with ``features``: the forward minimums, or with
+    ``training`` (or :data:`BACKWARD` among ``features``) the backward ones; features first, newest first.
+    A forward-only feature asked for training raises ``ValueError``."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; the table has {sorted(KERNELS)}")
     if isinstance(features, str):
         features = (features,)
+    training = training or BACKWARD in features
+    features = tuple(f for f in features if f != BACKWARD)
     unknown = [f for f in features if (kernel, f) not in FEATURES]
     if unknown:
-        raise ValueError(f"unknown {kernel} feature(s) {unknown}; choose from {list(features_of(kernel))}")
-    wanted = sorted((FEATURES[kernel, f] for f in features), key=lambda f: Version(f.minimum), reverse=True)
-    out = [(f.package, f.minimum, f"{f.what} [{f.name}]") for f in wanted]
-    label = KERNELS[kernel].label
-    return out + [(package, minimum, label) for package, minimum in KERNELS[kernel].packages]
+        raise ValueError(f"unknown {kernel} feature(s) {unknown}; choose from "
+                         f"{list(features_of(kernel)) + [BACKWARD]}")
+    rows = [FEATURES[kernel, f] for f in features]
+    if training:
+        forward_only = [f.name for f in rows if f.forward_only]
+        if forward_only:
+            raise ForwardOnly(f"{kernel} feature(s) {forward_only} are forward only (no backward): train without "
+                             "them, or run them under torch.no_grad()")
+    picked = [(f.package, f.backward_minimum, f"the backward of {f.what} [{f.name}]") if training else
+              (f.package, f.minimum, f"{f.what} [{f.name}]") for f in rows]
+    picked.sort(key=lambda row: Version(row[1]), reverse=True)
+    k = KERNELS[kernel]
+    what = f"{k.label} (backward)" if training else k.label
+    return picked + [(package, k.backward_minimum(package, minimum) if training else minimum, what)
+                     for package, minimum in k.packages]
 
 
-def kernel_support(kernel: str, features=(), *, require_device: bool = True) -> tuple[bool, str | None]:
-    """Can ``kernel`` run with ``features`` here? ``(ok, reason)``, the real blocker named first."""
-    needed = requirements(kernel, features)
+def kernel_support(kernel: str, features=(), *, require_device: bool = True,
+                   training: bool = False) -> tuple[bool, str | None]:
+    """Can ``kernel`` run with ``features`` here (with ``training``, its backward too)? ``(ok, reason)``,
+    the real blocker named first."""
+    try:
+        needed = requirements(kernel, features, training=training)
+    except ForwardOnly as err:
+        return False, str(err)
     if require_device:
         ok, reason = installed.device_state(triton_kernel=KERNELS[kernel].triton)
         if not ok:
             return False, f"{KERNELS[kernel].label} needs a CUDA device: {reason}"
-    strictest = {}
-    for package, minimum, _ in needed:              # newest minimum first, see requirements()
-        strictest.setdefault(package, minimum)
+    strictest: dict[str, str] = {}
+    for package, minimum, _ in needed:
+        if package not in strictest or Version(minimum) > Version(strictest[package]):
+            strictest[package] = minimum
     states = [installed.package_present(package, minimum) for package, minimum in strictest.items()]
     states += [installed.package_state(package, minimum, what) for package, minimum, what in needed]
     for ok, reason in states:
@@ -171,12 +235,14 @@ def check_causal_conv1d_support(features=("seq_idx", "varlen_states"), *,
 def check_mamba_sequence_packing_support(for_inference_not_training: bool = False) -> tuple[bool, str | None]:
     """Megatron's gate for packed Mamba2: causal-conv1d and mamba-ssm new enough.
 
-    Training: causal-conv1d >= 1.4.0 and mamba-ssm >= 2.2.0 (Megatron asks 2.0.0; ssm-pack's scan call
-    passes ``cu_seqlens``, a keyword from 2.2.0); inference: causal-conv1d >=
-    1.5.3.post1 (padding through negative ``seq_idx``) and mamba-ssm >= 2.2.6.post3. The SSD
+    Training: causal-conv1d >= 1.4.0 and mamba-ssm >= 2.2.5 (Megatron asks 2.0.0; ssm-pack's scan call
+    passes ``cu_seqlens``, a keyword from 2.2.0, and the scan's gradients are right from 2.2.5);
+    inference: causal-conv1d >= 1.5.3.post1 (padding through negative ``seq_idx``) and mamba-ssm >= 2.2.6.post3. The SSD
     scan is a Triton kernel, so Triton is checked too, and a CUDA device.
     """
-    return _first_failure(kernel_support(k, f) for k, f in _MAMBA_GATES[bool(for_inference_not_training)])
+    training = not for_inference_not_training
+    return _first_failure(kernel_support(k, f, training=training and k == "mamba_ssd")
+                          for k, f in _MAMBA_GATES[bool(for_inference_not_training)])
 
 
 def check_fla_sequence_packing_support() -> tuple[bool, str | None]:
@@ -219,7 +285,7 @@ def check_flash_attn_support() -> tuple[bool, str | None]:
     return kernel_support("flash_attn", ("varlen",))
 
 
-__all__ = ["FEATURES", "KERNELS", "Feature", "Kernel", "check_causal_conv1d_support",
+__all__ = ["BACKWARD", "FEATURES", "KERNELS", "Feature", "Kernel", "check_causal_conv1d_support",
            "check_fla_sequence_packing_support",
            "check_fla_conv_support", "check_flash_attn_support", "check_mamba_sequence_packing_support",
            "check_mamba_ssd_support", "conv_support", "features_of", "kernel_support",

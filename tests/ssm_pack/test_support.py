@@ -87,7 +87,8 @@ def test_version_just_new_enough(fake):
 
 @pytest.mark.parametrize("inference,mamba,ok", [
     pytest.param(False, "2.0.0", False, id="training-2.0.0-lacks-cu_seqlens"),
-    pytest.param(False, "2.2.0", True, id="training-2.2.0"),
+    pytest.param(False, "2.2.0", False, id="training-2.2.0-backward-arity"),
+    pytest.param(False, "2.2.5", True, id="training-2.2.5"),
     pytest.param(False, "1.2.2", False, id="training-too-old"),
     pytest.param(True, "2.2.6", False, id="inference-2.2.6"),
     pytest.param(True, "2.2.6.post3", True, id="inference-post3"),

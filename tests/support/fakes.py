@@ -192,8 +192,9 @@ def fake_fla_conv(calls):
 
 
 def fake_ssd(calls):
-    """mamba-ssm's ``mamba_chunk_scan_combined`` (mamba_ssm/ops/triton/ssd_combined.py, 2.3.2.post1): the
-    shape asserts of ``_mamba_chunk_scan_combined_fwd``; every pointer on ``x``'s device (Triton)."""
+    """mamba-ssm's ``mamba_chunk_scan_combined`` (mamba_ssm/ops/triton/ssd_combined.py): the signature and
+    returns of 2.2.5, the training minimum (unchanged up to 2.3.2.post1); the shape asserts of
+    ``_mamba_chunk_scan_combined_fwd``; every pointer on ``x``'s device (Triton)."""
     def scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
              cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
              return_varlen_states=False):
@@ -220,6 +221,34 @@ def fake_ssd(calls):
                                          dt_softplus=dt_softplus, dt_limit=dt_limit,
                                          return_final_states=return_final_states,
                                          return_varlen_states=return_varlen_states, backend="reference")
+    return scan
+
+
+def fake_ssd_2_2_0(calls):
+    """mamba-ssm 2.2.0's ``mamba_chunk_scan_combined`` (mamba_ssm/ops/triton/ssd_combined.py, v2.2.0): the
+    2.2.x signature (16 inputs to ``MambaChunkScanCombinedFn.forward``), whose backward returns 14 gradients,
+    so autograd raises at the first backward. Its forward is right (the reference computes it)."""
+    class Scan2_2_0(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                    seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                    return_final_states=False, return_varlen_states=False):
+            calls.append(("ssd_2_2_0", dict(seq_idx=seq_idx)))
+            return mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+                                             seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                                             backend="reference")
+
+        @staticmethod
+        def backward(ctx, dout, *args):
+            none = None
+            return (dout, none, none, none, none, none, none, none, none, none, none, none, none, none)   # 14
+
+    def scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+             cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
+             return_varlen_states=False):
+        assert not return_final_states and not return_varlen_states, "this fake returns the output only"
+        return Scan2_2_0.apply(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                               dt_softplus, dt_limit, return_final_states, return_varlen_states)
     return scan
 
 
@@ -306,6 +335,7 @@ def install(monkeypatch, supported=True, calls=None):
     monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
     monkeypatch.setattr(dispatch, "cached_support",
                         lambda name, features=(): (True, None) if supported else (False, f"{name} is not installed"))
+    # ``features`` may hold requirements.BACKWARD (autograd records): the installed fakes have right backwards
     monkeypatch.setattr(conv_kernel, "load_upstream", lambda: (fake_conv(calls), None))
     monkeypatch.setattr(fla_conv_kernel, "load_upstream", lambda: fake_fla_conv(calls))
     monkeypatch.setattr(ssd_kernel, "load_upstream", lambda: fake_ssd(calls))

@@ -39,6 +39,7 @@ def _run(call: DeltaCall):
         return empty_result(call)
     features = (("varlen",) if call.varlen is not None else ()) + (("grouped_values",) if v.shape[2] != q.shape[2]
                                                                   else ())
+    features += dispatch.backward_of(q, call.k, v, call.g, call.beta, call.initial_state)
     choice = dispatch.select_backend(call.name, call.backend, on_cuda=dispatch.is_cuda(q),
                                      support_state=lambda: dispatch.cached_support("fla", features),
                                      missing_feature=unsupported(call.kind, q))

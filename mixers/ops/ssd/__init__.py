@@ -34,8 +34,10 @@ def _run(call: SSDCall):
         return ssd_cp(call, mamba_chunk_scan_combined)
     if no_tokens(call.x.shape[1]):
         return empty_result(call)
+    features = ("seq_idx",) + dispatch.backward_of(call.x, call.dt, call.A, call.B, call.C, call.D, call.z,
+                                                   call.dt_bias, call.initial_states)
     choice = dispatch.select_backend("mamba_chunk_scan_combined", call.backend, on_cuda=dispatch.is_cuda(call.x),
-                                     support_state=lambda: dispatch.cached_support("mamba_ssd", ("seq_idx",)),
+                                     support_state=lambda: dispatch.cached_support("mamba_ssd", features),
                                      missing_feature=unsupported(call))
     return ssd_kernel(call) if choice == "kernel" else ssd_reference(call)
 
