@@ -276,6 +276,8 @@ def fake_fla(calls):
             if kind == "kda" and initial_state is not None:   # fla/ops/kda/chunk.py
                 assert initial_state.dtype == torch.float32, "initial_state must be in float32."
             assert q.shape == k.shape or kind == "gdp", "q and k must have the same shape"
+            # fla/ops/common/chunk_delta_h.py, fla/ops/kda/chunk.py, gated_delta_product/chunk_deltaproduct_h.py
+            assert k.shape[-1] <= 256, "current kernel does not support head dimension larger than 256."
             assert v.shape[2] % q.shape[2] == 0, "num_v_heads must be divisible by num_qk_heads"
             calls.append((kind, cu_seqlens))
             extra = (num_householder,) if kind == "gdp" else ()
@@ -296,6 +298,7 @@ def fake_flash(calls):
         assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dimension must be contiguous"
         assert cu_q.is_contiguous() and cu_k.is_contiguous() and cu_k.dtype == torch.int32
         assert int(cu_q[-1]) == q.shape[0] and torch.equal(cu_q, cu_k)
+        assert q.shape[-1] <= 256, "FlashAttention forward only supports head dimension at most 256"
         calls.append(("flash", cu_q))
         return varlen_attention(q, k, v, cu_q, max_q, causal=causal, window_size=window_size,
                                 softmax_scale=softmax_scale, backend="reference")
@@ -315,6 +318,8 @@ def fake_torch_varlen(calls):
         assert cu_seq_k is not None and torch.equal(cu_seq_q, cu_seq_k) and return_aux is None
         assert enable_gqa or query.shape[1] == key.shape[1], "Hq != Hk needs enable_gqa=True"
         assert isinstance(window_size, tuple) and len(window_size) == 2
+        # aten's flash forward (sdp_utils): head dim a multiple of 8, at most 256
+        assert query.shape[-1] % 8 == 0 and query.shape[-1] <= 256, "head dim: multiple of 8 up to 256"
         calls.append(("torch_varlen", cu_seq_q))
         left, right = window_size
         return varlen_attention(query, key.repeat_interleave(query.shape[1] // key.shape[1], dim=1),

@@ -14,8 +14,16 @@ from ._validate import AttentionCall
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
+MAX_HEAD_DIM = 256      # flash-attn 2 (csrc/flash_attn/flash_api.cpp): head_size <= 256
+
+
 def unsupported(q: torch.Tensor) -> str | None:
-    return None if q.dtype in KERNEL_DTYPES else f"dtype {q.dtype} (flash-attn takes fp16 / bf16)"
+    """What flash-attn's varlen kernel cannot take (``None``: it can): fp16 / bf16, head dim <= 256."""
+    if q.dtype not in KERNEL_DTYPES:
+        return f"dtype {q.dtype} (flash-attn takes fp16 / bf16)"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head dim {q.shape[-1]} (flash-attn takes head dims <= {MAX_HEAD_DIM})"
+    return None
 
 
 def load_upstream():

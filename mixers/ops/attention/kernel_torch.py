@@ -69,6 +69,9 @@ def unsupported(q: torch.Tensor, causal: bool, window: tuple[int, int], scale: f
         return "tensors off a CUDA device (PyTorch's varlen_attn is a CUDA kernel)"
     if q.dtype not in KERNEL_DTYPES:
         return f"dtype {q.dtype} (PyTorch's varlen_attn takes fp16 / bf16)"
+    d = q.shape[-1]
+    if d % 8 or d > 256:
+        return f"head dim {d} (PyTorch's varlen_attn takes multiples of 8 up to 256)"
     fn = load_upstream()
     form = None if fn is None else form_of(fn)
     if form is None:

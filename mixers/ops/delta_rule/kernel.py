@@ -24,6 +24,7 @@ from ..common.chunks import compute_dtype
 from ._validate import DeltaCall
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_KEY_DIM = 256       # fla 0.6.0 asserts K <= 256 in chunk_delta_h / chunk_deltaproduct_h and chunk_kda
 
 
 def unsupported(kind: str, q: torch.Tensor) -> str | None:
@@ -32,6 +33,9 @@ def unsupported(kind: str, q: torch.Tensor) -> str | None:
         return f"dtype {q.dtype}"
     if kind == "gdp" and q.dtype == torch.float32:
         return "float32 (fla's Gated DeltaProduct kernel takes fp16 / bf16)"
+    if q.shape[-1] > MAX_KEY_DIM:
+        return (f"key head dim K={q.shape[-1]} (fla's delta-rule kernels take K <= {MAX_KEY_DIM}: "
+                "fla/ops/common/chunk_delta_h.py, fla/ops/kda/chunk.py, 0.6.0)")
     return None
 
 
