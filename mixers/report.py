@@ -8,10 +8,17 @@ disagree.
 
 from __future__ import annotations
 
+import torch
+
+from ssm_pack.support import installed
 from ssm_pack.support.report import fix_lines, header_lines, kernel_lines
 
 from .layers import registry
 from .layers.base import plan_support
+from .ops.attention.choice import auto_choice
+
+ATTENTION_FACTS = ((torch.bfloat16, 64), (torch.bfloat16, 128), (torch.bfloat16, 12), (torch.bfloat16, 320),
+                   (torch.float32, 128))
 
 
 def _registered() -> list[type]:
@@ -41,6 +48,19 @@ def inference_backends(mixers=None) -> list[tuple[str, str, str, str | None]]:
     return rows
 
 
+def attention_limit_lines(facts=ATTENTION_FACTS, device="cuda") -> list[str]:
+    """What ``backend="auto"`` takes for packed attention of each ``(dtype, head dim)`` in ``facts`` on
+    ``device``, and the limit (or package state) that passed over each kernel before it."""
+    lines = ["attention kernel per dtype and head dim (auto takes the first kernel that can run; why not the others):"]
+    if not installed.probe.cuda_available():
+        return lines + ["  no CUDA device: every call takes the reference"]
+    for dtype, head_dim in facts:
+        kernel, reasons = auto_choice(dtype, head_dim, device)
+        why = f"  ({'; '.join(reasons)})" if reasons else ""
+        lines.append(f"  {str(dtype).removeprefix('torch.'):9s} D={head_dim:<4d} {kernel}{why}")
+    return lines
+
+
 def full_report() -> str:
     """Packages, kernel features and the backend of every mixer part."""
     lines = header_lines() + [""] + kernel_lines() + ["", "packed training backends per mixer "
@@ -50,6 +70,7 @@ def full_report() -> str:
     lines += ["", "inference backends per mixer (decode steps, KV cache; a packed prefill runs the parts above):"]
     for mixer, part, backend, reason in inference_backends():
         lines.append(f"  {mixer:24s} {part:18s} {backend}" + (f"  ({reason})" if reason else ""))
+    lines += [""] + attention_limit_lines()
     lines += fix_lines()
     lines += ["", "The reference path is exact and packs correctly everywhere; kernels are faster on CUDA."]
     return "\n".join(lines)

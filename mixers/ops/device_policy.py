@@ -19,6 +19,10 @@ Tests and benchmarks force a shape on any tensor with :func:`device_policy` (a c
 manager, ``with device_policy("cuda"):``) or the environment variable ``SSM_PACK_DEVICE_POLICY``
 (``cpu`` or ``cuda``, read at import: :func:`read_environment`); the context manager wins over
 the variable.
+
+Device facts the kernels' choice needs are read here too, once per device: the CUDA compute
+capability (:func:`compute_capability`) and what it rules out (:func:`attention_kernel_limit`:
+FlashAttention-2, in flash-attn and inside PyTorch's ``varlen_attn``, runs on sm80+ only).
 """
 
 from __future__ import annotations
@@ -95,5 +99,51 @@ def device_policy(policy: str):
         _forced.reset(token)
 
 
-__all__ = ["ENV_VAR", "POLICIES", "device_policy", "forced_policy", "policy_for", "read_environment",
+# ------------------------------------------------------------------ device facts, read once per device
+FLASH_MIN_CAPABILITY = (8, 0)     # flash-attn csrc/flash_attn/flash_api.cpp: "only supports Ampere GPUs or newer"
+
+_capabilities: dict[torch.device, tuple[int, int] | None] = {}
+
+
+def read_capability(device: torch.device) -> tuple[int, int] | None:
+    """``(major, minor)`` of a CUDA device from the driver, ``None`` for any other device or where
+    torch sees no CUDA device (the one place that asks; tests replace it to pretend a device)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def compute_capability(device: torch.device | str | torch.Tensor) -> tuple[int, int] | None:
+    """The compute capability of ``device`` (a device, its name, or a tensor), read once per device
+    and cached: later calls cost one dict lookup. ``None`` off CUDA."""
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    elif not isinstance(device, torch.device):
+        device = torch.device(device)
+    try:
+        return _capabilities[device]
+    except KeyError:
+        capability = _capabilities[device] = read_capability(device)
+        return capability
+
+
+def forget_capabilities() -> None:
+    """Drop the cached capabilities (tests that pretend another device call it)."""
+    _capabilities.clear()
+
+
+def attention_kernel_limit(device: torch.device | str | torch.Tensor) -> str | None:
+    """Why FlashAttention-2 (flash-attn's varlen kernel and PyTorch's ``varlen_attn``) cannot run on
+    ``device``, or ``None``: it needs compute capability >= 8.0 (Ampere); a device without one
+    (off CUDA) is left to the backend choice, which keeps CPU tensors on the reference."""
+    capability = compute_capability(device)
+    if capability is None or tuple(capability) >= FLASH_MIN_CAPABILITY:
+        return None
+    major, minor = capability
+    return (f"compute capability {major}.{minor} (FlashAttention-2 needs sm{FLASH_MIN_CAPABILITY[0]}"
+            f"{FLASH_MIN_CAPABILITY[1]}+, an Ampere or newer GPU)")
+
+
+__all__ = ["ENV_VAR", "FLASH_MIN_CAPABILITY", "POLICIES", "attention_kernel_limit", "compute_capability",
+           "device_policy", "forget_capabilities", "read_capability", "forced_policy", "policy_for", "read_environment",
            "whole_tensor"]

@@ -108,6 +108,19 @@ def choose_kernel(op: str, backend: str, *, on_cuda: bool, candidates) -> str:
         return "reference"
     if not on_cuda:
         raise ValueError(f"{op}: backend='kernel' needs CUDA tensors; use backend='reference' on CPU")
+    name, reasons, cannot = _first_kernel(candidates)
+    if name is not None:
+        return name
+    if backend == "kernel":
+        error = ValueError if cannot == len(candidates) else RuntimeError
+        raise error(f"{op}: backend='kernel' is unavailable ({'; '.join(reasons)}); "
+                    "use backend='reference' (or 'auto', which picks it)")
+    return "reference"
+
+
+def _first_kernel(candidates) -> tuple[str | None, list[str], int]:
+    """``(name, reasons, cannot)``: the first kernel of ``candidates`` that can run (``None``: none),
+    each earlier kernel's reason, and how many of them could not take the inputs."""
     reasons, cannot = [], 0
     for name, label, missing, state in candidates:
         if missing is not None:
@@ -116,10 +129,14 @@ def choose_kernel(op: str, backend: str, *, on_cuda: bool, candidates) -> str:
             continue
         ok, reason = state()
         if ok:
-            return name
+            return name, reasons, cannot
         reasons.append(f"{label}: {reason}")
-    if backend == "kernel":
-        error = ValueError if cannot == len(candidates) else RuntimeError
-        raise error(f"{op}: backend='kernel' is unavailable ({'; '.join(reasons)}); "
-                    "use backend='reference' (or 'auto', which picks it)")
-    return "reference"
+    return None, reasons, cannot
+
+
+def auto_choice(candidates) -> tuple[str, list[str]]:
+    """``(kernel, reasons)``: what ``backend="auto"`` takes on CUDA among ``candidates`` (as for
+    :func:`choose_kernel`; ``"reference"`` when none can run) and why each kernel before it was passed
+    over: the limit it cannot do, or its package's state. The support report prints these."""
+    name, reasons, _ = _first_kernel(candidates)
+    return name or "reference", reasons

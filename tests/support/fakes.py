@@ -15,6 +15,7 @@ from mixers.ops import (
     chunk_gated_delta_product,
     chunk_gated_delta_rule,
     chunk_kda,
+    device_policy,
     dispatch,
     mamba_chunk_scan_combined,
     varlen_attention,
@@ -288,44 +289,82 @@ def fake_fla(calls):
     return make
 
 
+def _assert_ampere(t):
+    """flash-attn csrc/flash_attn/flash_api.cpp (2.x, and aten's copy behind ``varlen_attn``): sm80+ only.
+    The device's capability as :func:`mixers.ops.device_policy.read_capability` reports it (tests pretend)."""
+    capability = device_policy.read_capability(t.device)
+    assert capability is None or tuple(capability) >= (8, 0), "FlashAttention only supports Ampere GPUs or newer."
+
+
+def _assert_boundaries(q, k, cu_q, cu_k):
+    """int32 contiguous boundaries covering every query and every key, one document count."""
+    assert cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32 and cu_q.is_contiguous() and cu_k.is_contiguous()
+    assert cu_q.shape == cu_k.shape and int(cu_q[-1]) == q.shape[0] and int(cu_k[-1]) == k.shape[0]
+
+
+def attend(q, k, v, cu_q, cu_k, max_q, causal, window, scale):
+    """What the kernels compute: each document's queries over its keys; with fewer queries than keys the
+    causal mask and the window align bottom-right (query i sits at key position ``i + Tk - Tq``, flash-attn
+    >= 2.1). Equal boundaries go through ssm-pack's reference; others through a plain per-document softmax."""
+    left, right = (-1, -1) if window is None else window
+    if torch.equal(cu_q, cu_k):
+        return varlen_attention(q, k, v, cu_q, max_q, causal=causal, window_size=None if left == -1 else window,
+                                softmax_scale=scale, backend="reference")
+    groups = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    outs = []
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for qa, qb, ka, kb in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
+        qi, ki, vi = q[qa:qb].float(), k[ka:kb].float(), v[ka:kb].float()
+        pos = torch.arange(qb - qa)[:, None] + (kb - ka) - (qb - qa)
+        key = torch.arange(kb - ka)[None, :]
+        keep = (key <= pos) if causal else torch.ones_like(key <= pos)
+        if left >= 0:
+            keep &= key >= pos - left
+        if right >= 0 and not causal:
+            keep &= key <= pos + right
+        scores = torch.einsum("qhd,khd->hqk", qi, ki.repeat_interleave(groups, dim=1)) * scale
+        probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, vi.repeat_interleave(groups, dim=1)).to(q.dtype))
+    return torch.cat(outs)
+
+
 def fake_flash(calls):
     """flash-attn's ``flash_attn_varlen_func`` (csrc/flash_attn/flash_api.cpp, ``mha_varlen_fwd``): fp16 /
-    bf16 with one dtype, the last dimension contiguous, int32 contiguous boundaries."""
+    bf16 with one dtype, the last dimension contiguous, int32 contiguous boundaries, sm80+."""
     def flash(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False, window_size=(-1, -1)):
         assert_tokens(q.shape[0], "flash_attn_varlen_func")
         assert q.dtype in (torch.float16, torch.bfloat16) and cu_q.dtype == torch.int32
         assert k.dtype == q.dtype and v.dtype == q.dtype, "query and key must have the same dtype"
         assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "last dimension must be contiguous"
-        assert cu_q.is_contiguous() and cu_k.is_contiguous() and cu_k.dtype == torch.int32
-        assert int(cu_q[-1]) == q.shape[0] and torch.equal(cu_q, cu_k)
+        _assert_boundaries(q, k, cu_q, cu_k)
         assert q.shape[-1] <= 256, "FlashAttention forward only supports head dimension at most 256"
-        calls.append(("flash", cu_q))
-        return varlen_attention(q, k, v, cu_q, max_q, causal=causal, window_size=window_size,
-                                softmax_scale=softmax_scale, backend="reference")
+        _assert_ampere(q)
+        calls.append(("flash", cu_q) if torch.equal(cu_q, cu_k) else ("flash", (cu_q, cu_k)))
+        return attend(q, k, v, cu_q, cu_k, max_q, causal, window_size, softmax_scale)
     return flash
 
 
 def fake_torch_varlen(calls):
     """PyTorch's ``varlen_attn`` in its keyword form (torch/nn/attention/varlen.py, torch 2.13): the checks of
     aten's flash forward (fp16 / bf16, one dtype, contiguous last dim, int32 boundaries covering every
-    token), ``Hq == Hk`` unless ``enable_gqa``, a window as ``(left, right)``."""
+    token, sm80+), ``Hq == Hk`` unless ``enable_gqa``, a window as ``(left, right)``."""
     def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                     window_size=(-1, -1), enable_gqa=False):
         assert_tokens(query.shape[0], "varlen_attn")
         assert query.dtype in (torch.float16, torch.bfloat16) and key.dtype == value.dtype == query.dtype
         assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
-        assert cu_seq_q.dtype == torch.int32 and cu_seq_q.is_contiguous() and int(cu_seq_q[-1]) == query.shape[0]
-        assert cu_seq_k is not None and torch.equal(cu_seq_q, cu_seq_k) and return_aux is None
+        assert cu_seq_k is not None and return_aux is None
+        _assert_boundaries(query, key, cu_seq_q, cu_seq_k)
         assert enable_gqa or query.shape[1] == key.shape[1], "Hq != Hk needs enable_gqa=True"
         assert isinstance(window_size, tuple) and len(window_size) == 2
         # aten's flash forward (sdp_utils): head dim a multiple of 8, at most 256
         assert query.shape[-1] % 8 == 0 and query.shape[-1] <= 256, "head dim: multiple of 8 up to 256"
-        calls.append(("torch_varlen", cu_seq_q))
+        _assert_ampere(query)
+        calls.append(("torch_varlen", cu_seq_q) if torch.equal(cu_seq_q, cu_seq_k)
+                     else ("torch_varlen", (cu_seq_q, cu_seq_k)))
         left, right = window_size
-        return varlen_attention(query, key.repeat_interleave(query.shape[1] // key.shape[1], dim=1),
-                                value.repeat_interleave(query.shape[1] // key.shape[1], dim=1), cu_seq_q, max_q,
-                                causal=right == 0, window_size=None if left == -1 else (left, right),
-                                softmax_scale=scale, backend="reference")
+        return attend(query, key, value, cu_seq_q, cu_seq_k, max_q, right == 0, window_size, scale)
     return varlen_attn
 
 

@@ -15,31 +15,20 @@ alone, is :mod:`.naive`.
 
 from __future__ import annotations
 
-from .. import dispatch
 from ..common.autocast import outside_autocast
 from ..common.empty import empty_output, no_tokens
 from ._validate import AttentionCall, checked_call
-from .kernel import flash_varlen, unsupported
+from .choice import choose
+from .kernel import flash_varlen
 from .kernel_torch import torch_varlen_attention
-from .kernel_torch import unsupported as torch_varlen_unsupported
 from .reference import varlen_attention_reference
 
 __all__ = ["varlen_attention"]
 
 
 def _choose(call: AttentionCall) -> str:
-    """``"torch_varlen"`` (PyTorch's own kernel), else ``"flash_attn"``, else ``"reference"``."""
-    q = call.q
-    if call.backend == "kernel" and unsupported(q) is not None:      # no attention kernel takes it, on any device
-        raise ValueError(f"varlen_attention: the upstream kernels cannot do {unsupported(q)}; use "
-                         "backend='reference' (or 'auto', which picks it)")
-    candidates = (
-        ("torch_varlen", "PyTorch's varlen_attn", torch_varlen_unsupported(q, call.causal, call.window, call.scale),
-         lambda: dispatch.cached_support("torch_varlen")),
-        ("flash_attn", "flash-attn", unsupported(q), lambda: dispatch.cached_support("flash_attn", ("varlen",))),
-    )
-    return dispatch.choose_kernel("varlen_attention", call.backend, on_cuda=dispatch.is_cuda(q),
-                                  candidates=candidates)
+    """``"torch_varlen"`` (PyTorch's own kernel), else ``"flash_attn"``, else ``"reference"`` (:mod:`.choice`)."""
+    return choose("varlen_attention", call.q, call.causal, call.window, call.scale, call.backend)
 
 
 def _run(call: AttentionCall):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device_policy import attention_kernel_limit
 from ._validate import AttentionCall
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -17,13 +18,19 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256      # flash-attn 2 (csrc/flash_attn/flash_api.cpp): head_size <= 256
 
 
+def unsupported_for(dtype: torch.dtype, head_dim: int, device=None) -> str | None:
+    """What flash-attn's varlen kernel cannot take (``None``: it can): fp16 / bf16, head dim <= 256,
+    a device of compute capability >= 8.0 (``device`` ``None``: not checked)."""
+    if dtype not in KERNEL_DTYPES:
+        return f"dtype {dtype} (flash-attn takes fp16 / bf16)"
+    if head_dim > MAX_HEAD_DIM:
+        return f"head dim {head_dim} (flash-attn takes head dims <= {MAX_HEAD_DIM})"
+    return None if device is None else attention_kernel_limit(device)
+
+
 def unsupported(q: torch.Tensor) -> str | None:
-    """What flash-attn's varlen kernel cannot take (``None``: it can): fp16 / bf16, head dim <= 256."""
-    if q.dtype not in KERNEL_DTYPES:
-        return f"dtype {q.dtype} (flash-attn takes fp16 / bf16)"
-    if q.shape[-1] > MAX_HEAD_DIM:
-        return f"head dim {q.shape[-1]} (flash-attn takes head dims <= {MAX_HEAD_DIM})"
-    return None
+    """What flash-attn's varlen kernel cannot take for ``q`` (``None``: it can)."""
+    return unsupported_for(q.dtype, q.shape[-1], q.device)
 
 
 def load_upstream():
@@ -31,8 +38,16 @@ def load_upstream():
     return flash_attn_varlen_func
 
 
+def varlen_call(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, window: tuple[int, int],
+                scale: float):
+    """``flash_attn_varlen_func``: ``q [Tq, Hq, D]`` over ``k, v [Tk, Hk, D]``; with ``Tq < Tk`` in a
+    document the causal mask aligns bottom-right (flash-attn >= 2.1)."""
+    return load_upstream()(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal,
+                           window_size=window)
+
+
 def flash_varlen(call: AttentionCall):
     q = call.q
     cu = call.varlen.covering_cu_seqlens.to(device=q.device, dtype=torch.int32)
-    return load_upstream()(q, call.k, call.v, cu, cu, call.max_seqlen, call.max_seqlen, softmax_scale=call.scale,
-                           causal=call.causal, window_size=call.window)
+    return varlen_call(q, call.k, call.v, cu, cu, call.max_seqlen, call.max_seqlen, causal=call.causal,
+                       window=call.window, scale=call.scale)
