@@ -12,6 +12,7 @@ inputs identically: full-row tensors from the seed, sliced to the shard.
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,10 @@ SMALL = {"M": {"head_dim": 4, "state_size": 4, "chunk_size": 8, "expand": 1},
          "G": {"head_dim": 4, "chunk_size": 8, "num_heads": 2, "num_v_heads": 4},
          "K": {"head_dim": 4, "chunk_size": 8, "num_heads": 2}, "P": {"head_dim": 4, "chunk_size": 8, "num_heads": 2},
          "A": {"head_dim": 4, "num_heads": 4, "num_kv_heads": 2}}
-OPS = ("conv", "ssd", "gdn", "kda", "gdp", "attention", "attention_window")
+OPS = ("conv", "ssd", "gdn", "kda", "gdp", "attention", "attention_window", "attention_varlen_attn",
+       "attention_flash_window")
+# attention under the CUDA device policy on fakes (tests/support/fakes.py), fp16: (the installed kernel, window)
+KERNEL_ATTENTION = {"attention_varlen_attn": ("torch_varlen", None), "attention_flash_window": ("flash_attn", (5, 0))}
 MIXERS = ("M", "G", "K", "P", "A")
 HIDDEN, CONV_DIM, WIDTH = 16, 6, 4
 
@@ -150,9 +154,34 @@ def op_inputs(subject: str, total: int, docs: int, seed: int) -> dict:
             row["g"] = -F.softplus(_rand(g, *gate)) * 0.5
         shared.update(h0=_rand(g, docs, hv, kd, vd) * 0.5, w_final=_rand(g, docs, hv, kd, vd))
     else:
-        row.update(q=_rand(g, total, 4, 4), k=_rand(g, total, 2, 4), v=_rand(g, total, 2, 4),
-                   w_out=_rand(g, total, 4, 4))
+        d = 8 if subject in KERNEL_ATTENTION else 4         # varlen_attn: head dims a multiple of 8
+        row.update(q=_rand(g, total, 4, d), k=_rand(g, total, 2, d), v=_rand(g, total, 2, d),
+                   w_out=_rand(g, total, 4, d))
+        if subject in KERNEL_ATTENTION:         # what the kernels take
+            row.update({name: row[name].half() for name in ("q", "k", "v")})
     return {"row": row, "shared": shared}
+
+
+@contextmanager
+def cuda_policy(subject: str, varlen):
+    """Under CP, the kernel subjects run on a pretend CUDA device with only their kernel installed (the
+    strict fakes); yields the list of kernel calls (``None`` for every other run: no kernel)."""
+    if subject not in KERNEL_ATTENTION or varlen.cp is None:
+        yield None
+        return
+    import pytest
+
+    from mixers.ops import dispatch
+    from mixers.ops.attention import kernel_torch
+    from tests.support import fakes
+    kernel, calls = KERNEL_ATTENTION[subject][0], []
+    with pytest.MonkeyPatch.context() as mp:
+        fakes.install(mp, calls=calls)
+        mp.setattr(dispatch, "cached_support", lambda name, features=(): (
+            (True, None) if name == kernel else (False, f"{name} is not installed")))
+        mp.setattr(kernel_torch, "on_cuda", lambda t: True)
+        mp.setattr(kernel_torch, "load_upstream", lambda: fakes.fake_torch_varlen(calls))
+        yield calls
 
 
 def _slice(subject, name, t, lo, hi):
@@ -198,8 +227,9 @@ def run_op(subject, inputs, varlen, lo, hi) -> dict:
         else:
             out, states = (chunk_gated_delta_rule if subject == "gdn" else chunk_kda)(*args, **kw)
     else:
-        window = (5, 0) if subject == "attention_window" else None
-        out = varlen_attention(row["q"], row["k"], row["v"], varlen, causal=True, window_size=window)
+        window = (5, 0) if subject == "attention_window" else KERNEL_ATTENTION.get(subject, (None, None))[1]
+        with cuda_policy(subject, varlen) as calls:
+            out = varlen_attention(row["q"], row["k"], row["v"], varlen, causal=True, window_size=window)
     loss = (out * row["w_out"]).sum()
     if states is not None:
         loss = loss + (states * shared["w_final"]).sum()
@@ -208,6 +238,9 @@ def run_op(subject, inputs, varlen, lo, hi) -> dict:
     loss.backward()
     result = {"out": out.detach(), "states": None if states is None else states.detach(),
               "row_state": None if row_state is None else row_state.detach()}
+    if subject in KERNEL_ATTENTION and calls is not None:
+        result["kernels"] = [(kind, [b.tolist() for b in given] if isinstance(given, tuple) else [given.tolist()])
+                             for kind, given in calls]
     result.update({f"grad_{k}": t.grad for k, t in row.items() if t.requires_grad})
     result.update({f"grad_{k}": t.grad for k, t in shared.items() if t.requires_grad})
     return result

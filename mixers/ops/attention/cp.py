@@ -8,8 +8,11 @@ Causal attention inside documents needs, on each rank, only the keys and values 
 document it starts with that lie on earlier ranks. Every rank knows the layout, so one
 all-to-all sends each rank exactly those rows (``[T_pre, 2, Hk, D]`` in all), nothing for
 documents that start on the rank. The first segment's ``T1`` queries then attend over
-``T_pre + T1`` keys (bottom-right causal, blockwise SDPA); the rest of the shard runs the op
-unchanged. Keys' and values' gradients return to their ranks through the exchange's backward.
+``T_pre + T1`` keys, bottom-right causal (query i at key position ``T_pre + i``), through the same
+choice as single-rank attention (:mod:`.choice`): PyTorch's ``varlen_attn`` with ``cu_seq_q = [0, T1]``
+and ``cu_seq_k = [0, T_pre + T1]``, else flash-attn's varlen function with the same boundaries,
+else blockwise SDPA; the rest of the shard runs the op unchanged. Keys' and values' gradients
+return to their ranks through the exchange's backward.
 Rotary positions are global (:attr:`ssm_pack.VarlenBatch.position_ids`), so the received keys
 arrive rotated as the single-process run rotates them.
 """
@@ -23,7 +26,10 @@ import torch.nn.functional as F
 
 from ..common.chunks import compute_dtype
 from ..common.cp_exchange import exchange
+from . import kernel as flash_kernel
+from . import kernel_torch
 from ._validate import AttentionCall
+from .choice import choose
 
 BLOCK = 256
 
@@ -65,6 +71,16 @@ def _continuing(q1, keys, values, offset: int, left: int, scale: float) -> torch
     return torch.cat(outs)
 
 
+def _continuing_kernel(kernel: str, q1, keys, values, window: tuple[int, int], scale: float) -> torch.Tensor:
+    """``q1 [T1, Hq, D]`` over ``keys, values [T_pre + T1, Hk, D]`` as one document of the attention
+    ``kernel`` (``"torch_varlen"`` or ``"flash_attn"``): the kernels align causal bottom-right."""
+    t1, tk = q1.shape[0], keys.shape[0]
+    cu_q = torch.tensor([0, t1], dtype=torch.int32, device=q1.device)
+    cu_k = torch.tensor([0, tk], dtype=torch.int32, device=q1.device)
+    call = kernel_torch.varlen_call if kernel == "torch_varlen" else flash_kernel.varlen_call
+    return call(q1.contiguous(), keys, values, cu_q, cu_k, t1, tk, causal=True, window=window, scale=scale)
+
+
 def varlen_attention_cp(call: AttentionCall, local_op):
     """The CP version of :func:`mixers.ops.varlen_attention` (``call.varlen.cp`` set).
     ``local_op`` is the op itself, run on this rank's pieces without CP (passed in, so this module
@@ -90,9 +106,13 @@ def varlen_attention_cp(call: AttentionCall, local_op):
     sources = sorted(received)
     keys = torch.cat([received[s][0] for s in sources] + [k[:t1]])
     values = torch.cat([received[s][1] for s in sources] + [v[:t1]])
-    compute = compute_dtype(q.dtype)
-    first = _continuing(q[:t1].to(compute), keys.to(compute), values.to(compute), keys.shape[0] - t1,
-                        window[0], scale).to(q.dtype)
+    kernel = choose("varlen_attention", q, True, window, scale, backend)
+    if kernel == "reference":
+        compute = compute_dtype(q.dtype)
+        first = _continuing(q[:t1].to(compute), keys.to(compute), values.to(compute), keys.shape[0] - t1,
+                            window[0], scale).to(q.dtype)
+    else:
+        first = _continuing_kernel(kernel, q[:t1], keys, values, window, scale)
     if t1 == q.shape[0]:
         return run.anchor(first)
     rest = local_op(q[t1:], k[t1:], v[t1:], run.after_first, causal=True, window_size=window,
