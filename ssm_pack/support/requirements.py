@@ -86,7 +86,7 @@ KERNELS = {k.name: k for k in (
     Kernel("torch_varlen", "PyTorch's varlen_attn (FlashAttention-2 inside PyTorch, from 2.10)", (),
            why="torch.nn.attention.varlen: v2.10 is_causal= only; v2.11 keyword-only scale= and window_size=; "
                "v2.12 enable_gqa= (GQA then needs it); the signature is read once at import; the backward at "
-               "T == 0 raises on 2.11, so training with no token takes the next kernel there"),
+               "T == 0 raises on 2.11, never reached: every op returns before any kernel at T == 0"),
     Kernel("flash_attn", "flash-attn's attention kernels", (("flash_attn", "2.3.0"),),
            why="flash_attn_varlen_func(..., window_size=) forward and backward from v2.3.0"),
 )}
