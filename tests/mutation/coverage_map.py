@@ -1,7 +1,8 @@
 """Which tests run which lines of a module: the selection of the generated-mutant lane.
 
 Two steps per module. Candidate test files are found statically (the ``tests/`` files that name
-the module's dotted path or one of its public names; the files mirroring its path first). Those
+the module's dotted path or one of its public names, the files mirroring its path first; then, to
+fill the limit, those naming a product module that imports it). Those
 files then run once under :class:`LineRecorder`, a pytest plugin that traces only the target
 modules' files (``sys.settrace``; every other frame is left untraced, so the cost stays near a
 plain run) and writes, per test, its outcome, its seconds and the target lines it executed. A
@@ -39,23 +40,68 @@ def dotted(module: str) -> str:
     return name.removesuffix(".__init__")
 
 
+def _mirrors(module: str, test: str) -> int:
+    """How closely the test file ``test`` mirrors ``module``: one point each for the module's stem and its
+    package's name occurring as whole ``_``-separated words of the file name (``state`` is not ``states``)."""
+    name = "_" + Path(test).stem + "_"
+    parts = Path(module).parts
+    words = [Path(module).stem] + ([parts[-2]] if len(parts) > 1 else [])
+    return sum(f"_{w}_" in name for w in words if w != "__init__")
+
+
+def _imports(rel: str, tree: ast.Module) -> set[str]:
+    """The dotted modules (and ``module.name`` candidates) a module's imports name, relative ones resolved."""
+    package = dotted(rel) if rel.endswith("__init__.py") else dotted(rel).rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            origin = ".".join(base + ([node.module] if node.module else []))
+            out.add(origin)
+            out.update(f"{origin}.{a.name}" for a in node.names)
+    return out
+
+
+def _importers(root: Path, module: str) -> list[str]:
+    """Product modules that import ``module`` (absolutely or relatively)."""
+    target = dotted(module)
+    found = []
+    for path in sorted(p for top in ("ssm_pack", "mixers") for p in (Path(root) / top).rglob("*.py")):
+        rel = str(path.relative_to(root))
+        if rel != module and target in _imports(rel, ast.parse(path.read_text())):
+            found.append(rel)
+    return found
+
+
+def _naming(root: Path, module: str) -> re.Pattern:
+    names = public_names(Path(root) / module)
+    return re.compile(r"\b(" + "|".join(map(re.escape, [dotted(module)] + names)) + r")\b")
+
+
 def candidate_tests(root: Path, module: str, limit: int) -> list[str]:
-    """Up to ``limit`` test files (relative paths) that name ``module`` or one of its public names,
-    those mirroring its path first, then by how many of its names they use."""
+    """Up to ``limit`` test files (relative paths) for ``module``: those that name it or one of its public
+    names, the closest mirrors of its path first, then by how many of its names they use; when fewer
+    than ``limit`` do, the files naming a product module that imports it (the entry points a private
+    helper is tested through), by the same order."""
     root = Path(root)
-    names = public_names(root / module)
-    stem = Path(module).stem
-    pattern = re.compile(r"\b(" + "|".join(map(re.escape, [dotted(module)] + names)) + r")\b")
+    direct = _naming(root, module)
+    by_importer = [(m, _naming(root, m)) for m in _importers(root, module)]
     scored = []
     for path in sorted((root / "tests").rglob("test_*.py")):
         rel = str(path.relative_to(root))
         if "/mutation/" in rel:
             continue
         text = path.read_text()
-        hits = set(pattern.findall(text))
-        mirror = stem != "__init__" and stem in path.stem
+        hits, mirror = set(direct.findall(text)), _mirrors(module, rel)
         if hits or mirror:
-            scored.append((not mirror, -len(hits), rel))
+            scored.append((0, -mirror, -len(hits), rel))
+        else:
+            indirect = [(_mirrors(m, rel), len(set(p.findall(text)))) for m, p in by_importer]
+            best = max((i for i in indirect if i[1]), default=None)
+            if best:
+                scored.append((1, -best[0], -best[1], rel))
     return [rel for *_, rel in sorted(scored)[:limit]]
 
 

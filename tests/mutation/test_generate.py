@@ -112,6 +112,20 @@ def test_candidate_tests_mirror_the_module_first():
     assert files[0].startswith("tests/mixers/test_carry")
 
 
+@pytest.mark.parametrize("module, want, never", [
+    pytest.param("ssm_pack/stream/state.py", "tests/ssm_pack/test_stream_errors.py",
+                 "tests/mixers/ops/test_fla_wrapper_states.py", id="whole-word-mirror-and-importer-tests"),
+    pytest.param("ssm_pack/formats/consistency.py", "tests/ssm_pack/test_varlen.py", None,
+                 id="relative-import-from-a-parent-package"),
+    pytest.param("mixers/ops/common/empty.py", "tests/mixers/ops/test_causal_conv1d.py", None,
+                 id="helper-no-test-names"),
+])
+def test_candidate_tests_reach_a_helper_through_the_modules_importing_it(module, want, never):
+    files = candidate_tests(ROOT, module, 8)
+    assert want in files, files
+    assert never not in files
+
+
 def test_the_coverage_map_gives_import_lines_to_every_test_of_the_module(tmp_path):
     log = tmp_path / "lines.jsonl"
     f = str(tmp_path / "m.py")
