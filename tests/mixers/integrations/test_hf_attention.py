@@ -69,3 +69,31 @@ def test_keys_from_an_earlier_cache_are_refused():
     k, v = torch.cat([k, k], 2), torch.cat([v, v], 2)
     with pytest.raises(ValueError, match="without past_key_values"):
         packed_attention(_Layer(), q, k, v, _params())
+
+
+@pytest.mark.parametrize("dv", [pytest.param(8, id="plain"), pytest.param(12, id="mla-wider-values")])
+def test_without_scaling_the_scale_is_the_query_head_dims(dv):
+    q, k, v = _inputs(dv=dv)
+    out = packed_attention(_Layer(), q, k, v, _params())[0]
+    assert float((out - _oracle(q, k, v, 8 ** -0.5, None)).abs().max()) <= 1e-10    # not the padded width's
+    other = packed_attention(_Layer(), q, k, v, _params(), scaling=0.3)[0]
+    assert float((other - out).abs().max()) > 1e-3                                  # negative control
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _Layer()
+        self.implementations = []
+
+    def set_attn_implementation(self, name):
+        self.implementations.append(name)
+
+
+def test_detach_takes_the_batch_off_every_attention_module():
+    from mixers.integrations.hf_attention import _BATCH, attach, detach, wrapped_name
+    model, batch = _Model(), object()
+    attach(model, [model.attn], "sdpa", batch)
+    assert getattr(model.attn, _BATCH) is batch and model.implementations == [wrapped_name("sdpa")]
+    detach(model, "sdpa")
+    assert not hasattr(model.attn, _BATCH) and model.implementations[-1] == "sdpa"
