@@ -37,6 +37,8 @@ from .formats.segments import Segments, segments_from_cu_seqlens
 from .formats.seq_idx import get_cu_seqlens, renumber_seq_idx, seq_idx_from_cu_seqlens
 from .parallel import layout as context_parallel
 
+# fla's Triton causal_conv1d works in chunks of this many tokens (fla/modules/causal_conv1d/ops.py, 0.6.0)
+FLA_CONV_CHUNK = 64
 # the fields any Megatron-core style PackedSeqParams has (duck typing: no methods of ours needed)
 _MCORE_CU_SEQLENS_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 
@@ -227,6 +229,30 @@ class VarlenBatch:
         return torch.cat([cu[:1], torch.cumsum(lengths[order], 0)]), order
 
     @cached_property
+    def fla_conv_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cu [S+1] int64, chunk_indices [NT, 2] int64)`` for fla's Triton conv: the segments'
+        starts then T (no empty sequence, the padding tail its own), and the kernel's grid, one
+        ``(segment, chunk)`` row per :data:`FLA_CONV_CHUNK` tokens of each segment. fla builds the
+        indices itself when not given them (two host reads per call); here they cost one, once."""
+        segs = self.segments
+        cu = torch.cat([segs.starts, segs.starts.new_tensor([self.total_tokens])])
+        counts = torch.div(segs.lengths + (FLA_CONV_CHUNK - 1), FLA_CONV_CHUNK, rounding_mode="floor")
+        total = int(counts.sum()) if counts.numel() else 0
+        seg = torch.repeat_interleave(torch.arange(counts.numel(), device=cu.device), counts, output_size=total)
+        within = torch.arange(total, device=cu.device) - (torch.cumsum(counts, 0) - counts)[seg]
+        return cu, torch.stack([seg, within], 1)
+
+    def read_ahead(self) -> VarlenBatch:
+        """Derive now the fields whose derivation reads tensor values (the longest segment, the
+        segments, fla's conv layout), so that no layer synchronises with the device later in the
+        step. Metadata built without validation (``validate=False``) reads nothing: it is left as
+        is (use :meth:`materialize` outside a capture instead)."""
+        if self.validated:
+            for name in ("max_seqlen", "segments", "fla_conv_layout"):
+                getattr(self, name)
+        return self
+
+    @cached_property
     def real_tokens(self) -> torch.Tensor:
         """``[1, T]`` bool: the token is a real token of a document (not per-document padding or the tail)."""
         real = self.real_cu_seqlens.to(torch.int64)
@@ -237,7 +263,7 @@ class VarlenBatch:
     def materialize(self) -> VarlenBatch:
         """Derive every lazy field now (before ``torch.compile`` tracing or CUDA-graph capture)."""
         for name in ("max_seqlen", "seq_idx", "renumbered_seq_idx", "cu_seqlens_long", "position_ids", "segments",
-                     "covering_cu_seqlens", "nonempty_layout", "real_tokens"):
+                     "covering_cu_seqlens", "nonempty_layout", "fla_conv_layout", "real_tokens"):
             getattr(self, name)
         return self
 

@@ -87,11 +87,13 @@ class HybridLM(CachedLM, nn.Module):
                  cache_slots=None) -> torch.Tensor:
         """The blocks and the final norm: ``[B, T, D] -> [B, T, D]`` (what the leakage checker probes).
 
-        The packing metadata is resolved once here (a :class:`ssm_pack.VarlenBatch`) and handed
-        to every block, so no block derives it again."""
+        The packing metadata is resolved once here (a :class:`ssm_pack.VarlenBatch`, its value reads
+        done up front: :meth:`~ssm_pack.VarlenBatch.read_ahead`) and handed to every block, so no
+        block derives it again or synchronises with the device for it."""
         varlen = None
         if packed_seq_params is not None:
-            varlen = VarlenBatch.build(packed_seq_params, hidden_states.shape[1], device=hidden_states.device)
+            varlen = VarlenBatch.build(packed_seq_params, hidden_states.shape[1],
+                                       device=hidden_states.device).read_ahead()
         if cache is not None or cache_slots is not None:  # inference: per-slot states (mixers/model/cached.py)
             return self._backbone_cached(hidden_states, varlen, cache, cache_slots)
         for block in self.blocks:

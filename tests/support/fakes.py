@@ -3,6 +3,9 @@ as ``(kind, what it was given)`` in a shared list, and computes through ssm-pack
 
 from __future__ import annotations
 
+import contextlib
+from collections import deque
+
 import torch
 
 import mixers.ops.attention.kernel as attn_kernel
@@ -160,14 +163,43 @@ def fake_conv_states(calls):
     return states
 
 
+def upstream_host_work(fn, *args, around=None, **kwargs):
+    """``fn(*args, **kwargs)``: work a fake does the way upstream does it (its host reads are upstream's,
+    which the sync census counts: ``around`` is the census's context that counts them)."""
+    with around() if around is not None else contextlib.nullcontext():
+        return fn(*args, **kwargs)
+
+
+FLA_CONV_CHUNK = 64                 # fla/modules/causal_conv1d/ops.py (0.6.0): CausalConv1dFunction's chunk_size
+_FLA_INDEX_CACHE: deque = deque(maxlen=4)    # fla/utils/decorators.py tensor_cache (0.6.0): 4 calls, by identity
+
+
+def fla_chunk_indices(cu_seqlens, chunk_size, *, cached=True):
+    """fla's ``prepare_chunk_indices`` (fla/ops/utils/index.py, 0.6.0) as upstream runs it: ``[NT, 2]``
+    (sequence, chunk within it) in ``cu_seqlens``' dtype, memoized by the identity of its arguments
+    (the last 4 calls), built by ``repeat_interleave`` without ``output_size`` (two host reads on a GPU)."""
+    for cu, size, out in _FLA_INDEX_CACHE if cached else ():
+        if cu is cu_seqlens and size == chunk_size:
+            return out
+    counts = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk_size - 1).div(chunk_size, rounding_mode="floor")
+    seg = torch.repeat_interleave(torch.arange(counts.numel(), dtype=counts.dtype, device=counts.device), counts)
+    start = torch.cat([counts.new_zeros(1), counts.cumsum(0)[:-1]])
+    out = torch.stack([seg, torch.arange(seg.numel(), dtype=counts.dtype, device=counts.device) - start[seg]], 1)
+    out = out.to(cu_seqlens)
+    if cached:
+        _FLA_INDEX_CACHE.append((cu_seqlens, chunk_size, out))
+    return out
+
+
 def fake_fla_conv(calls):
     """fla's Triton ``causal_conv1d`` (fla/modules/causal_conv1d, 0.6.0): one varlen row, boundaries
-    ending at T, ``[N, D, W]`` states.
+    ending at T, ``[N, D, W]`` states; ``chunk_indices`` (the kernel's grid: a wrong one leaves chunks
+    uncomputed) must be what fla would build, else fla builds them itself (:func:`fla_chunk_indices`).
 
     Slot 0 of the final states (the input that just left the window) is NaN here, so a wrapper
     that read it instead of dropping it would fail every comparison."""
     def conv(x, weight, bias=None, residual=None, initial_state=None, output_final_state=False, activation=None,
-             backend="triton", cu_seqlens=None):
+             backend="triton", cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None):
         _, t, d = x.shape
         assert_tokens(t, "fla's causal_conv1d")
         assert x.dim() == 3 and x.shape[0] == 1 and x.dtype in KERNEL_DTYPES and residual is None
@@ -175,13 +207,22 @@ def fake_fla_conv(calls):
         assert cu_seqlens is not None and cu_seqlens.dtype == torch.int64 and int(cu_seqlens[0]) == 0
         assert int(cu_seqlens[-1]) == t, "fla leaves tokens after cu_seqlens[-1] uncomputed"
         assert bool((cu_seqlens[1:] > cu_seqlens[:-1]).all()), "segments are never empty"
+        assert cu_seqlens_cpu is None or torch.equal(cu_seqlens_cpu.cpu(), cu_seqlens.cpu())
+        if chunk_indices is None:
+            upstream_host_work(fla_chunk_indices, cu_seqlens, FLA_CONV_CHUNK)
+        else:
+            assert chunk_indices.device == x.device and chunk_indices.is_contiguous()
+            assert chunk_indices.dtype in (torch.int32, torch.int64) and chunk_indices.dim() == 2
+            assert torch.equal(chunk_indices.to(torch.int64),
+                               fla_chunk_indices(cu_seqlens, FLA_CONV_CHUNK, cached=False)), "wrong chunk_indices"
         n, width = cu_seqlens.numel() - 1, weight.shape[1]
         assert tuple(weight.shape) == (d, width) and activation in (None, "silu", "swish")
         init = None
         if initial_state is not None:
             assert tuple(initial_state.shape) == (n, d, width) and bool((initial_state[..., 0] == 0).all())
             init = initial_state[..., 1:]
-        calls.append(("fla_conv", dict(cu_seqlens=cu_seqlens, initial_state=initial_state)))
+        calls.append(("fla_conv", dict(cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                       chunk_indices=chunk_indices)))
         out = causal_conv1d_fn(x.transpose(1, 2), weight, bias, initial_states=init, activation=activation,
                                return_final_states=output_final_state, cu_seqlens=cu_seqlens, backend="reference")
         if not output_final_state:

@@ -69,7 +69,8 @@ def _run(call: ConvCall):
         slots = initial_slots(call, segs)
         if choice == "fla_conv":
             out, final_slots = kernel_fla.fla_conv(x, weight, bias, segs, slots, call.activation, pad_mask,
-                                                   call.return_final_states)
+                                                   call.return_final_states,
+                                                   varlen.fla_conv_layout if varlen is not None else None)
             if call.return_final_states:
                 final = final_states(call, final_slots, segs)
         else:

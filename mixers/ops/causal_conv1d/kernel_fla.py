@@ -54,13 +54,16 @@ def unsupported(x: torch.Tensor) -> str | None:
     return None
 
 
-def fla_conv(x, weight, bias, segs: Segments, slots, activation, pad_mask, final: bool):
+def fla_conv(x, weight, bias, segs: Segments, slots, activation, pad_mask, final: bool, layout=None):
     """Run fla over the segments of ``x [B, D, T]``.
 
     Args:
         slots: ``[S, D, W-1]`` initial state of every segment, or ``None`` (zeros).
         pad_mask: ``[B, T]`` bool, outputs to zero (negative ``seq_idx``), or ``None``.
         final: also return the segments' final states.
+        layout: ``(cu, chunk_indices)`` of these segments, built once per forward
+            (:attr:`ssm_pack.VarlenBatch.fla_conv_layout`), or ``None``: the boundaries are built
+            here and fla builds its chunk indices (two host reads per call on a GPU).
 
     Returns ``(out [B, D, T]`` channel-last in ``x.dtype``, ``[S, D, W-1]`` final slots or ``None)``.
     """
@@ -71,12 +74,13 @@ def fla_conv(x, weight, bias, segs: Segments, slots, activation, pad_mask, final
         return out, (x.new_zeros(0, dim, state_len) if final else None)
     conv = load_upstream()
     tokens = x.transpose(1, 2).reshape(1, batch * length, dim)        # a view when B == 1
-    cu = torch.cat([segs.starts, segs.starts.new_tensor([batch * length])]).to(torch.int64)
+    cu, chunk_indices = layout if layout is not None else (
+        torch.cat([segs.starts, segs.starts.new_tensor([batch * length])]).to(torch.int64), None)
     init = None
     if slots is not None:
         init = torch.cat([slots.new_zeros(slots.shape[0], dim, 1), slots], dim=2)
     out, states = conv(tokens, weight, bias, initial_state=init, output_final_state=final,
-                       activation=activation, backend="triton", cu_seqlens=cu)
+                       activation=activation, backend="triton", cu_seqlens=cu, chunk_indices=chunk_indices)
     out = out.reshape(batch, length, dim).transpose(1, 2)
     if pad_mask is not None:
         out = out.masked_fill(pad_mask.unsqueeze(1), 0.0)

@@ -1,0 +1,155 @@
+"""Does a training step stall the GPU? A host-sync census of one HybridLM training step.
+
+A count, not a timer (:mod:`benchmarks.sync_census`): one ``HybridLM("MGKPA")`` training step
+(forward and backward) runs under the CUDA device policy with every upstream kernel replaced by
+its strict fake (``tests/support/fakes.py``, the fake-device mode's fakes, on CPU tensors). The
+fakes' own checks and reference arithmetic are not counted (each kernel call is one opaque node,
+forward and backward); what upstream itself reads on the host is (the fakes run that part as
+upstream does, e.g. fla building its chunk indices when none are given). Each sync is attributed
+to the block it happens in, or to the model outside the blocks (building the step's
+``VarlenBatch``, the loss).
+
+Targets: no sync inside any block once the step's ``VarlenBatch`` exists, and a step total that
+does not grow with the tokens or the documents. Both conv kernels are counted: causal-conv1d's
+CUDA kernel, and fla's Triton conv (what runs where causal-conv1d is not built).
+
+    python -m benchmarks.bench_syncs [--lengths 4096 32768] [--docs 1 512] [--trace]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.bench_census import opaque
+from benchmarks.sync_census import OUTSIDE, SyncCensus, backward_phase
+from mixers import HybridLM
+from mixers.ops.device_policy import device_policy
+from ssm_pack import PackedSeqParams
+
+SMALL = {"M": {"head_dim": 16, "state_size": 8, "chunk_size": 64}, "G": {"head_dim": 8, "chunk_size": 64},
+         "K": {"head_dim": 8, "chunk_size": 64}, "P": {"head_dim": 8, "chunk_size": 64}, "A": {"head_dim": 8}}
+CONV_KERNELS = ("causal_conv1d", "fla_conv")
+
+
+class _Patcher:
+    """The ``setattr`` of pytest's monkeypatch, undone when ``stack`` closes."""
+
+    def __init__(self, stack: contextlib.ExitStack):
+        self.stack = stack
+
+    def setattr(self, owner, name, value):
+        old = getattr(owner, name)
+        setattr(owner, name, value)
+        self.stack.callback(setattr, owner, name, old)
+
+
+def _opaque_result(value, census):
+    if isinstance(value, tuple):
+        return tuple(_opaque_result(v, census) for v in value)
+    return opaque(value, census) if callable(value) else value
+
+
+def install_fakes(stack: contextlib.ExitStack, census: SyncCensus, conv: str) -> list:
+    """Every upstream kernel replaced by its fake, run opaque (not counted) except upstream's host
+    work; ``conv`` picks the conv kernel (``"fla_conv"``: causal-conv1d reported not installed)."""
+    import mixers.ops.attention.kernel as attn_kernel
+    import mixers.ops.causal_conv1d.kernel as conv_kernel
+    import mixers.ops.causal_conv1d.kernel_fla as fla_conv_kernel
+    import mixers.ops.delta_rule.kernel as fla_kernel
+    import mixers.ops.ssd.kernel as ssd_kernel
+    from mixers.ops import dispatch
+    from mixers.ops.attention import kernel_torch
+    from tests.support import fakes
+
+    if conv not in CONV_KERNELS:
+        raise ValueError(f"conv must be one of {CONV_KERNELS}, got {conv!r}")
+    patch = _Patcher(stack)
+    calls = fakes.install(patch)
+    patch.setattr(kernel_torch, "on_cuda", lambda t: True)
+    patch.setattr(kernel_torch, "load_upstream", lambda: fakes.fake_torch_varlen(calls))
+    if conv == "fla_conv":
+        patch.setattr(dispatch, "cached_support", lambda name, features=(): (
+            (False, "causal-conv1d is not installed") if name == "causal_conv1d" else (True, None)))
+    for module in (conv_kernel, fla_conv_kernel, ssd_kernel, fla_kernel, attn_kernel, kernel_torch):
+        load = module.load_upstream
+        patch.setattr(module, "load_upstream", lambda *a, _load=load: _opaque_result(_load(*a), census))
+    host_work = fakes.upstream_host_work
+    patch.setattr(fakes, "upstream_host_work", lambda fn, *a, **k: host_work(fn, *a, **k, around=census.resume))
+    return calls
+
+
+@dataclass
+class StepCensus:
+    tokens: int
+    docs: int
+    conv: str
+    dtype: str
+    per_place: dict
+    inside: int
+    total: int
+    syncs: list
+
+
+def census_step(tokens: int, docs: int, *, conv: str = "causal_conv1d", dtype=torch.bfloat16, hidden: int = 32,
+                params=None, trace: bool = False) -> StepCensus:
+    """The host syncs of one training step of ``HybridLM(256, hidden, "MGKPA")`` on ``docs`` documents
+    of ``tokens`` tokens in all (``params``: given packing metadata instead)."""
+    torch.manual_seed(0)
+    model = HybridLM(256, hidden, "MGKPA", mixer_overrides=SMALL).to(dtype)
+    if params is None:
+        lengths = [tokens // docs + (i < tokens % docs) for i in range(docs)]
+        params = PackedSeqParams.from_lengths(lengths)
+    ids = torch.randint(0, 256, (1, tokens))
+    census = SyncCensus(trace=trace)
+    with contextlib.ExitStack() as stack:
+        install_fakes(stack, census, conv)
+        stack.enter_context(device_policy("cuda"))
+        handles = census.watch({f"blocks.{i} ({block.mixer.__class__.__name__})": block
+                                for i, block in enumerate(model.blocks)})
+        stack.callback(lambda: [h.remove() for h in handles])
+        with census:
+            loss = model(ids, params, labels=ids)["loss"]
+            with backward_phase(census):
+                loss.backward()
+    places = dict(census.per_place())
+    return StepCensus(tokens, docs, conv, str(dtype).replace("torch.", ""), places, census.inside_layers(),
+                      census.total(), census.syncs)
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--docs", type=int, nargs="+", default=[1, 512])
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--trace", action="store_true", help="list every sync with its file and line")
+    args = parser.parse_args(argv)
+    lines = ["| conv kernel | T | documents | syncs inside blocks | syncs outside blocks | step total |",
+             "|---|---|---|---|---|---|"]
+    found = []
+    for conv in CONV_KERNELS:
+        for t in args.lengths:
+            for n in args.docs:
+                c = census_step(t, n, conv=conv, hidden=args.hidden, trace=args.trace)
+                found.append(c)
+                lines.append(f"| {conv} | {t:,} | {n:,} | {c.inside} | {c.per_place.get(OUTSIDE, 0)} | {c.total} |")
+                if args.trace:
+                    lines += [f"<!-- {s.where} {s.phase} {s.op} x{s.reads} {s.line} -->" for s in c.syncs]
+    verdicts = []
+    for conv in CONV_KERNELS:
+        mine = [c for c in found if c.conv == conv]
+        inside = max(c.inside for c in mine)
+        same = len({c.total for c in mine}) == 1
+        verdicts.append(f"{conv}: {'no sync' if inside == 0 else f'up to {inside} syncs'} inside the blocks; "
+                        f"step total {'the same' if same else 'differs'} at every T and document count "
+                        f"({', '.join(sorted({str(c.total) for c in mine}))})")
+    report = "\n".join(lines + [""] + verdicts)
+    print(report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
