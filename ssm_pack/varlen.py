@@ -36,6 +36,7 @@ from .formats.params import PackedSeqParams
 from .formats.segments import Segments, segments_from_cu_seqlens
 from .formats.seq_idx import get_cu_seqlens, renumber_seq_idx, seq_idx_from_cu_seqlens
 from .parallel import layout as context_parallel
+from .params_cache import BuiltPerParams
 
 # fla's Triton causal_conv1d works in chunks of this many tokens (fla/modules/causal_conv1d/ops.py, 0.6.0)
 FLA_CONV_CHUNK = 64
@@ -54,7 +55,8 @@ class VarlenBatch:
             ``cu_seqlens`` without per-document padding); each document's real tokens start at
             its physical start.
 
-    Build it with :meth:`build`; a ``VarlenBatch`` is immutable and lives for one forward.
+    Build it with :meth:`build` (once per params object, :mod:`ssm_pack.params_cache`); a ``VarlenBatch`` is
+    immutable.
     """
 
     cu_seqlens: torch.Tensor
@@ -81,8 +83,8 @@ class VarlenBatch:
             return packed_seq_params.check_tokens(total_tokens, device)
         if packed_seq_params is None:
             raise TypeError("packed_seq_params must be a PackedSeqParams, a VarlenBatch or cu_seqlens, got None")
-        if hasattr(packed_seq_params, "cu_seqlens_q"):
-            return cls._from_params(packed_seq_params, total_tokens, device)
+        if hasattr(packed_seq_params, "cu_seqlens_q"):      # once per params object (Megatron passes it per layer)
+            return BUILT_PER_PARAMS.get(packed_seq_params, total_tokens, device, cls._from_params)
         if not isinstance(packed_seq_params, (torch.Tensor, list, tuple)) and not is_numpy_array(packed_seq_params):
             raise TypeError("packed_seq_params must be a PackedSeqParams (or any object with Megatron's "
                             "cu_seqlens_q field), a VarlenBatch or a cu_seqlens tensor / list / numpy array, got "
@@ -270,6 +272,9 @@ class VarlenBatch:
     def __repr__(self) -> str:
         return (f"VarlenBatch(documents={self.num_docs}, total_tokens={self.total_tokens}, "
                 f"max_seqlen={self.max_seqlen}, device={self.device})")
+
+
+BUILT_PER_PARAMS = BuiltPerParams()
 
 
 def _longest(cu: torch.Tensor, total_tokens: int) -> int:

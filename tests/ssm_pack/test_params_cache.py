@@ -1,0 +1,119 @@
+"""Megatron-style calls hand every layer the params: the metadata is built once per params object.
+
+Negative controls: another params object, other tokens, or a boundary tensor changed in place
+build anew (and ssm-pack's own params, changed in place, still raise).
+"""
+
+import gc
+
+import pytest
+import torch
+
+from benchmarks.bench_syncs import install_fakes
+from benchmarks.sync_census import OUTSIDE, SyncCensus
+from mixers.ops.device_policy import device_policy
+from ssm_pack import PackedSeqParams, VarlenBatch, varlen
+from tests.mixers.layers.test_layers import HIDDEN, LAYERS
+from tests.support.megatron_standin import megatron_copy
+
+LENGTHS = [5, 0, 40, 18]
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    made = []
+    original = VarlenBatch._from_params.__func__
+
+    def counting(cls, params, total_tokens, device):
+        made.append(params)
+        return original(cls, params, total_tokens, device)
+
+    monkeypatch.setattr(VarlenBatch, "_from_params", classmethod(counting))
+    return made
+
+
+def _params(kind):
+    ours = PackedSeqParams.from_lengths(LENGTHS, total_tokens=66)
+    return ours if kind == "ours" else megatron_copy(ours)
+
+
+KINDS = [pytest.param("ours", id="ssm-pack-params"), pytest.param("megatron", id="megatron-params")]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stack_of_layers_builds_the_metadata_once(builds, kind):
+    params = _params(kind)
+    x = torch.randn(1, 66, HIDDEN)
+    for name in LAYERS:
+        x = x + LAYERS[name](backend="reference")(x, packed_seq_params=params)
+    assert len(builds) == 1
+    other = _params(kind)                            # control: a new params object builds its own
+    LAYERS["gdn"](backend="reference")(x, packed_seq_params=other)
+    assert len(builds) == 2
+
+
+def test_the_same_params_for_other_tokens_build_anew(builds):
+    params = megatron_copy(PackedSeqParams.from_lengths(LENGTHS, total_tokens=66))
+    a = VarlenBatch.build(params, 66)
+    b = VarlenBatch.build(params, 70)
+    assert a is not b and b.total_tokens == 70 and len(builds) == 2
+    assert VarlenBatch.build(params, 66) is not a or len(builds) == 2
+
+
+def test_a_boundary_changed_in_place_builds_anew(builds):
+    params = megatron_copy(PackedSeqParams.from_lengths(LENGTHS, total_tokens=66))
+    first = VarlenBatch.build(params, 66)
+    for cu in {id(t): t for t in (params.cu_seqlens_q, params.cu_seqlens_kv)}.values():
+        cu[1] = 4                                    # Megatron's params are plain, mutable tensors
+    again = VarlenBatch.build(params, 66)
+    assert again is not first and int(again.cu_seqlens[1]) == 4 and len(builds) == 2
+
+
+def test_a_field_replaced_builds_anew(builds):
+    params = megatron_copy(PackedSeqParams.from_lengths(LENGTHS, total_tokens=66))
+    first = VarlenBatch.build(params, 66)
+    params.max_seqlen_q = 41
+    assert VarlenBatch.build(params, 66) is not first and len(builds) == 2
+
+
+def test_ssm_pack_params_changed_in_place_still_raise():
+    params = PackedSeqParams.from_lengths(LENGTHS, total_tokens=66)
+    VarlenBatch.build(params, 66)
+    params.cu_seqlens_q[1] = 4
+    with pytest.raises(ValueError, match="modified in place"):
+        VarlenBatch.build(params, 66)
+
+
+def test_the_cache_keeps_no_params_alive():
+    gc.collect()
+    before = len(varlen.BUILT_PER_PARAMS)
+    params = megatron_copy(PackedSeqParams.from_lengths(LENGTHS, total_tokens=66))
+    VarlenBatch.build(params, 66)
+    assert len(varlen.BUILT_PER_PARAMS) == before + 1
+    del params
+    gc.collect()
+    assert len(varlen.BUILT_PER_PARAMS) == before
+
+
+def test_megatron_style_layers_sync_only_in_the_first():
+    """The host-sync census of a Megatron-style stack (each layer given the params) on the fake kernels."""
+    import contextlib
+
+    torch.manual_seed(0)
+    layers = {name: LAYERS[name]().to(torch.bfloat16) for name in LAYERS}
+    params = megatron_copy(PackedSeqParams.from_lengths(LENGTHS, total_tokens=66))
+    x = torch.randn(1, 66, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    census = SyncCensus()
+    with contextlib.ExitStack() as stack:
+        install_fakes(stack, census, "causal_conv1d")
+        stack.enter_context(device_policy("cuda"))
+        handles = census.watch(layers)
+        stack.callback(lambda: [h.remove() for h in handles])
+        with census:
+            h = x
+            for layer in layers.values():
+                h = h + layer(h, packed_seq_params=params)
+            h.float().square().sum().backward()
+    places = census.per_place()
+    first = next(iter(layers))
+    assert places[first] > 0 and set(places) - {OUTSIDE} == {first}, places
