@@ -120,12 +120,59 @@ def census_step(tokens: int, docs: int, *, conv: str = "causal_conv1d", dtype=to
                       census.total(), census.syncs)
 
 
+def isolation_cost(tokens: int = 4096, docs: int = 16, rounds: int = 3) -> dict:
+    """The branch-free guard's cost on the CPU: aten ops and seconds of one Gated DeltaNet reference
+    call (forward and backward, fp32) with each form of the guard, side by side; the figures are
+    printed, never asserted."""
+    from benchmarks.bench_census import OpCensus
+    from benchmarks.common import alternate, training_step
+    from mixers.ops import chunk_gated_delta_rule
+    from mixers.ops import device_policy as policy_module
+    from ssm_pack import VarlenBatch
+
+    torch.manual_seed(0)
+    heads, dim = 4, 32
+    lengths = [tokens // docs + (i < tokens % docs) for i in range(docs)]
+    varlen = VarlenBatch.build(PackedSeqParams.from_lengths(lengths), tokens).materialize()
+    q, k, v = (torch.randn(1, tokens, heads, dim, requires_grad=True) for _ in range(3))
+    g = (-torch.rand(1, tokens, heads)).requires_grad_()
+    beta = torch.rand(1, tokens, heads, requires_grad=True)
+
+    def forward():
+        return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=varlen, use_qk_l2norm_in_kernel=True,
+                                      backend="reference")[0]
+
+    found = {}
+    steps = {}
+    for form in (False, True):
+        with contextlib.ExitStack() as stack:
+            patch = _Patcher(stack)
+            patch.setattr(policy_module, "branch_free_isolation", lambda device, b=form: b)
+            census = OpCensus()
+            with census:
+                training_step(forward, [q, k, v, g, beta])()
+            found[form] = census.ops
+        steps[form] = training_step(forward, [q, k, v, g, beta])
+
+    def run(form):
+        def timed():
+            with contextlib.ExitStack() as stack:
+                _Patcher(stack).setattr(policy_module, "branch_free_isolation", lambda device: form)
+                steps[form]()
+        return timed
+    timings = alternate({"host-read": run(False), "branch-free": run(True)}, rounds=rounds)
+    ratio = sorted(timings.ratios("branch-free", "host-read"))[len(timings.rounds["host-read"]) // 2]
+    return {"tokens": tokens, "docs": docs, "ops": (found[False], found[True]), "time_ratio": ratio,
+            "seconds": (timings.median("host-read"), timings.median("branch-free"))}
+
+
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--docs", type=int, nargs="+", default=[1, 512])
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--trace", action="store_true", help="list every sync with its file and line")
+    parser.add_argument("--guard-tokens", type=int, default=4096, help="T of the guard's cost measurement")
     args = parser.parse_args(argv)
     lines = ["| conv kernel | T | documents | syncs inside blocks | syncs outside blocks | step total |",
              "|---|---|---|---|---|---|"]
@@ -146,7 +193,17 @@ def main(argv=None) -> str:
         verdicts.append(f"{conv}: {'no sync' if inside == 0 else f'up to {inside} syncs'} inside the blocks; "
                         f"step total {'the same' if same else 'differs'} at every T and document count "
                         f"({', '.join(sorted({str(c.total) for c in mine}))})")
-    report = "\n".join(lines + [""] + verdicts)
+    cost = isolation_cost(args.guard_tokens)
+    host, free = cost["ops"]
+    guard = ["", "Non-finite guard of the references, branch-free (the CUDA policy's form) vs one host read per "
+             f"input (the CPU policy's), one Gated DeltaNet reference call, fp32, T = {cost['tokens']:,}, "
+             f"{cost['docs']} documents, forward and backward on this CPU:", "",
+             "| guard | aten ops | median seconds |", "|---|---|---|",
+             f"| host read per input | {host:,} | {cost['seconds'][0]:.4f} |",
+             f"| branch-free | {free:,} | {cost['seconds'][1]:.4f} |", "",
+             f"branch-free / host-read: {free / host:.2f}x the ops, {cost['time_ratio']:.2f}x the time (median of "
+             "per-round ratios)"]
+    report = "\n".join(lines + [""] + verdicts + guard)
     print(report)
     return report
 

@@ -48,7 +48,8 @@ PUBLIC = {
         "selective_state_update", "varlen_attention",
     ),
     "mixers.ops.device_policy": (
-        "ENV_VAR", "POLICIES", "device_policy", "forced_policy", "policy_for", "read_environment", "whole_tensor",
+        "ENV_VAR", "POLICIES", "branch_free_isolation", "device_policy", "forced_policy", "policy_for",
+        "read_environment", "whole_tensor",
     ),
     "mixers.layers": (
         "AttentionConfig", "AttentionMixer", "GatedDeltaNetConfig", "GatedDeltaNetMixer", "GatedDeltaProductConfig",

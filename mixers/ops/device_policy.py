@@ -87,6 +87,15 @@ def whole_tensor(device: torch.device | str | torch.Tensor) -> bool:
     return policy_for(device) == "cuda"
 
 
+def branch_free_isolation(device: torch.device | str | torch.Tensor) -> bool:
+    """Whether the references' non-finite guard (:mod:`mixers.ops.common.isolation`) runs branch-free on
+    tensors on ``device``: policy ``"cuda"``. Branch-free, it always sanitizes and re-poisons
+    (``torch.where`` with all-false masks when every value is finite) and reads no tensor value on the
+    host, so no op call waits for the device; on ``"cpu"`` it reads one sum per input (cheap on a CPU)
+    and does nothing more while all are finite. Both give the same values, bitwise."""
+    return policy_for(device) == "cuda"
+
+
 @contextlib.contextmanager
 def device_policy(policy: str):
     """Force ``policy`` (``"cpu"`` or ``"cuda"``) for every tensor inside the block, whatever its
@@ -144,6 +153,6 @@ def attention_kernel_limit(device: torch.device | str | torch.Tensor) -> str | N
             f"{FLASH_MIN_CAPABILITY[1]}+, an Ampere or newer GPU)")
 
 
-__all__ = ["ENV_VAR", "FLASH_MIN_CAPABILITY", "POLICIES", "attention_kernel_limit", "compute_capability",
-           "device_policy", "forget_capabilities", "read_capability", "forced_policy", "policy_for", "read_environment",
-           "whole_tensor"]
+__all__ = ["ENV_VAR", "FLASH_MIN_CAPABILITY", "POLICIES", "attention_kernel_limit", "branch_free_isolation",
+           "compute_capability", "device_policy", "forget_capabilities", "read_capability", "forced_policy",
+           "policy_for", "read_environment", "whole_tensor"]

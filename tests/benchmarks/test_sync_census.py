@@ -99,3 +99,17 @@ def test_a_sync_in_a_backward_is_placed_in_its_block(monkeypatch):
 def test_step_total_does_not_grow_with_tokens_or_documents(conv):
     totals = {(t, n): census_step(t, n, conv=conv).total for t, n in ((96, 1), (96, 7), (320, 1), (320, 40))}
     assert len(set(totals.values())) == 1, totals
+
+
+@pytest.mark.parametrize("branch_free", [pytest.param(True, id="branch-free"),
+                                         pytest.param(False, id="host-read-control")])
+def test_the_references_guard_reads_nothing_branch_free(monkeypatch, branch_free):
+    """fp32: fla has no fp32 Gated DeltaProduct, so that block runs the reference and its guard
+    against non-finite values; branch-free (the CUDA policy's form) it reads no value."""
+    from mixers.ops import device_policy
+
+    monkeypatch.setattr(device_policy, "branch_free_isolation", lambda device: branch_free)
+    found = census_step(sum(UNEVEN), 0, dtype=torch.float32, params=PackedSeqParams.from_lengths(UNEVEN))
+    gdp = next(place for place in found.per_place if "GatedDeltaProduct" in place) if not branch_free else None
+    places = {place for place in found.per_place if "GatedDeltaProduct" in place}
+    assert (places == set()) if branch_free else found.per_place[gdp] >= 6, found.per_place

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import device_policy
 from ..common.chunks import compute_dtype
 from ._validate import AttentionCall
 
@@ -63,8 +64,10 @@ def _finite(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(t with non-finite entries set to 0, [T] bool: the token has a non-finite entry)``.
 
     One ``sum`` first (no allocation): when it is finite, so is every entry, and ``t`` itself is
-    returned. Not while compiling (a graph cannot branch on a value; the compiler fuses the mask)."""
-    if not torch.compiler.is_compiling() and bool(torch.isfinite(t.sum())):
+    returned. Not while compiling (a graph cannot branch on a value; the compiler fuses the mask),
+    nor branch-free (policy ``"cuda"``: no host read, see ``device_policy.branch_free_isolation``)."""
+    if (not torch.compiler.is_compiling() and not device_policy.branch_free_isolation(t)
+            and bool(torch.isfinite(t.sum()))):
         return t, torch.zeros(t.shape[0], dtype=torch.bool, device=t.device)
     ok = torch.isfinite(t)
     return torch.where(ok, t, torch.zeros((), dtype=t.dtype, device=t.device)), ~ok.flatten(1).all(1)
@@ -208,7 +211,7 @@ def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
 def _nan_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """A gradient ``t [T, H, D]`` with the ``rows [T]`` (bool) set to NaN: a copy when a row is set,
     else ``t`` itself (the common case: nothing non-finite; one host read, like :func:`_finite`'s)."""
-    if torch.compiler.is_compiling() or bool(rows.any()):
+    if torch.compiler.is_compiling() or device_policy.branch_free_isolation(t) or bool(rows.any()):
         return t.masked_fill(rows[:, None, None], float("nan"))
     return t
 

@@ -36,6 +36,14 @@ every function that mixes documents is guarded at its boundary, which closes the
    of the recurrence with the non-finite entries held constant: finite, and exact for the tokens
    before them.
 
+**Branch-free** (the ``"cuda"`` device policy, :func:`mixers.ops.device_policy.branch_free_isolation`):
+steps 1-4 read no tensor value on the host, so no op call waits for the device. The guard is
+always active: every input goes through ``where(finite, x, 0)``, every output through
+``where(bad, nan, y)`` and every cotangent through ``where(drop, 0, grad)``, with masks that are all
+false when every value is finite (the same values, bitwise, at the cost of those passes); hot
+segments are scattered into a per-token table instead of being gathered. ``python -m
+benchmarks.bench_syncs`` prints the cost of that form on the CPU.
+
 Under ``torch.compile`` (while tracing) the guard is off: detection reads tensor values, which a
 graph cannot, so compiled references do not isolate non-finite values (the eager references and
 the upstream kernels do). Compile a model whose inputs can be non-finite only if a NaN reaching
@@ -57,12 +65,20 @@ from __future__ import annotations
 
 import torch
 
+from .. import device_policy
+
 _NAN = float("nan")
 
 
 def _trailing(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """View ``mask`` (the leading dims of ``like``) with ones appended up to ``like.dim()``."""
     return mask.reshape(*mask.shape, *([1] * (like.dim() - mask.dim())))
+
+
+def _scattered(index: torch.Tensor, flags: torch.Tensor, size: int) -> torch.Tensor:
+    """``[size]`` bool: True at every ``index`` whose flag is set (a scatter: no value read)."""
+    hits = torch.zeros(size, dtype=torch.int32, device=index.device)
+    return hits.index_add_(0, index.reshape(-1), flags.reshape(-1).to(torch.int32)) > 0
 
 
 def _finite_ok(t: torch.Tensor, gate: bool) -> torch.Tensor:
@@ -93,6 +109,10 @@ def _drop_cotangent(grad, drop, owner, iso):
     the leading dims) that lost a nonzero value become hot. ``None``: nothing to drop."""
     if grad is None:
         return None
+    if iso.branch_free:                     # no host read: drop (and mark) through masks, always
+        drop = ~torch.isfinite(grad) if drop is None else drop.expand_as(grad) | ~torch.isfinite(grad)
+        iso.mark_hot_where(owner, (drop & (grad != 0)).reshape(*owner.shape, -1).any(-1))
+        return torch.where(drop, 0.0, grad)
     finite = bool(torch.isfinite(grad.sum()))
     if drop is None and finite:
         return None
@@ -132,7 +152,9 @@ class _Shared(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         hot = ctx.iso.hot
-        if hot is not None and bool(hot.any()):
+        if hot is not None and ctx.iso.branch_free:
+            grad = torch.where(hot.any(), _NAN, grad)
+        elif hot is not None and bool(hot.any()):
             grad = torch.full_like(grad, _NAN)
         return grad, None
 
@@ -152,7 +174,8 @@ class Isolation:
     def __init__(self, seg: torch.Tensor):
         self.seg = seg
         self.enabled = not torch.compiler.is_compiling()      # see the module docstring
-        self.active = False
+        self.branch_free = self.enabled and device_policy.branch_free_isolation(seg)
+        self.active = self.branch_free                        # branch-free: masks always in use
         self.hot: torch.Tensor | None = None
         self._reads = self._writes = None
         self._starts: list[torch.Tensor] = []
@@ -160,10 +183,10 @@ class Isolation:
 
     # ---- detection ------------------------------------------------------------------------
     def _token_bad(self, t: torch.Tensor, gate: bool, every: int = 1) -> torch.Tensor | None:
-        if bool(torch.isfinite(t.sum())):        # one pass, no allocation: no NaN or inf anywhere
+        if not self.branch_free and bool(torch.isfinite(t.sum())):   # one pass, no allocation: all finite
             return None
         bad = ~_finite_ok(t, gate).reshape(*self._every(self.seg, every).shape, -1).all(-1)
-        if not bool(bad.any()):
+        if not self.branch_free and not bool(bad.any()):
             return None
         if every > 1:                            # back to every token
             full = bad.new_zeros(self.seg.shape)
@@ -195,12 +218,18 @@ class Isolation:
     def scan_states(self, s: torch.Tensor | None, owner: torch.Tensor) -> None:
         """Record non-finite initial states ``s [n, ...]`` of segments ``owner [n]`` (-1: a state
         no token reads, e.g. of an empty document; it is still sanitized)."""
-        if not self.enabled or s is None or s.numel() == 0 or bool(torch.isfinite(s.sum())):
+        if not self.enabled or s is None or s.numel() == 0:
+            return
+        if self.branch_free:
+            bad = ~torch.isfinite(s).reshape(s.shape[0], -1).all(-1)
+            self._starts.append((owner.clamp(min=0), bad & (owner >= 0)))
+            return
+        if bool(torch.isfinite(s.sum())):
             return
         bad = ~torch.isfinite(s).reshape(s.shape[0], -1).all(-1)
         if bool(bad.any()):
             self.active = True
-            self._starts.append(owner[bad & (owner >= 0)])
+            self._starts.append((owner[bad & (owner >= 0)], None))
 
     # ---- sanitizing -----------------------------------------------------------------------
     def clean(self, t: torch.Tensor | None, *, gate: bool = False, owner: torch.Tensor | None = None):
@@ -227,14 +256,18 @@ class Isolation:
             return self._masks
         seg = self.seg.reshape(-1).to(torch.int64)
         n = seg.numel()
-        count = int(seg[-1]) + 1 if n else 0
+        count = self._segment_slots()
         writes = self._writes.reshape(-1) if self._writes is not None else seg.new_zeros(n, dtype=torch.bool)
         start_bad = torch.zeros(count, dtype=torch.bool, device=seg.device)
-        for owners in self._starts:
-            start_bad[owners] = True
+        for owners, flags in self._starts:
+            if flags is None:
+                start_bad[owners] = True
+            else:                                                    # branch-free: a scatter, no gather
+                start_bad = start_bad | _scattered(owners, flags, count)
         ids = torch.arange(count, device=seg.device)
-        first = torch.searchsorted(seg, ids)
-        last = torch.searchsorted(seg, ids, right=True) - 1
+        # branch-free, ids past the last segment exist (clamped; nothing reads them)
+        first = torch.searchsorted(seg, ids).clamp(max=max(n - 1, 0))
+        last = (torch.searchsorted(seg, ids, right=True) - 1).clamp(min=0)
         c = torch.cumsum(writes.to(torch.int64), 0)
         before = c[first] - writes[first].to(torch.int64)            # bad state inputs before the segment
         through = (c - before[seg] > 0) | start_bad[seg]            # state non-finite at or before t
@@ -289,7 +322,21 @@ class Isolation:
         """``y`` with NaN where ``bad`` (its leading dims), for a caller that knows better."""
         return self._guard_output(y, bad if self.active else None, self.seg if owner is None else owner)
 
+    def _segment_slots(self) -> int:
+        """Entries of the per-segment tables: the segments (read on the host), or, branch-free, the
+        tokens (at least as many; reads nothing)."""
+        n = self.seg.numel()
+        if self.branch_free:
+            return n
+        return int(self.seg.reshape(-1)[-1]) + 1 if n else 0
+
     # ---- backward bookkeeping -------------------------------------------------------------
+    def mark_hot_where(self, owner: torch.Tensor, flags: torch.Tensor) -> None:
+        """Branch-free :meth:`mark_hot`: the segments ``owner`` where ``flags`` (same shape) become hot."""
+        count = self._segment_slots()
+        hot = _scattered(owner.clamp(min=0), flags & (owner >= 0), count)
+        self.hot = hot if self.hot is None else self.hot | hot
+
     def mark_hot(self, owners: torch.Tensor) -> None:
         owners = owners[owners >= 0]
         if owners.numel() == 0:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mixers import HybridLM
+from mixers.ops import device_policy
 from ssm_pack import PackedSeqParams
 from ssm_pack.testing import document_spans
 from tests.mixers.layers.test_layers import HIDDEN, LAYERS
@@ -21,6 +22,13 @@ from tests.mixers.layers.test_layers import HIDDEN, LAYERS
 CASES = 6
 OVERRIDES = {"M": {"head_dim": 16, "state_size": 8, "chunk_size": 16}, "G": {"head_dim": 8, "chunk_size": 16},
              "K": {"head_dim": 8, "chunk_size": 16}, "P": {"head_dim": 8, "chunk_size": 16}, "A": {"head_dim": 8}}
+
+
+@pytest.fixture(autouse=True, params=[pytest.param(False, id="host-read"), pytest.param(True, id="branch-free")])
+def guard_form(request, monkeypatch):
+    """Every test on both forms of the references' guard (the device policy picks one)."""
+    monkeypatch.setattr(device_policy, "branch_free_isolation", lambda device: request.param)
+    return request.param
 
 
 def random_layout(rng: random.Random):

@@ -25,6 +25,7 @@ from mixers.ops import (
     chunk_gated_delta_product,
     chunk_gated_delta_rule,
     chunk_kda,
+    device_policy,
     mamba_chunk_scan_combined,
     varlen_attention,
 )
@@ -386,6 +387,37 @@ def _dim(where) -> int:
 
 SEEDS = 24
 GUARDED = [pytest.param(op, id=op) for op in OPS if op != "conv"]   # the conv needs no guard (see module doc)
+
+
+@pytest.fixture(autouse=True, params=[pytest.param(False, id="host-read"), pytest.param(True, id="branch-free")])
+def guard_form(request, monkeypatch):
+    """Every test on both forms of the guard (the device policy picks one, see ``isolation``)."""
+    monkeypatch.setattr(device_policy, "branch_free_isolation", lambda device: request.param)
+    return request.param
+
+
+def _same(a, b) -> bool:
+    """Bitwise equal, NaN where NaN (and of the same sign of infinity)."""
+    return a.shape == b.shape and torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(
+        torch.where(torch.isnan(a), 0.0, a), torch.where(torch.isnan(b), 0.0, b))
+
+
+@pytest.mark.parametrize("poisoned", [pytest.param(False, id="finite"), pytest.param(True, id="poisoned")])
+@pytest.mark.parametrize("op", GUARDED)
+def test_both_forms_of_the_guard_agree_bitwise(op, poisoned, guard_form, monkeypatch):
+    if not guard_form:
+        pytest.skip("compares the branch-free form with the host-read form once")
+    for seed in range(4):
+        rng, lay, opts, x, where_of = _setup(op, 300 + seed)
+        if poisoned:
+            x = _with_poison(x, lay, where_of, _poisoned_input(op, rng, lay, opts, x, where_of)[0])
+        runs = []
+        for branch_free in (True, False):
+            monkeypatch.setattr(device_policy, "branch_free_isolation", lambda device, b=branch_free: b)
+            runs.append(_run(op, lay, x, opts, 300 + seed))
+        (out_a, grad_a, _), (out_b, grad_b, _) = runs
+        assert all(_same(out_a[k], out_b[k]) for k in out_a), f"{op} seed={seed}: outputs differ"
+        assert all(_same(grad_a[k], grad_b[k]) for k in grad_a), f"{op} seed={seed}: gradients differ"
 
 
 @pytest.mark.parametrize("op", [pytest.param(op, id=op) for op in OPS])
