@@ -67,6 +67,9 @@ class VarlenBatch:
     validated: bool = field(default=True, repr=False)
     # context parallelism (ssm_pack.parallel.layout): this rank's shard of a row split over ranks
     cp: object = field(default=None, repr=False)
+    # the physical boundaries as given, when they live on the host and the tokens elsewhere: the
+    # fields that need boundary values on the host read them here (no device synchronisation)
+    host_cu_seqlens: torch.Tensor | None = field(default=None, repr=False)
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -149,8 +152,9 @@ class VarlenBatch:
         if seq_idx is not None:
             seq_idx = seq_idx.to(device=device, dtype=torch.int32)
         real_cu = cu if real is None else real.to(device=device, dtype=torch.int32)
+        host = physical if physical.device.type == "cpu" and cu.device.type != "cpu" else None
         return cls(cu_seqlens=cu, total_tokens=total_tokens, real_cu_seqlens=real_cu, given_seq_idx=seq_idx,
-                   given_max_seqlen=max_seqlen, validated=validate)
+                   given_max_seqlen=max_seqlen, validated=validate, host_cu_seqlens=host)
 
     def check_tokens(self, total_tokens: int, device=None) -> VarlenBatch:
         """``self`` after checking it describes ``total_tokens`` tokens on ``device``."""
@@ -178,7 +182,7 @@ class VarlenBatch:
         else read from the boundaries here (once)."""
         if self.given_max_seqlen is not None:
             return self.given_max_seqlen
-        return _longest(self.cu_seqlens, self.total_tokens)
+        return _longest(self.cu_seqlens if self.host_cu_seqlens is None else self.host_cu_seqlens, self.total_tokens)
 
     @cached_property
     def seq_idx(self) -> torch.Tensor:
@@ -209,7 +213,14 @@ class VarlenBatch:
     @cached_property
     def segments(self) -> Segments:
         """The references' segment structure (built once, only when a reference runs)."""
-        return segments_from_cu_seqlens(self.cu_seqlens_long, self.total_tokens)
+        if self.host_cu_seqlens is None:
+            return segments_from_cu_seqlens(self.cu_seqlens_long, self.total_tokens)
+        return _to_device(self._host_segments, self.device)
+
+    @cached_property
+    def _host_segments(self) -> Segments:
+        """The segments built from the host copy of the boundaries (no device value read)."""
+        return segments_from_cu_seqlens(self.host_cu_seqlens.to(torch.int64), self.total_tokens)
 
     @cached_property
     def covering_cu_seqlens(self) -> torch.Tensor:
@@ -236,13 +247,13 @@ class VarlenBatch:
         starts then T (no empty sequence, the padding tail its own), and the kernel's grid, one
         ``(segment, chunk)`` row per :data:`FLA_CONV_CHUNK` tokens of each segment. fla builds the
         indices itself when not given them (two host reads per call); here they cost one, once."""
-        segs = self.segments
+        segs = self.segments if self.host_cu_seqlens is None else self._host_segments
         cu = torch.cat([segs.starts, segs.starts.new_tensor([self.total_tokens])])
         counts = torch.div(segs.lengths + (FLA_CONV_CHUNK - 1), FLA_CONV_CHUNK, rounding_mode="floor")
         total = int(counts.sum()) if counts.numel() else 0
         seg = torch.repeat_interleave(torch.arange(counts.numel(), device=cu.device), counts, output_size=total)
         within = torch.arange(total, device=cu.device) - (torch.cumsum(counts, 0) - counts)[seg]
-        return cu, torch.stack([seg, within], 1)
+        return cu.to(self.device), torch.stack([seg, within], 1).to(self.device)
 
     def read_ahead(self) -> VarlenBatch:
         """Derive now the fields whose derivation reads tensor values (the longest segment, the
@@ -275,6 +286,11 @@ class VarlenBatch:
 
 
 BUILT_PER_PARAMS = BuiltPerParams()
+
+
+def _to_device(segs: Segments, device) -> Segments:
+    return Segments(**{f.name: None if getattr(segs, f.name) is None else getattr(segs, f.name).to(device)
+                       for f in dataclasses.fields(segs)})
 
 
 def _longest(cu: torch.Tensor, total_tokens: int) -> int:

@@ -68,10 +68,14 @@ class _ReadsInBackward(torch.autograd.Function):
         return grad
 
 
-@pytest.mark.parametrize("conv", [pytest.param("causal_conv1d", id="causal-conv1d"),
-                                  pytest.param("fla_conv", id="fla-conv")])
-def test_no_sync_inside_any_block(conv):
-    found = census_step(sum(UNEVEN), 0, conv=conv, params=PackedSeqParams.from_lengths(UNEVEN), trace=True)
+@pytest.mark.parametrize("conv, dtype", [pytest.param("causal_conv1d", torch.bfloat16, id="causal-conv1d"),
+                                         pytest.param("fla_conv", torch.bfloat16, id="fla-conv"),
+                                         pytest.param("causal_conv1d", torch.float32, id="fp32-references")])
+def test_no_sync_inside_any_block(conv, dtype):
+    """fp32: fla has no fp32 Gated DeltaProduct and attention kernels take 16-bit only, so those
+    blocks run the references (and their non-finite guard, branch-free under the CUDA policy)."""
+    found = census_step(sum(UNEVEN), 0, conv=conv, dtype=dtype, params=PackedSeqParams.from_lengths(UNEVEN),
+                        trace=True)
     inside = [s for s in found.syncs if s.where != OUTSIDE]
     assert inside == []
     assert found.total > 0, "the step's metadata is read outside the blocks (the census sees it)"

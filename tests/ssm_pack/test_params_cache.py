@@ -117,3 +117,22 @@ def test_megatron_style_layers_sync_only_in_the_first():
     places = census.per_place()
     first = next(iter(layers))
     assert places[first] > 0 and set(places) - {OUTSIDE} == {first}, places
+
+
+@pytest.mark.parametrize("validate", [pytest.param(True, id="validated"), pytest.param(False, id="unvalidated")])
+def test_host_boundaries_derive_everything_without_a_device_read(validate):
+    """Tokens on another device, boundaries on the host: every field that needs boundary values reads
+    the host copy (a meta device stands for the GPU: reading one of its values raises)."""
+    params = PackedSeqParams.from_lengths([5, 0, 40, 17, 1], total_tokens=70)
+    if not validate:
+        params = PackedSeqParams(**{k: getattr(params, k) for k in ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv",
+                                                                   "total_tokens")}, validate=False)
+    batch = VarlenBatch.build(params, 70, device="meta")
+    batch.materialize()
+    on_host = VarlenBatch.build(params, 70)
+    assert batch.max_seqlen == on_host.max_seqlen == 40
+    for name in ("seg_id", "starts", "lengths", "first_in_row", "doc_segment"):
+        assert getattr(batch.segments, name).device.type == "meta"
+        assert torch.equal(getattr(batch._host_segments, name), getattr(on_host.segments, name))
+    assert all(t.device.type == "meta" for t in batch.fla_conv_layout)
+    assert [tuple(t.shape) for t in batch.fla_conv_layout] == [tuple(t.shape) for t in on_host.fla_conv_layout]
