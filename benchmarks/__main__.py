@@ -20,11 +20,21 @@ import re
 import time
 from pathlib import Path
 
-from benchmarks import bench_conv_ssd, bench_delta_rule, bench_inference, bench_layers, bench_metadata, bench_stream
+from benchmarks import (
+    bench_conv_ssd,
+    bench_delta_rule,
+    bench_inference,
+    bench_layers,
+    bench_metadata,
+    bench_stream,
+    bench_syncs,
+)
 from benchmarks.common import Result, machine, machine_slug, results_table
 
-QUICK = dict(meta=(2**19, 5000), conv_ssd=(2048, 256), delta=(2048, [64], 1024), layers=(4, 256), repeat=3)
-FULL = dict(meta=(2**21, 20000), conv_ssd=(8192, 1024), delta=(8192, [64, 128], 4096), layers=(8, 512), repeat=5)
+QUICK = dict(meta=(2**19, 5000), conv_ssd=(2048, 256), delta=(2048, [64], 1024), layers=(4, 256), repeat=3,
+             syncs=((1024, 4096), (1, 64), 2048))
+FULL = dict(meta=(2**21, 20000), conv_ssd=(8192, 1024), delta=(8192, [64, 128], 4096), layers=(8, 512), repeat=5,
+            syncs=((4096, 32768), (1, 512), 4096))
 
 
 def collect(sizes: dict, log) -> list[Result]:
@@ -137,6 +147,10 @@ def main(argv=None) -> int:
     sections = []
     for group in dict.fromkeys(r.group for r in results):
         sections.append(f"## {group}\n\n" + results_table([r for r in results if r.group == group]))
+    lengths, docs, guard_tokens = (FULL if args.full else QUICK)["syncs"]
+    sections.append("## host syncs of a training step (`python -m benchmarks.bench_syncs`)\n\n"
+                    + bench_syncs.report(lengths, docs, guard_tokens=guard_tokens,
+                                         log=lambda m: print(f"  {m}", flush=True)))
     missed = [r.measure for r in results if r.passed is False]
     report = (f"# ssm-pack benchmarks ({'full' if args.full else 'quick'} sizes, {datetime.date.today()})\n\n"
               f"Machine: {machine()}\n\nCommand: `python -m benchmarks{' --full' if args.full else ''}`\n\n"

@@ -166,34 +166,34 @@ def isolation_cost(tokens: int = 4096, docs: int = 16, rounds: int = 3) -> dict:
             "seconds": (timings.median("host-read"), timings.median("branch-free"))}
 
 
-def main(argv=None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768])
-    parser.add_argument("--docs", type=int, nargs="+", default=[1, 512])
-    parser.add_argument("--hidden", type=int, default=32)
-    parser.add_argument("--trace", action="store_true", help="list every sync with its file and line")
-    parser.add_argument("--guard-tokens", type=int, default=4096, help="T of the guard's cost measurement")
-    args = parser.parse_args(argv)
+def report(lengths=(4096, 32768), docs=(1, 512), *, guard_tokens: int = 4096, hidden: int = 32,
+           trace: bool = False, log=None) -> str:
+    """The census table at every T and document count, with both conv kernels, its verdicts, and the
+    guard's cost (markdown)."""
     lines = ["| conv kernel | T | documents | syncs inside blocks | syncs outside blocks | step total |",
              "|---|---|---|---|---|---|"]
     found = []
     for conv in CONV_KERNELS:
-        for t in args.lengths:
-            for n in args.docs:
-                c = census_step(t, n, conv=conv, hidden=args.hidden, trace=args.trace)
+        for t in lengths:
+            for n in docs:
+                if log:
+                    log(f"sync census: {conv}, T = {t}, {n} documents")
+                c = census_step(t, n, conv=conv, hidden=hidden, trace=trace)
                 found.append(c)
                 lines.append(f"| {conv} | {t:,} | {n:,} | {c.inside} | {c.per_place.get(OUTSIDE, 0)} | {c.total} |")
-                if args.trace:
+                if trace:
                     lines += [f"<!-- {s.where} {s.phase} {s.op} x{s.reads} {s.line} -->" for s in c.syncs]
     verdicts = []
     for conv in CONV_KERNELS:
         mine = [c for c in found if c.conv == conv]
         inside = max(c.inside for c in mine)
         same = len({c.total for c in mine}) == 1
-        verdicts.append(f"{conv}: {'no sync' if inside == 0 else f'up to {inside} syncs'} inside the blocks; "
+        verdicts.append(f"- {conv}: {'no sync' if inside == 0 else f'up to {inside} syncs'} inside the blocks; "
                         f"step total {'the same' if same else 'differs'} at every T and document count "
                         f"({', '.join(sorted({str(c.total) for c in mine}))})")
-    cost = isolation_cost(args.guard_tokens)
+    if log:
+        log("guard cost ...")
+    cost = isolation_cost(guard_tokens)
     host, free = cost["ops"]
     guard = ["", "Non-finite guard of the references, branch-free (the CUDA policy's form) vs one host read per "
              f"input (the CPU policy's), one Gated DeltaNet reference call, fp32, T = {cost['tokens']:,}, "
@@ -203,9 +203,20 @@ def main(argv=None) -> str:
              f"| branch-free | {free:,} | {cost['seconds'][1]:.4f} |", "",
              f"branch-free / host-read: {free / host:.2f}x the ops, {cost['time_ratio']:.2f}x the time (median of "
              "per-round ratios)"]
-    report = "\n".join(lines + [""] + verdicts + guard)
-    print(report)
-    return report
+    return "\n".join(lines + [""] + verdicts + guard)
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--docs", type=int, nargs="+", default=[1, 512])
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--trace", action="store_true", help="list every sync with its file and line")
+    parser.add_argument("--guard-tokens", type=int, default=4096, help="T of the guard's cost measurement")
+    args = parser.parse_args(argv)
+    text = report(args.lengths, args.docs, guard_tokens=args.guard_tokens, hidden=args.hidden, trace=args.trace)
+    print(text)
+    return text
 
 
 if __name__ == "__main__":

@@ -64,9 +64,11 @@ def test_main_writes_the_dated_report_its_plots_and_the_index(tmp_path, monkeypa
             Result("layers", "Mamba2: packed vs padded loop", 2.0, 1.5, 1.3, unit="tok/s"),
             Result("metadata", "seq_idx vs cumsum", 1e-3, 1e-3, 1.0, target=3.0, higher_is_better=False)]
     monkeypatch.setattr(bench, "collect", lambda sizes, log: fake)         # no timing: the file layout only
+    monkeypatch.setattr(bench.bench_syncs, "report", lambda *args, **kwargs: "| the sync census |")
     assert bench.main(["--out", str(tmp_path)]) == 0
     report = report_path(tmp_path, bench.machine(), datetime.date.today(), full=False)
     text = report.read_text()
     assert "Machine: " in text and "seq_idx vs cumsum" in text and f"]({report.stem}-ops.png)" in text
+    assert "## host syncs of a training step" in text and "| the sync census |" in text
     assert (tmp_path / f"{report.stem}-ops.png").exists() and (tmp_path / "index.md").exists()
     assert report.name in (tmp_path / "index.md").read_text()
