@@ -78,6 +78,8 @@ def _trailing(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def _scattered(index: torch.Tensor, flags: torch.Tensor, size: int) -> torch.Tensor:
     """``[size]`` bool: True at every ``index`` whose flag is set (a scatter: no value read)."""
     hits = torch.zeros(size, dtype=torch.int32, device=index.device)
+    if size == 0:                    # no token, no segment: every owner is -1 and no flag is set
+        return hits > 0
     return hits.index_add_(0, index.reshape(-1), flags.reshape(-1).to(torch.int32)) > 0
 
 
@@ -178,7 +180,7 @@ class Isolation:
         self.active = self.branch_free                        # branch-free: masks always in use
         self.hot: torch.Tensor | None = None
         self._reads = self._writes = None
-        self._starts: list[torch.Tensor] = []
+        self._starts: list[tuple] = []              # (owners, flags or None: all of them)
         self._masks = None
 
     # ---- detection ------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from mixers.ops import (
     mamba_chunk_scan_combined,
     varlen_attention,
 )
+from mixers.ops.common import isolation
 from ssm_pack import lengths_to_cu_seqlens
 from ssm_pack.formats.seq_idx import seq_idx_from_cu_seqlens
 
@@ -454,3 +455,13 @@ def test_outputs_stay_ordinary_tensors(op, poisoned):
         loss = loss + torch.where(torch.isfinite(r), r, 0.0).sum()
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     assert any(g is not None for g in grads)
+
+
+def test_a_guard_without_tokens_leaves_unread_states_alone(guard_form):
+    """No token (every document empty): non-finite initial states no token reads are sanitized and
+    come back as given, on both forms (branch-free: the per-segment tables are empty)."""
+    iso = isolation.Isolation(torch.zeros(1, 0, dtype=torch.int64))
+    states, owner = torch.full((2, 3), float("nan")), torch.tensor([-1, -1])
+    iso.scan_states(states, owner)
+    assert torch.equal(iso.clean_states(torch.ones(2, 3), owner), torch.ones(2, 3))
+    assert torch.equal(iso.poison_states(torch.ones(2, 3), owner), torch.ones(2, 3))
