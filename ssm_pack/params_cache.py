@@ -7,7 +7,8 @@ boundaries of) N copies of the same metadata: N host synchronisations where one 
 lives (a weak reference: the cache never keeps the params alive) and hands it out again while
 nothing the build read has changed: the same objects in every field (held by the entry, so no
 identity is ever reused) and no boundary tensor modified in place (its version counter; reading
-it reads no tensor value). Anything else builds anew.
+it reads no tensor value). Anything else builds anew, and so do params holding inference tensors
+(made under ``torch.inference_mode``: they have no version counter to follow).
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import torch
 _PLAIN = (int, float, bool, str, type(None))
 
 
-def _snapshot(params) -> tuple:
-    """What the build reads from ``params``: every public field, with each tensor's version."""
+def _snapshot(params) -> tuple | None:
+    """What the build reads from ``params``: every public field, with each tensor's version; ``None``
+    when a version cannot be followed (an inference tensor has no version counter): not cached."""
     fields = vars(params) if hasattr(params, "__dict__") else {}
-    return tuple((name, value, value._version if isinstance(value, torch.Tensor) else None)
-                 for name, value in sorted(fields.items()) if not name.startswith("_"))
+    public = sorted((name, value) for name, value in fields.items() if not name.startswith("_"))
+    if any(isinstance(value, torch.Tensor) and value.is_inference() for _, value in public):
+        return None
+    return tuple((name, value, value._version if isinstance(value, torch.Tensor) else None) for name, value in public)
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -51,6 +55,9 @@ class BuiltPerParams:
     def get(self, params, total_tokens: int, device, build):
         key = (total_tokens, None if device is None else torch.device(device))
         snapshot = _snapshot(params)
+        if snapshot is None:
+            self.builds += 1
+            return build(params, total_tokens, device)
         with self._lock:
             entry = self._entries.get(id(params))
         if entry is not None:

@@ -136,3 +136,12 @@ def test_host_boundaries_derive_everything_without_a_device_read(validate):
         assert torch.equal(getattr(batch._host_segments, name), getattr(on_host.segments, name))
     assert all(t.device.type == "meta" for t in batch.fla_conv_layout)
     assert [tuple(t.shape) for t in batch.fla_conv_layout] == [tuple(t.shape) for t in on_host.fla_conv_layout]
+
+
+def test_params_of_inference_tensors_build_each_time(builds):
+    """Inference tensors have no version counter, so a change in place could not be seen: not cached."""
+    with torch.inference_mode():
+        params = megatron_copy(PackedSeqParams.from_lengths(LENGTHS, total_tokens=66))
+        first = VarlenBatch.build(params, 66)
+        again = VarlenBatch.build(params, 66)
+    assert again is not first and len(builds) == 2
