@@ -53,11 +53,15 @@ def test_a_stack_of_layers_builds_the_metadata_once(builds, kind):
 
 
 def test_the_same_params_for_other_tokens_build_anew(builds):
-    params = megatron_copy(PackedSeqParams.from_lengths(LENGTHS, total_tokens=66))
+    # params without total_tokens or seq_idx (params that carry them are refused for another count)
+    params = megatron_copy(PackedSeqParams.from_lengths(LENGTHS))
+    params.total_tokens, params.seq_idx = None, None
     a = VarlenBatch.build(params, 66)
+    assert VarlenBatch.build(params, 66) is a and len(builds) == 1
     b = VarlenBatch.build(params, 70)
-    assert a is not b and b.total_tokens == 70 and len(builds) == 2
-    assert VarlenBatch.build(params, 66) is not a or len(builds) == 2
+    assert b is not a and b.total_tokens == 70 and len(builds) == 2
+    c = VarlenBatch.build(params, 66)                # one entry per params: the last build is kept
+    assert c is not a and c.total_tokens == 66 and len(builds) == 3
 
 
 def test_a_boundary_changed_in_place_builds_anew(builds):
