@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from unittest import mock
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from benchmarks.common import PausableMode
 from mixers import HybridLM
 from mixers.layers import attention, gated_deltanet, gated_deltaproduct, kda, mamba2
 from mixers.layers.blocks import decay_gate as gate_module
@@ -45,7 +45,7 @@ SMALL = {"M": {"head_dim": 16, "state_size": 8, "chunk_size": 64}, "G": {"head_d
          "K": {"head_dim": 8, "chunk_size": 64}, "P": {"head_dim": 8, "chunk_size": 64}, "A": {"head_dim": 8}}
 
 
-class OpCensus(TorchDispatchMode):
+class OpCensus(PausableMode):
     """Counts aten ops (and the rows of matrix products) dispatched while no op kernel runs."""
 
     def __init__(self):
@@ -61,14 +61,6 @@ class OpCensus(TorchDispatchMode):
                 rows = max(a.shape[-2], a.shape[-1])
                 self.min_rows = rows if self.min_rows is None else min(self.min_rows, rows)
         return func(*args, **(kwargs or {}))
-
-    @contextlib.contextmanager
-    def pause(self):
-        self.paused += 1
-        try:
-            yield
-        finally:
-            self.paused -= 1
 
 
 class _Opaque(torch.autograd.Function):

@@ -26,6 +26,7 @@ How a figure is graded (the rules every ``bench_*.py`` follows):
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -39,12 +40,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 BOUND = 0.15          # default: the median per-round ratio within 15% of the best ratio
 RETRIES = 2           # default: an UNSTABLE group is rerun at most twice
 BUSY = 0.3            # a measurement during which other processes kept > 0.3 cores busy is UNSTABLE
 TICK = 0.01           # seconds per clock tick of /proc/stat (USER_HZ = 100 on Linux)
 LOAD_RESOLUTION = 0.1  # the load is not stated when it cannot be told to 0.1 cores
+
+
+class PausableMode(TorchDispatchMode):
+    """A dispatch mode that counts what runs inside it, except while :meth:`pause` is held (a fake
+    kernel's own work is not the step's). Subclasses read ``self.paused`` before counting."""
+
+    paused = 0
+
+    @contextlib.contextmanager
+    def pause(self):
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
 
 
 def caches(root: str = "/sys/devices/system/cpu/cpu0/cache") -> str:

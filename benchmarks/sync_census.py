@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.common import PausableMode
 
 OUTSIDE = "outside layers"
 ONE_READ = {"_local_scalar_dense", "equal", "nonzero", "argwhere", "masked_select", "unique", "_unique", "_unique2",
@@ -69,7 +70,7 @@ class Sync:
     line: str = ""
 
 
-class SyncCensus(TorchDispatchMode):
+class SyncCensus(PausableMode):
     """Counts host syncs; :meth:`watch` names the layers; :meth:`pause` hides a stretch (a fake kernel).
     ``trace``: also note the file and line of each sync (slow; for finding them)."""
 
@@ -100,14 +101,6 @@ class SyncCensus(TorchDispatchMode):
             return self.stack[-1]
         node = torch._C._current_autograd_node()
         return OUTSIDE if node is None else self.nodes.get(node, OUTSIDE)
-
-    @contextlib.contextmanager
-    def pause(self):
-        self.paused += 1
-        try:
-            yield
-        finally:
-            self.paused -= 1
 
     @contextlib.contextmanager
     def resume(self):
