@@ -149,3 +149,19 @@ def check_grads(loss, ref_loss, leaves, ref_leaves, dtype, what=""):
     ref_grads = torch.autograd.grad(ref_loss, list(ref_leaves.values()), allow_unused=True, materialize_grads=True)
     for name, a, r in zip(leaves, grads, ref_grads):
         check_close(a, r, dtype, grad=True, what=f"{what} grad {name}")
+
+
+def hf_attention_oracle(q, k, v, lengths, scale, *, causal=True, window=None):
+    """Dense softmax attention per document in Hugging Face's layout: ``q [1, H, T, D]``, ``k, v
+    [1, Hk, T, D/Dv]`` (grouped heads repeated) -> ``[1, T, H, Dv]``; keys ``j <= i`` when causal
+    (and ``i - j < window`` when a window is given), every key of the document otherwise."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    out, start = [], 0
+    for n in lengths:
+        s = q[0, :, start:start + n] @ k[0, :, start:start + n].transpose(-1, -2) * scale
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+        keep = ((j <= i) if causal else torch.ones(n, n, dtype=torch.bool)) & ((i - j < window) if window else True)
+        out.append((s.masked_fill(~keep, float("-inf")).softmax(-1) @ v[0, :, start:start + n]).transpose(0, 1))
+        start += n
+    return torch.cat(out)[None]

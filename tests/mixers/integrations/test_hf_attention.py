@@ -7,6 +7,7 @@ import torch
 
 from mixers.integrations.hf_attention import packed_attention
 from ssm_pack import PackedSeqParams, VarlenBatch
+from tests.support.oracles import hf_attention_oracle
 
 LENGTHS = [3, 9, 1, 7]
 
@@ -16,17 +17,7 @@ class _Layer(torch.nn.Module):
 
 
 def _oracle(q, k, v, scale, window):
-    """Dense softmax per document, keys j <= i (and i - j < window): q [1, H, T, D] -> [1, T, H, Dv]."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    out, start = [], 0
-    for n in LENGTHS:
-        s = q[0, :, start:start + n] @ k[0, :, start:start + n].transpose(-1, -2) * scale
-        i, j = torch.arange(n)[:, None], torch.arange(n)[None]
-        keep = (j <= i) & ((i - j < window) if window else True)
-        out.append((s.masked_fill(~keep, float("-inf")).softmax(-1) @ v[0, :, start:start + n]).transpose(0, 1))
-        start += n
-    return torch.cat(out)[None]
+    return hf_attention_oracle(q, k, v, LENGTHS, scale, window=window)
 
 
 def _inputs(hq=4, hk=2, d=8, dv=8):

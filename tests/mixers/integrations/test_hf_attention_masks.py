@@ -11,7 +11,7 @@ from mixers.integrations.hf_attention import packed_attention, wrapped_name
 from mixers.integrations.transformers import enable_packing
 from ssm_pack import PackedSeqParams, VarlenBatch
 from tests.mixers.integrations.hf_models import VOCAB, build, transformers
-from tests.support.oracles import rel_rms
+from tests.support.oracles import hf_attention_oracle, rel_rms
 
 LENGTHS = [4, 9, 1, 6]
 
@@ -23,16 +23,7 @@ class _Layer(torch.nn.Module):
 
 
 def _oracle(q, k, v, scale, causal):
-    """Dense softmax per document: q [1, H, T, D] -> [1, T, H, D], keys j <= i when causal, all otherwise."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    out, start = [], 0
-    for n in LENGTHS:
-        s = q[0, :, start:start + n] @ k[0, :, start:start + n].transpose(-1, -2) * scale
-        keep = torch.ones(n, n, dtype=torch.bool).tril() if causal else torch.ones(n, n, dtype=torch.bool)
-        out.append((s.masked_fill(~keep, float("-inf")).softmax(-1) @ v[0, :, start:start + n]).transpose(0, 1))
-        start += n
-    return torch.cat(out)[None]
+    return hf_attention_oracle(q, k, v, LENGTHS, scale, causal=causal)
 
 
 @pytest.mark.parametrize("causal", [pytest.param(False, id="bidirectional"), pytest.param(True, id="causal")])
