@@ -75,7 +75,8 @@ def expected_upstream(source: Source, config) -> dict[str, torch.Size]:
 def check_keys(state_dict: Mapping, expected: Mapping[str, torch.Size], what: str,
                ignorable: Callable[[str, object], bool] | None = None, hint: str = "") -> StateDict:
     """The entries of ``state_dict`` that ``expected`` names, after checking that none is missing,
-    none is left over (except ``ignorable`` ones) and every shape matches; raises listing them."""
+    none is left over (except ``ignorable`` ones), every shape matches and every value is a real
+    floating-point tensor (each key keeps its own dtype); raises listing them."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
     missing = sorted(k for k in expected if k not in state_dict)
@@ -92,6 +93,8 @@ def check_keys(state_dict: Mapping, expected: Mapping[str, torch.Size], what: st
             problems.append(f"{key!r} is a {type(value).__name__}, not a tensor")
         elif value.shape != expected[key]:
             problems.append(f"{key!r} has shape {tuple(value.shape)}, expected {tuple(expected[key])}")
+        elif not value.is_floating_point():
+            problems.append(f"{key!r} has dtype {value.dtype}, expected a floating-point dtype (a real-valued weight)")
     if problems:
         raise ValueError(f"{what}: " + "; ".join(problems) + (f". {hint}" if hint else "")
                          + ". Nothing was converted: every key must be accounted for")

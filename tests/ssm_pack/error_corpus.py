@@ -65,6 +65,14 @@ def _carry(order):
             carried(packs[i])
 
 
+def _mamba_integer_weight():
+    """A Mamba2 state dict with an integer weight: refused naming the key and its dtype."""
+    config = Mamba2Config(32, num_heads=3, head_dim=16, state_size=8, num_groups=3)
+    sd = to_state_dict(Mamba2Mixer(config=config, backend="reference"), "mamba_ssm")
+    sd["dt_bias"] = sd["dt_bias"].long()
+    from_state_dict(sd, "mamba_ssm", config)
+
+
 def _mamba_missing_key():
     """A Mamba2 state dict missing a key: refused naming the key, and the D hint kept out of it."""
     config = Mamba2Config(32, num_heads=3, head_dim=16, state_size=8, num_groups=3)
@@ -133,6 +141,7 @@ CASES = [
     Case("carry-max-documents-zero", "CarriedStates", ("max_documents",),
          lambda: CarriedStates(_model(), max_documents=0, max_document_tokens=4)),
     Case("convert-missing-key", "mixers.checkpoints", ("out_proj.weight",), _mamba_missing_key),
+    Case("convert-integer-weight", "mixers.checkpoints", ("'dt_bias' has dtype torch.int64",), _mamba_integer_weight),
 ]
 
 
