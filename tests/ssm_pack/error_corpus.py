@@ -24,6 +24,8 @@ from mixers import GatedDeltaNetMixer, HybridLM, Mamba2Mixer
 from mixers.checkpoints import from_state_dict, to_state_dict
 from mixers.layers import Mamba2Config
 from mixers.model import CarriedStates
+from tests.context_parallel.test_shard_properties import shard_case, shard_verdict
+from tests.mixers.checkpoints.test_convert_properties import convert_verdict, tampering
 from tests.ssm_pack.contracts import Case, from_lengths_verdict, lengths_case, stream_case, stream_verdict
 
 V = 16
@@ -151,7 +153,9 @@ def property_verdicts(examples: int) -> Counter:
     config = settings(max_examples=examples, database=None, deadline=None,
                       suppress_health_check=list(HealthCheck))
     for name, strategy, verdict in (("from_lengths", lengths_case(), from_lengths_verdict),
-                                    ("pack_stream", stream_case(), stream_verdict)):
+                                    ("pack_stream", stream_case(), stream_verdict),
+                                    ("shard_for_context_parallel", shard_case(), shard_verdict),
+                                    ("from_state_dict", tampering(), convert_verdict)):
         config(given(strategy)(_recorder(found, name, verdict)))()
     return found
 
