@@ -63,6 +63,12 @@ def packing_from_model_kwargs(kwargs: dict) -> PackedSeqParams | None:
     position_ids = batch.get("position_ids")
     if position_ids is not None and position_ids.dim() == 3:          # MRoPE: the temporal plane
         position_ids = batch["position_ids"] = position_ids[0]
+    tokens = next((batch[k] for k in ("input_ids", "inputs_embeds") if k in batch), None)
+    if position_ids is not None and tokens is not None:
+        length = tokens.shape[-2] if tokens.dim() == 3 and tokens.is_floating_point() else tokens.shape[-1]
+        if position_ids.shape[-1] != length:
+            raise ValueError(f"position_ids covers {position_ids.shape[-1]} tokens but the input has {length}; "
+                             "give one position per input token")
     explicit = "cu_seq_lens_q" in batch or "seq_idx" in batch
     resets = _position_resets(position_ids) if position_ids is not None else 0
     if not explicit and resets == 0:
@@ -71,12 +77,24 @@ def packing_from_model_kwargs(kwargs: dict) -> PackedSeqParams | None:
     if rows != 1:
         raise ValueError(f"packed batches must be one row [1, T] (DataCollatorWithFlattening), got {rows} rows "
                          "whose position_ids restart; flatten them into one row")
+    _check_same_keys(batch)
     params = PackedSeqParams.from_hf_batch(batch)
     documents = params.cu_seqlens_q.numel() - 1
     if not explicit and documents != resets + 1:
         raise ValueError(f"position_ids restart {resets} times but only {documents} documents were found from "
                          "them; pass cu_seq_lens_q (DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
     return params
+
+
+def _check_same_keys(batch: dict) -> None:
+    """A packed training call attends within each document: ``cu_seq_lens_k`` must be ``cu_seq_lens_q``."""
+    if "cu_seq_lens_q" not in batch or "cu_seq_lens_k" not in batch:
+        return
+    q, k = (torch.as_tensor(batch[key]).tolist() for key in ("cu_seq_lens_q", "cu_seq_lens_k"))
+    if q != k:
+        raise ValueError(f"cu_seq_lens_k={k} differs from cu_seq_lens_q={q}: a packed training call attends within "
+                         "each document (self-attention), so both must describe the same documents; pass "
+                         "cu_seq_lens_k equal to cu_seq_lens_q (or leave it out)")
 
 
 class PackedMixer(nn.Module):

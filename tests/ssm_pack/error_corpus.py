@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 import ssm_pack as sp
 from mixers import GatedDeltaNetMixer, HybridLM, Mamba2Mixer
 from mixers.checkpoints import from_state_dict, to_state_dict
+from mixers.integrations.transformers import packing_from_model_kwargs
 from mixers.layers import Mamba2Config
 from mixers.model import CarriedStates
 from tests.context_parallel.test_shard_properties import shard_case, shard_verdict
@@ -106,6 +107,11 @@ CASES = [
                                   "seq_idx": torch.tensor([[0, 0, 0, 1, 1, 1]])})),
     Case("hf-fields-of-other-lengths", "PackedSeqParams.from_hf_batch", ("position_ids",),
          lambda: P.from_hf_batch({"input_ids": _ids(), "position_ids": torch.tensor([[0, 1, 0, 1]])})),
+    Case("packing-cu-seq-lens-k-disagrees", "enable_packing", ("cu_seq_lens_k",),
+         lambda: packing_from_model_kwargs({"input_ids": _ids(), "cu_seq_lens_q": CU,
+                                            "cu_seq_lens_k": torch.tensor([0, 6], dtype=torch.int32)})),
+    Case("packing-positions-of-other-length", "enable_packing", ("position_ids",),
+         lambda: packing_from_model_kwargs({"input_ids": _ids(), "position_ids": torch.arange(4)[None]})),
     Case("model-params-of-other-tokens", "HybridLM", ("total_tokens",),
          lambda: _model()(_ids(), packed_seq_params=P.from_lengths([2, 2]))),
     Case("model-positions-short", "HybridLM", ("position_ids",),
