@@ -15,7 +15,7 @@ document stays on its rank, so when the stream runs dry while one rank still car
 others get empty packs until it ends (at most ``ceil(longest / max_tokens)`` per epoch).
 
 A refused document (a bad token, a type that holds no ids, one too long under
-``split_long="refuse"``, more than ``MAX_EMPTY_RUN`` empty documents in a row) stops the stream:
+``split_long="refuse"``, ``MAX_EMPTY_RUN`` empty documents in a row) stops the stream:
 the documents read with it cannot be handed back to the source, so every later ``next()`` and
 ``state_dict()`` raises the same error rather than go on without them. Fix the documents and
 resume from a ``state_dict()`` saved before the refusal (or start a new stream).
@@ -223,7 +223,7 @@ class PackStream(IterableDataset):
                 else:
                     buffer.extend(fitting)
                     fitting = []
-                    self._admit(p, Doc(index, doc, length, units))
+                    self._admit_long(p, Doc(index, doc, length, units))
                 room -= 1
         finally:
             buffer.extend(fitting)
@@ -232,12 +232,10 @@ class PackStream(IterableDataset):
             counters["empty_documents"] += empty
         counters["max_buffered_tokens"] = max(counters["max_buffered_tokens"], buffer.tokens)
 
-    def _admit(self, p: _Pass, item: Doc) -> None:
-        """Into the buffer; a document longer than a pack per ``split_long``."""
+    def _admit_long(self, p: _Pass, item: Doc) -> None:
+        """A document longer than a pack into the buffer, per ``split_long``."""
         capacity = p.planner.capacity
-        if item.units <= capacity:
-            p.planner.buffer.add(item)
-            return
+        assert item.units > capacity, "_refill buffers the documents that fit a pack itself"
         fits = capacity * self.align_to
         if self.split_long == "refuse":
             raise ValueError(f"documents[{item.index}] has {item.length} tokens but a pack holds {fits} "
