@@ -1,4 +1,4 @@
-"""Real kernels vs the reference on a GPU (skipped without CUDA; run by benchmarks/gpu_check.sh).
+"""Real kernels vs the reference on a GPU (skipped without CUDA; on a CUDA machine: ``python -m pytest -m cuda``).
 
 On a CPU machine ``SSM_PACK_FAKE_CUDA=1`` runs every test here up to its first kernel call
 (``tests/support/fake_device.py``; CI does, in ``test_cuda_start.py``), so a test that could not start on a
