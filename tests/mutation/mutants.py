@@ -210,7 +210,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "torch.argsort((lengths != 0).to(torch.int8), stable=True)")),
     _m("materialize-skips-real-tokens", "varlen", VARLEN_TESTS,
        "materialize() leaves real_tokens lazy",
-       (VARLEN, '"nonempty_layout", "real_tokens"):', '"nonempty_layout"):')),
+       (VARLEN, '"fla_conv_layout", "real_tokens"):', '"fla_conv_layout"):')),
     _m("foreign-seq-idx-trusted", "varlen", VARLEN_TESTS,
        "a Megatron object's own seq_idx is used without checking",
        (VARLEN, 'cached = getattr(params, "seq_idx", None) if ours else None',

@@ -26,9 +26,12 @@ def _batch(**collator):
     pytest.param(lambda b: b.__setitem__("position_ids", torch.arange(14)[None]),
                  r"position_ids'\] and batch\['cu_seq_lens_q'\] describe different documents", id="positions"),
     pytest.param(lambda b: b.__setitem__("position_ids", b["position_ids"][:, :10]),
-                 "cover different numbers of tokens", id="positions-short"),
-    pytest.param(lambda b: b.__setitem__("cu_seq_lens_q", torch.tensor([0, 4, 8, 14], dtype=torch.int32)),
+                 "position_ids covers 10 tokens but the input has 14", id="positions-short"),
+    pytest.param(lambda b: b.update(cu_seq_lens_q=torch.tensor([0, 4, 8, 14], dtype=torch.int32),
+                                    cu_seq_lens_k=torch.tensor([0, 4, 8, 14], dtype=torch.int32)),
                  r"position_ids'\] and batch\['cu_seq_lens_q'\] describe different documents", id="boundaries"),
+    pytest.param(lambda b: b.__setitem__("cu_seq_lens_q", torch.tensor([0, 4, 8, 14], dtype=torch.int32)),
+                 "cu_seq_lens_k=.* differs from cu_seq_lens_q", id="query-boundaries-only"),
 ])
 def test_a_patched_model_refuses_disagreeing_boundaries(monkeypatch, edit, match):
     model = enable_packing(hf_models.build("mamba2", monkeypatch))
