@@ -13,26 +13,13 @@ from mixers.ops import dispatch, mamba_chunk_scan_combined
 from ssm_pack.__main__ import support_matrix
 from ssm_pack.support import installed, requirements
 from ssm_pack.support.report import kernel_lines
+from tests.support.fake_device import PresentProbe
 from tests.support.fakes import fake_ssd_2_2_0, of_kind
 
 
-class Probe:
-    """Installed versions as given, every CUDA extension present, a device."""
-
-    def __init__(self, **versions):
-        self.versions = {"triton": "3.4.0", **{k.replace("_", "-"): v for k, v in versions.items()}}
-
-    def version(self, dist):
-        return self.versions.get(dist)
-
-    def has_module(self, module):
-        return True
-
-    def cuda_available(self):
-        return True
-
-    def import_error(self, module):
-        return None
+def Probe(**versions):
+    """Installed versions as given (``mamba_ssm="2.2.0"``), triton 3.4.0, every CUDA extension present, a device."""
+    return PresentProbe({"triton": "3.4.0", **{k.replace("_", "-"): v for k, v in versions.items()}})
 
 
 @pytest.fixture

@@ -15,7 +15,29 @@ from __future__ import annotations
 
 import os
 
+from ssm_pack.support import installed
+
 SWITCH = "SSM_PACK_FAKE_CUDA"
+
+
+class PresentProbe(installed.Probe):
+    """Every module and CUDA extension present, a device; ``versions`` maps a distribution name to
+    its installed version (a distribution not in it is not installed)."""
+
+    def __init__(self, versions: dict):
+        self.versions = dict(versions)
+
+    def version(self, dist):
+        return self.versions.get(dist)
+
+    def has_module(self, module):
+        return True
+
+    def cuda_available(self):
+        return True
+
+    def import_error(self, module):
+        return None
 
 
 def on() -> bool:
@@ -41,29 +63,14 @@ def install(monkeypatch) -> None:
     """Every package present and new enough, a device, ``is_cuda`` true, the strict fakes stopping."""
     from mixers.ops import dispatch
     from mixers.ops.attention import kernel_torch
-    from ssm_pack.support import installed, requirements
+    from ssm_pack.support import requirements
     from tests.support import decode_fakes as fakes
     from tests.support import fakes as training_fakes
 
     minimums = requirements.strictest_minimums()
 
-    class EveryPackage(installed.Probe):
-        def version(self, dist):
-            for package, (dists, _) in installed._DISTS.items():
-                if dist == dists[0]:
-                    return minimums.get(package)
-            return None
-
-        def has_module(self, module):
-            return True
-
-        def cuda_available(self):
-            return True
-
-        def import_error(self, module):
-            return None
-
-    monkeypatch.setattr(installed, "probe", EveryPackage())
+    newest = {dists[0]: minimums[package] for package, (dists, _) in installed._DISTS.items() if package in minimums}
+    monkeypatch.setattr(installed, "probe", PresentProbe(newest))
     dispatch.cached_support.cache_clear()
     monkeypatch.setattr(dispatch, "is_cuda", lambda t: True)
     calls = fakes.install(monkeypatch, calls=StopAtFirstCall())
