@@ -23,10 +23,8 @@ from ..layers.cached import refuse_context_parallel
 from ..ops.device_policy import policy_for
 from .cached import CachedLM
 from .cp_loss import continue_targets
-from .loss import next_token_loss
+from .loss import IGNORE_INDEX, next_token_loss
 from .sizes import size_problem
-
-IGNORE_INDEX = -100
 
 
 class Block(nn.Module):
