@@ -28,11 +28,6 @@ def unsupported_for(dtype: torch.dtype, head_dim: int, device=None) -> str | Non
     return None if device is None else attention_kernel_limit(device)
 
 
-def unsupported(q: torch.Tensor) -> str | None:
-    """What flash-attn's varlen kernel cannot take for ``q`` (``None``: it can)."""
-    return unsupported_for(q.dtype, q.shape[-1], q.device)
-
-
 def load_upstream():
     from flash_attn import flash_attn_varlen_func
     return flash_attn_varlen_func

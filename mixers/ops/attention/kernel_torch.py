@@ -13,7 +13,7 @@ assumed from a version number:
 
 A form without ``enable_gqa`` gets ``k, v`` with their heads repeated to ``Hq`` (query head ``i``
 reads key/value head ``i // (Hq / Hk)``, as flash-attn's GQA does); a form without windows or
-without ``scale`` cannot run a sliding window or a non-default scale (:func:`unsupported` says
+without ``scale`` cannot run a sliding window or a non-default scale (:func:`unsupported_for` says
 so, and ``auto`` takes the next kernel or the reference). Like flash-attn, the call gets
 :attr:`ssm_pack.VarlenBatch.covering_cu_seqlens` (int32, a final boundary at T) and fp16 / bf16
 tensors on a CUDA device; it is a CUDA C++ kernel, so the interpreter lane cannot run it.
@@ -92,11 +92,6 @@ def unsupported_for(dtype: torch.dtype, head_dim: int, device, causal: bool, win
     return None
 
 
-def unsupported(q: torch.Tensor, causal: bool, window: tuple[int, int], scale: float) -> str | None:
-    """What ``varlen_attn`` cannot do for this call (``None``: it can)."""
-    return unsupported_for(q.dtype, q.shape[-1], q.device, causal, window, scale)
-
-
 def varlen_call(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, window: tuple[int, int],
                 scale: float):
     """``varlen_attn`` in the installed form: ``q [Tq, Hq, D]`` over ``k, v [Tk, Hk, D]`` with int32
@@ -123,7 +118,7 @@ def varlen_call(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, wi
 
 def torch_varlen_attention(call: AttentionCall):
     """``[T, Hq, D]`` attention inside each document through the installed ``varlen_attn``
-    (:func:`unsupported` said it can)."""
+    (:func:`unsupported_for` said it can)."""
     q = call.q
     cu = call.varlen.covering_cu_seqlens.to(device=q.device, dtype=torch.int32)
     return varlen_call(q, call.k, call.v, cu, cu, call.max_seqlen, call.max_seqlen, causal=call.causal,
