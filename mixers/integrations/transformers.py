@@ -22,6 +22,7 @@ cache (``generate``) needs Hugging Face's layers back: ``disable_packing(model)`
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -114,8 +115,16 @@ class PackedMixer(nn.Module):
         self._original = (original.to("meta"), buffers)   # the HF layer without its weights' storage
         self._batch = batch
         self._caches = weakref.WeakSet()               # caches this layer ran with but did not fill
-        self.register_state_dict_post_hook(save_upstream)
-        self.register_load_state_dict_pre_hook(load_upstream)
+        self._name_hooks = ()
+        self.use_upstream_names(True)
+
+    def use_upstream_names(self, upstream: bool) -> None:
+        """``state_dict`` / ``load_state_dict`` in the Hugging Face layer's keys (the default) or in
+        ours (``<layer>.mixer.*``, every key a parameter's path)."""
+        for hook in self._name_hooks:
+            hook.remove()
+        self._name_hooks = ((self.register_state_dict_post_hook(save_upstream),
+                             self.register_load_state_dict_pre_hook(load_upstream)) if upstream else ())
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         cache = next((kwargs[k] for k in _CACHE_KEYS if kwargs.get(k) is not None), args[0] if args else None)
@@ -195,6 +204,29 @@ def enable_packing(model: nn.Module, *, backend: str = "auto") -> nn.Module:
              model.register_load_state_dict_pre_hook(check_whole_load(PackedMixer)))
     model._ssm_pack_packing = (batch, hooks, implementation)
     return model
+
+
+@contextlib.contextmanager
+def native_names(model: nn.Module):
+    """Inside the block the patched ``model``'s ``state_dict`` / ``load_state_dict`` use its module
+    paths (a swapped layer's weights under ``<layer>.mixer.``), which is what
+    ``torch.distributed.checkpoint`` and FSDP2's state-dict helpers need: every key names a
+    parameter. Outside it, Hugging Face's names and layout, as :func:`enable_packing` documents."""
+    state = getattr(model, "_ssm_pack_packing", None)
+    if state is None:
+        raise ValueError("enable_packing(model) was not called on this model")
+    swapped = [m for m in model.modules() if isinstance(m, PackedMixer)]
+    batch, hooks, implementation = state
+    hooks[2].remove()                                  # the whole-load check reads Hugging Face's names
+    for module in swapped:
+        module.use_upstream_names(False)
+    try:
+        yield model
+    finally:
+        for module in swapped:
+            module.use_upstream_names(True)
+        check = model.register_load_state_dict_pre_hook(check_whole_load(PackedMixer))
+        model._ssm_pack_packing = (batch, (hooks[0], hooks[1], check), implementation)
 
 
 def _read_boundaries(model: nn.Module, args, kwargs):

@@ -85,3 +85,25 @@ def test_a_misshapen_tensor_is_named_and_nothing_is_written(monkeypatch, name, k
         patched.load_state_dict(checkpoint, strict=False)
     after = _snapshot(patched)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_native_names_give_parameter_paths_and_round_trip(name, monkeypatch):
+    """Inside ``native_names`` every key is a parameter path (what torch.distributed.checkpoint
+    reads); loading those keys back changes nothing, and Hugging Face's names return after."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from mixers.integrations.transformers import native_names
+    unpatched, patched, checkpoint = _pair(name, monkeypatch)
+    hf_keys = list(patched.state_dict())
+    with native_names(patched):
+        native = _snapshot(patched)
+        paths = {n for n, _ in patched.named_parameters()} | {n for n, _ in patched.named_buffers()}
+        assert set(native) <= paths and any(".mixer." in k for k in native)
+        assert set(get_model_state_dict(patched)) == set(native)
+        patched.load_state_dict(native, strict=True)
+    assert list(patched.state_dict()) == hf_keys and set(hf_keys) == set(unpatched.state_dict())
+    for key, value in unpatched.state_dict().items():
+        assert torch.equal(patched.state_dict()[key], value), key
+    error, _ = _load(patched, {**checkpoint, SSM_KEY[name]: torch.zeros(3)}, strict=True)
+    assert error is not None and SSM_KEY[name] in error          # the whole-load check is back
