@@ -50,6 +50,14 @@ def test_a_file_then_overrides(tmp_path):
     assert config.checkpoint == Config().checkpoint                                       # untouched: defaults
 
 
+def test_mixer_overrides_as_toml_tables(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\npattern = "MA"\n[model.mixer_overrides.M]\nstate_size = 16\n')
+    config = load_config(path)
+    assert config.model.mixer_overrides == {"M": {"state_size": 16}}
+    check_config(config, world=1)
+
+
 @pytest.mark.parametrize("args,wanted", [
     pytest.param(["--train.steps=10"], ["train.steps=10"], id="equals"),
     pytest.param(["--train.steps", "10", "--model.pattern", "MGA"], ["train.steps=10", "model.pattern=MGA"],

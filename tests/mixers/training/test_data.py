@@ -230,3 +230,12 @@ def test_pack_stream_resumes_a_dataset(tmp_path):
     resumed = pack_stream(load_corpus(DataConfig(dataset=str(tmp_path / "ds"))).documents, 24, seed=1, lookahead=2)
     resumed.load_state_dict(stream.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(head + _run(resumed), whole))
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "parquet"])
+def test_the_documents_survive_pickling_for_dataloader_workers(tmp_path, tokenizer_dir, kind):
+    import pickle
+
+    documents = load_corpus(DataConfig(files=_write(tmp_path, kind), tokenizer=tokenizer_dir[0])).documents
+    copy = pickle.loads(pickle.dumps(documents))
+    assert len(copy) == len(documents) and all(torch.equal(copy[i], documents[i]) for i in range(len(documents)))
