@@ -249,6 +249,9 @@ def _from_files(data: DataConfig, encode) -> tuple[object, str]:
         else:
             parts.append(ParquetColumns(group, data.text_field))
     texts = parts[0] if len(parts) == 1 else Concatenated(parts)
+    if len(texts) == 0:
+        raise ValueError(f"data.files={data.files!r} hold no document (only blank lines or empty tables); add "
+                         "documents or fix the paths")
     size = sum(os.path.getsize(p) for p in paths)
     return Tokenized(texts, encode), f"{len(paths)} file(s) of data.files, {len(texts)} documents, {size} bytes on disk"
 

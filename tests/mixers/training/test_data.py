@@ -138,6 +138,8 @@ REFUSALS = [
                  id="jsonl-broken"),
     pytest.param(lambda p: DataConfig(files=[str(p / "num.jsonl")]), r"num\.jsonl:1: 'text' holds int, not text",
                  id="jsonl-not-text"),
+    pytest.param(lambda p: DataConfig(files=[str(p / "blank.jsonl")]), r"data\.files=.*hold no document",
+                 id="no-documents"),
     pytest.param(lambda p: DataConfig(files=["a"], dataset="b"), r"both set; keep one", id="two-sources"),
     pytest.param(lambda p: DataConfig(streaming=True), r"data\.streaming=true .*data\.dataset", id="stream-no-ds"),
     pytest.param(lambda p: DataConfig(tokenizer=str(p / "none")), r"data\.tokenizer=.*none' is not a directory",
@@ -151,6 +153,7 @@ def test_a_bad_source_is_refused_naming_path_key_and_fix(tmp_path, make, message
     (tmp_path / "x.jsonl").write_text(json.dumps({"body": "ok"}) + "\n" + json.dumps({"text": "no body"}) + "\n")
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     (tmp_path / "num.jsonl").write_text('{"text": 3}\n')
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
     with pytest.raises(ValueError, match=message):
         load_corpus(make(tmp_path))
 
