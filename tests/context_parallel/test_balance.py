@@ -141,6 +141,12 @@ def test_defaults_balance_tokens():
     assert sorted(b - a for a, b in zip(bounds[:-1], bounds[1:])) == [5, 6, 6, 6]
 
 
+def test_a_row_without_attention_work_splits_evenly():
+    """Attention only and no real token (a padding row): no work anywhere, so the even split."""
+    assert balanced_bounds([0, 0], 4, total_tokens=12, linear=0.0, attention=1.0) == [0, 3, 6, 9, 12]
+    assert balanced_bounds([0, 3], 4, total_tokens=12, linear=0.0, attention=1.0) != [0, 3, 6, 9, 12]
+
+
 # ------------------------------------------------------------------ the cost model, counted
 def _counted_pairs(params, total, window) -> torch.Tensor:
     """``[T]`` query-key pairs per query, from the attention spec's own mask (``mixers.ops.attention.naive``)
