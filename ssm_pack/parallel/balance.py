@@ -88,9 +88,8 @@ def _token_costs(physical, lengths, total, linear, attention, window) -> torch.T
     costs = torch.full((total,), linear, dtype=torch.float64)
     if attention == 0 or lengths.numel() == 0:
         return costs
-    doc = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)           # per real token
-    starts = torch.repeat_interleave(physical[:-1], lengths)
-    pos = torch.arange(doc.numel()) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+    starts = torch.repeat_interleave(physical[:-1], lengths)                         # per real token
+    pos = torch.arange(starts.numel()) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
     reads = pos + 1 if window is None else (pos + 1).clamp(max=window)
     costs[starts + pos] += attention * reads.to(torch.float64)
     return costs
