@@ -41,7 +41,13 @@ from .formats import (
     to_flash_attention_kwargs,
     unpack_to_padded,
 )
-from .parallel import ContextParallelLayout, resolve_cp_group, resolve_tp_cp_group, shard_for_context_parallel
+from .parallel import (
+    ContextParallelLayout,
+    balanced_bounds,
+    resolve_cp_group,
+    resolve_tp_cp_group,
+    shard_for_context_parallel,
+)
 from .stream import PackPlan, PackStream, pack_stream, plan_packs
 from .support import (
     check_causal_conv1d_support,
@@ -58,7 +64,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ContextParallelLayout", "PackPlan", "PackStream", "PackedSeqParams", "PackingAlignmentWarning", "Segments",
     "VarlenBatch",
-    "assemble_packed_sequence",
+    "assemble_packed_sequence", "balanced_bounds",
     "attention_mask_from_lengths", "build_packed_seq_idx", "check_block_alignment",
     "check_causal_conv1d_support", "check_fla_conv_support", "check_fla_sequence_packing_support",
     "check_flash_attn_support", "check_mamba_sequence_packing_support", "check_mamba_ssd_support",

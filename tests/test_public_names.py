@@ -15,8 +15,8 @@ import pytest
 PUBLIC = {
     "ssm_pack": (
         "ContextParallelLayout", "PackPlan", "PackStream", "PackedSeqParams", "PackingAlignmentWarning", "Segments",
-        "VarlenBatch", "assemble_packed_sequence", "attention_mask_from_lengths", "build_packed_seq_idx",
-        "check_block_alignment", "check_causal_conv1d_support", "check_fla_conv_support",
+        "VarlenBatch", "assemble_packed_sequence", "attention_mask_from_lengths", "balanced_bounds",
+        "build_packed_seq_idx", "check_block_alignment", "check_causal_conv1d_support", "check_fla_conv_support",
         "check_fla_sequence_packing_support", "check_flash_attn_support", "check_mamba_sequence_packing_support",
         "check_mamba_ssd_support", "cu_seqlens_from_position_ids", "cu_seqlens_from_seq_idx", "cu_seqlens_to_lengths",
         "dense_segment_keep", "get_cu_seqlens", "hf_batch_from_packed_seq_params", "is_packed",
