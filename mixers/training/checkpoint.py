@@ -36,7 +36,12 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 FORMAT = 1
 MARKER = "COMPLETE"
@@ -129,29 +134,39 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return manifest
 
 
-def _check_keys(path: pathlib.Path, model_sd: dict, optim_sd: dict) -> None:
-    """Refuse a model or optimizer whose keys or shapes differ from the saved ones (a foreign one)."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    fix = "build the model (pattern, sizes) and optimizer the checkpoint was saved with"
+def _saved_keys(path: pathlib.Path) -> dict:
+    """The checkpoint's DCP keys (``model.<fqn>``, ``optim.<key>``) and their metadata."""
+    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
+_FIX = "build the model (pattern, sizes) and optimizer the checkpoint was saved with"
+
+
+def _check_model_keys(path: pathlib.Path, saved: dict, model_sd: dict) -> None:
+    """Refuse a model whose parameter names or shapes differ from the saved ones (a foreign one)."""
     saved_model = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
     for key, value in model_sd.items():
         if key not in saved_model:
-            raise ValueError(f"{str(path)!r} holds no model key {key!r}: it was saved from another model; {fix}")
+            raise ValueError(f"{str(path)!r} holds no model key {key!r}: it was saved from another model; {_FIX}")
         size = getattr(saved_model[key], "size", None)
         if isinstance(value, torch.Tensor) and size is not None and tuple(size) != tuple(value.shape):
             raise ValueError(f"{str(path)!r} holds {key!r} of shape {tuple(size)} but the model's is "
-                             f"{tuple(value.shape)}; {fix}")
+                             f"{tuple(value.shape)}; {_FIX}")
     for key in saved_model:
         if key not in model_sd:
-            raise ValueError(f"{str(path)!r} holds model key {key!r} that the model lacks (unexpected); {fix}")
+            raise ValueError(f"{str(path)!r} holds model key {key!r} that the model lacks (unexpected); {_FIX}")
+
+
+def _check_optim_keys(path: pathlib.Path, saved: dict, optim_sd: dict) -> None:
+    """Refuse an optimizer whose entries differ from the saved ones (another kind, or state already touched)."""
     for key in optim_sd:
         if f"optim.{key}" not in saved:
             raise ValueError(f"{str(path)!r} holds no optimizer entry {key!r}: it was saved with another optimizer "
-                             f"or model; {fix}")
+                             f"or model; {_FIX}")
     for key in saved:
         if key.startswith("optim.") and key[len("optim."):] not in optim_sd:
             raise ValueError(f"{str(path)!r} holds optimizer entry {key[len('optim.'):]!r} that the optimizer lacks; "
-                             f"{fix}, and load into an optimizer that has not stepped (or one whose state is full)")
+                             f"{_FIX}, and load into an optimizer that has not stepped (or one whose state is full)")
 
 
 class Checkpointer:
@@ -265,8 +280,10 @@ class Checkpointer:
         if scheduler is not None and not (path / "scheduler.pt").is_file():
             raise ValueError(f"{str(path / 'scheduler.pt')!r} is missing: the checkpoint was saved without a "
                              "scheduler; load it with scheduler=None")
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-        _check_keys(path, model_sd, optim_sd)
+        saved = _saved_keys(path)
+        _check_model_keys(path, saved, get_model_state_dict(model, options=_OPTIONS))
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)   # a fresh optimizer: its states made
+        _check_optim_keys(path, saved, optim_sd)
         with _single_process_quiet():
             dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=self.group,
                      no_dist=not _distributed())

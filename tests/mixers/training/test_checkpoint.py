@@ -165,18 +165,30 @@ def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path, how):
     assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
 
 
+def _touched(model):
+    opt = _optimizer(model)
+    for p in model.parameters():
+        opt.state[p]                      # a defaultdict: empty entries, so no state is made for the load
+    return opt
+
+
 @pytest.mark.parametrize("what, message", [
     pytest.param("not-a-checkpoint", "is not a directory", id="not-a-checkpoint"),
     pytest.param("parent", "COMPLETE.*is missing", id="the-checkpoints-folder"),
-    pytest.param("MGKP", "holds model key .blocks.4", id="foreign-model-fewer-blocks"),
+    pytest.param("MGKP", "holds model key 'blocks.4", id="foreign-model-fewer-blocks"),
     pytest.param("MGKPAA", "holds no model key 'blocks.5", id="foreign-model-more-blocks"),
-    pytest.param("hidden", "holds 'embed.weight' of shape", id="foreign-model-sizes")])
+    pytest.param("hidden", "holds 'embed.weight' of shape", id="foreign-model-sizes"),
+    pytest.param("sgd", "holds no optimizer entry 'param_groups.*momentum", id="foreign-optimizer"),
+    pytest.param("touched", "holds optimizer entry 'state.*that the optimizer lacks", id="optimizer-state-touched")])
 def test_foreign_models_and_paths_are_refused(tmp_path, what, message):
     _, _, _, saver = _run(tmp_path)
     path = {"not-a-checkpoint": tmp_path / "nothing", "parent": saver.directory}.get(what, saver.latest())
     model = _model(hidden=48) if what == "hidden" else _model(what if what.isupper() else "MGKPA", seed=1)
+    opt = {"sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1), "touched": _touched}.get(what, _optimizer)(model)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
     with pytest.raises(ValueError, match=message):
-        saver.load(path, model, _optimizer(model))
+        saver.load(path, model, opt)
+    assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -214,6 +226,11 @@ def _rank_main(rank: int, port: int, root: str) -> None:
         extra, per_rank = loader.load(loader.latest(), fresh, fresh_opt)
         result = {"saved": saved, "before": before, "loaded": _full(fresh, fresh_opt), "extra": extra,
                   "per_rank": per_rank}
+        again = _model(seed=2)                               # the world-2 checkpoint at world 2: a resume
+        fully_shard(again, mesh=mesh)
+        again_opt = _optimizer(again)
+        _, result["same_world_per_rank"] = saver.load(saver.latest(), again, again_opt)
+        result["same_world"] = _full(again, again_opt)
         torch.save(result, os.path.join(root, f"rank{rank}.pt"))
     except Exception:
         with open(os.path.join(root, f"rank{rank}.err"), "w") as f:
@@ -253,6 +270,13 @@ def test_world2_fsdp_checkpoint_loads_at_world1(world2):
     extra, per_rank = saver.load(saver.latest(), model, opt)
     assert _equal(_full(model, opt), ranks[0]["saved"]) == []
     assert extra == {"step": 2} and per_rank == {"by_rank": {0: {"rank": 0}, 1: {"rank": 1}}}
+
+
+def test_world2_checkpoint_resumes_at_world2(world2):
+    _, _, ranks = world2
+    for r, rank in enumerate(ranks):
+        assert _equal(rank["same_world"], rank["saved"]) == []
+        assert rank["same_world_per_rank"] == {"rank": r}                # this rank's own dict
 
 
 def test_world1_checkpoint_loads_at_world2_under_fsdp(world2):
