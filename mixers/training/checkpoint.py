@@ -164,7 +164,7 @@ def _check_optim_keys(path: pathlib.Path, saved: dict, optim_sd: dict) -> None:
             raise ValueError(f"{str(path)!r} holds no optimizer entry {key!r}: it was saved with another optimizer "
                              f"or model; {_FIX}")
     for key in saved:
-        if key.startswith("optim.") and key[len("optim."):] not in optim_sd:
+        if key.startswith("optim.state.") and key[len("optim."):] not in optim_sd:   # a state DCP would skip
             raise ValueError(f"{str(path)!r} holds optimizer entry {key[len('optim.'):]!r} that the optimizer lacks; "
                              f"{_FIX}, and load into an optimizer that has not stepped (or one whose state is full)")
 

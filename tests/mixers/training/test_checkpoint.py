@@ -111,6 +111,16 @@ def test_keep_leaves_the_newest_complete_checkpoints(tmp_path):
     assert {"extra.pt", "scheduler.pt", "rank-00000.pt", ".metadata"} <= set(manifest["files"])
 
 
+def test_saving_the_same_step_again_replaces_it(tmp_path):
+    model, opt, sched, saver = _run(tmp_path, keep=2, steps=(1, 2))
+    first = json.loads((saver.latest() / "COMPLETE").read_text())
+    saver.save(2, model, opt, scheduler=sched, extra={"again": True})
+    assert sorted(p.name for p in saver.directory.iterdir()) == ["step-00000001", "step-00000002"]
+    assert json.loads((saver.latest() / "COMPLETE").read_text())["files"] != first["files"]
+    fresh = _model(seed=1)
+    assert saver.load(saver.latest(), fresh, _optimizer(fresh))[0] == {"again": True}
+
+
 @pytest.mark.parametrize("where, leftover", [
     pytest.param("_files", "step-00000002.partial", id="after-the-dcp-write-before-the-rename"),
     pytest.param("_write_marker", "step-00000002", id="after-the-rename-before-the-marker")])
