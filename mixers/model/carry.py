@@ -15,15 +15,25 @@ up to ``max_document_tokens``), and rotary positions continue, so a continuing p
 the whole document so far, exactly as in one row. The forward over a document split across k
 packs therefore equals the forward over the whole document in one row for every mixer; the
 gradients do not (nothing flows into earlier packs).
+
+A run that stops and resumes keeps its carried document: :meth:`CarriedStates.state_dict` holds
+the carried ``(document, slot, next offset)``, that slot's token count and its states in every
+mixer's cache (CPU copies; other slots are reset before use, so they are not kept), and
+:meth:`CarriedStates.load_state_dict` writes them back into a fresh ``CarriedStates`` of the
+same model configuration: the next pack then runs bitwise as if the run had never stopped.
 """
 
 from __future__ import annotations
 
+import torch
+
 from ssm_pack import VarlenBatch
+from ssm_pack.checks import describe
 
 from .hybrid import check_token_ids
 from .loss import next_token_loss
 
+_STATE_KEYS = ("carried", "length", "states")
 _PACK_KEYS = ("input_ids", "targets", "packed_seq_params", "documents", "offsets", "continues", "continued")
 
 
@@ -106,3 +116,69 @@ class CarriedStates:
         loss = next_token_loss(logits, pack["targets"].to(logits.device))
         self.carried = (documents[-1], slots[-1], end) if pack["continued"] else None
         return {"logits": logits, "loss": loss}
+
+    def state_dict(self) -> dict:
+        """``{"carried": None}``, or with a carried document ``{"carried": (document, slot, next
+        offset), "length": tokens its slot holds, "states": [{name: CPU tensor}] per mixer}``."""
+        if self.carried is None:
+            return {"carried": None}
+        slot = self.carried[1]
+        return {"carried": tuple(self.carried), "length": int(self.cache.table.lengths[slot]),
+                "states": [{name: state[slot].detach().to("cpu", copy=True) for name, state in layer.states.items()}
+                           for layer in self.cache.layers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (every slot is reset, the carried one written back).
+        Everything is checked first: a bad ``state`` raises ``ValueError`` / ``TypeError`` and
+        leaves the states untouched."""
+        carried = self._check_state(state)
+        self.cache.reset()
+        self.carried = None
+        if carried is None:
+            return
+        slot = carried[1]
+        for layer, saved in zip(self.cache.layers, state["states"]):
+            for name, value in saved.items():
+                layer.states[name][slot].copy_(value)
+        self.cache.table.lengths[slot] = state["length"]
+        self.carried = carried
+
+    def _check_state(self, state) -> tuple[int, int, int] | None:
+        """The carried tuple of a valid ``state`` for this cache (see :meth:`load_state_dict`)."""
+        fix = "pass the dict CarriedStates.state_dict() returned for a model of the same configuration"
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict from CarriedStates.state_dict(), got {describe(state)}")
+        carried = state.get("carried")
+        keys = {"carried"} if carried is None else set(_STATE_KEYS)
+        if set(state) != keys:
+            raise ValueError(f"state has keys {sorted(state)} but a state with carried={carried!r} has "
+                             f"{sorted(keys)}; {fix}")
+        if carried is None:
+            return None
+        if (not isinstance(carried, (tuple, list)) or len(carried) != 3
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in carried)):
+            raise ValueError(f"state['carried'] must be (document, slot, offset) of ints >= 0, got {carried!r}; {fix}")
+        slot, length = carried[1], state["length"]
+        if slot >= self.cache.capacity:
+            raise ValueError(f"state['carried'] names slot {slot} but this cache has {self.cache.capacity} slots; "
+                             f"build CarriedStates with max_documents >= {slot}")
+        if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= self.cache.max_seqlen:
+            raise ValueError(f"state['length'] must be an int in 1..{self.cache.max_seqlen} (max_document_tokens), "
+                             f"got {length!r}; build CarriedStates with max_document_tokens >= {length!r}")
+        saved = state["states"]
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(self.cache.layers):
+            got = len(saved) if isinstance(saved, (list, tuple)) else describe(saved)
+            raise ValueError(f"state['states'] must hold one dict per mixer ({len(self.cache.layers)}), got {got}; "
+                             f"{fix}")
+        for i, (layer, names) in enumerate(zip(self.cache.layers, saved)):
+            if not isinstance(names, dict) or set(names) != set(layer.states):
+                got = sorted(names) if isinstance(names, dict) else describe(names)
+                raise ValueError(f"state['states'][{i}] must hold {sorted(layer.states)} ({layer.owner_name}), "
+                                 f"got {got}; {fix}")
+            for name, value in names.items():
+                want = layer.states[name]
+                if (not isinstance(value, torch.Tensor) or value.shape != want.shape[1:]
+                        or value.dtype != want.dtype):
+                    raise ValueError(f"state['states'][{i}][{name!r}] must be a {want.dtype} tensor of shape "
+                                     f"{tuple(want.shape[1:])}, got {describe(value)}; {fix}")
+        return tuple(carried)
