@@ -31,7 +31,10 @@ rotary positions that continue from their slot's length.
   (flash-attn's varlen kernel), then the real tokens' keys and values are stored;
 * a packed call continuing slots: the keys and values are stored first, then each document's
   queries (left-aligned into rows, so the causal mask lines up at the bottom right) attend over
-  their slot through :func:`mixers.ops.attention_with_kvcache` without new keys.
+  their slot through :func:`mixers.ops.attention_with_kvcache` without new keys. When the call
+  records gradients (training through :class:`mixers.model.CarriedStates`), the rows attend over
+  their slots' keys and values with this call's own tokens taken from ``k`` / ``v`` rather than
+  from the (detached) cache, so their gradient flows; the earlier pieces' stay constants.
 
 Padding never enters a slot: only real tokens' keys and values are stored (a padding token's
 output is zero on the last path).
@@ -162,9 +165,25 @@ class AttentionMixer(CachedMixin, MixerBase):
         column = width - batch.counts.to(batch.device)[doc] + place     # right-aligned: last query, last column
         rows = q.new_zeros(len(batch.host), width, *q.shape[1:])
         rows[doc, column] = q[index]
-        attended = attention_with_kvcache(rows, cache["key"], cache["value"], cache_seqlens=batch.ends_device,
-                                          cache_batch_idx=batch.slots, causal=True, window_size=window,
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            keys, values, source = self._own_tokens_differentiable(k, v, cache, batch, index, doc, positions)
+        else:
+            keys, values, source = cache["key"], cache["value"], batch.slots
+        attended = attention_with_kvcache(rows, keys, values, cache_seqlens=batch.ends_device,
+                                          cache_batch_idx=source, causal=True, window_size=window,
                                           backend=self.backend)
         out = torch.zeros_like(q)
         out[index] = attended[doc, column]
         return out
+
+    @staticmethod
+    def _own_tokens_differentiable(k, v, cache: LayerCache, batch: SlotBatch, index, doc, positions):
+        """Training through carried states: each slot's keys and values ``[N, K, Hk, Dh]`` (``K`` its
+        longest), the earlier pieces' from the cache (constants) and this call's own tokens' ``k`` /
+        ``v`` in their places, so the gradient reaches them (the cache holds detached copies)."""
+        longest = max(int((batch.starts + batch.counts).max()), 1)
+        keys = cache["key"][:, :longest].index_select(0, batch.slots)
+        values = cache["value"][:, :longest].index_select(0, batch.slots)
+        keys = keys.index_put((doc, positions), k[index].to(keys.dtype))
+        values = values.index_put((doc, positions), v[index].to(values.dtype))
+        return keys, values, None
