@@ -134,6 +134,13 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return manifest
 
 
+def read_extra(path: str | os.PathLike) -> dict:
+    """The ``extra`` dict of a complete checkpoint (step, config, counters), read without loading
+    the model: a run checks that it may resume from it before touching its weights."""
+    read_manifest(path)
+    return torch.load(pathlib.Path(path) / "extra.pt", weights_only=True)
+
+
 def _saved_keys(path: pathlib.Path) -> dict:
     """The checkpoint's DCP keys (``model.<fqn>``, ``optim.<key>``) and their metadata."""
     return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -289,11 +296,11 @@ class Checkpointer:
                      no_dist=not _distributed())
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_OPTIONS)
         if scheduler is not None:
-            scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-        extra = torch.load(path / "extra.pt", weights_only=False)
+            scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        extra = torch.load(path / "extra.pt", weights_only=True)
         if manifest["world"] == self.world:
-            per_rank = torch.load(path / _rank_file(self.rank), weights_only=False)
+            per_rank = torch.load(path / _rank_file(self.rank), weights_only=True)
         else:
-            per_rank = {"by_rank": {r: torch.load(path / _rank_file(r), weights_only=False)
+            per_rank = {"by_rank": {r: torch.load(path / _rank_file(r), weights_only=True)
                                     for r in range(manifest["world"])}}
         return extra, per_rank
