@@ -321,7 +321,7 @@ def check_config(config: Config, *, world: int) -> None:
     if not config.train.lr > 0:
         raise ValueError(f"train.lr={config.train.lr!r} must be > 0; set train.lr to e.g. 3e-3")
     _check_parallel(config, world)
-    _check_data(config.data)
+    check_data_source(config.data)
     for name in PATHS:
         if _get(config, name) and not os.path.exists(_get(config, name)):
             raise ValueError(f"{name}={_get(config, name)!r} does not exist; fix the path or set {name}=\"\"")
@@ -330,6 +330,25 @@ def check_config(config: Config, *, world: int) -> None:
         raise ValueError(f"checkpoint.resume={resume!r} is neither \"auto\", \"never\" nor an existing path; "
                          "fix the path or set checkpoint.resume=\"auto\"")
     _check_model(config.model)
+    _check_combinations(config)
+
+
+def _check_combinations(config: Config) -> None:
+    """Options that each work but not together."""
+    data, model = config.data, config.model
+    if data.carry and data.streaming:
+        raise ValueError("data.carry=true with data.streaming=true: carried states size their cache by the longest "
+                         "document, which a stream cannot tell up front; set data.carry=false or read the dataset "
+                         "map-style (data.streaming=false)")
+    if data.carry and config.train.activation_checkpointing:
+        raise ValueError("train.activation_checkpointing=true with data.carry=true: the recompute would start from "
+                         "carried states the forward already advanced; set one of them to false")
+    if model.kind == "hf" and data.carry:
+        raise ValueError('model.kind="hf" with data.carry=true: carried states need a HybridLM\'s inference cache; '
+                         "set data.carry=false")
+    if model.kind == "hf" and config.parallel.cp > 1:
+        raise ValueError(f'model.kind="hf" with parallel.cp={config.parallel.cp}: a Hugging Face model\'s attention '
+                         "layers do not pass context-parallel state; set parallel.cp=1 (data parallelism only)")
 
 
 def _check_parallel(config: Config, world: int) -> None:
@@ -353,7 +372,8 @@ def _check_parallel(config: Config, world: int) -> None:
                          "data.carry=false (long documents are then cut at the pack's end) or parallel.cp=1")
 
 
-def _check_data(data: DataConfig) -> None:
+def check_data_source(data: DataConfig) -> None:
+    """One source at most, and streaming only from a dataset."""
     if data.files and data.dataset:
         raise ValueError(f"data.files={data.files!r} and data.dataset={data.dataset!r} are both set; keep one "
                          "source (set the other to its empty default)")

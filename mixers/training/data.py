@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import DataConfig
+from .config import DataConfig, check_data_source
 
 TEXT_SUFFIXES = (".txt", ".md")
 SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
@@ -308,12 +308,7 @@ def _embedded(encode) -> tuple[object, str]:
 def load_corpus(data: DataConfig) -> Corpus:
     """The documents ``data`` names (``files``, else ``dataset``, else the embedded corpus) and
     the vocabulary of its tokenizer."""
-    if data.files and data.dataset:
-        raise ValueError(f"data.files={data.files!r} and data.dataset={data.dataset!r} are both set; keep one "
-                         "source (set the other to its empty default)")
-    if data.streaming and not data.dataset:
-        raise ValueError("data.streaming=true reads data.dataset, which is empty; set data.dataset or "
-                         "data.streaming=false")
+    check_data_source(data)
     encode = make_encoder(data.tokenizer)
     if data.files:
         documents, source = _from_files(data, encode)

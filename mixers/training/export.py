@@ -13,12 +13,23 @@ FORMAT = "ssm-pack-hybrid-lm/1"
 
 
 def export_model(model, config, directory: Path, *, rank: int = 0) -> Path | None:
-    """Write ``directory/model.safetensors`` and ``directory/config.json``; returns the directory on
-    rank 0 (``None`` elsewhere)."""
+    """Write ``directory/model.safetensors`` and ``directory/config.json`` (a Hugging Face model:
+    ``save_pretrained``, Hugging Face's names and layout); returns the directory on rank 0
+    (``None`` elsewhere)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    from ..model.hybrid import HybridLM
+    from .model import hf_model, parameter_names
+    with parameter_names(model):
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
+    if not isinstance(model, HybridLM):      # Hugging Face's layout, through an unsharded copy of the model
+        copy = hf_model(config)
+        with parameter_names(copy):
+            copy.load_state_dict(state, strict=True)
+        copy.save_pretrained(str(directory))
+        return Path(directory)
     from safetensors.torch import save_file
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .model import blocks
+
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name, "")
@@ -32,6 +34,18 @@ def _env_int(name: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"the environment variable {name}={value!r} must be an integer (torchrun sets it)") from None
+
+
+def attempt_store(world: int, timeout: datetime.timedelta):
+    """The store of this torchrun attempt: torchrun's agent keeps one TCPStore across restarts, and a
+    restarted rank can read the address a killed rank published in the attempt before (and fail to
+    connect to it); keys prefixed by ``TORCHELASTIC_RESTART_COUNT`` keep each attempt apart. ``None``
+    outside torchrun's agent store (``init_process_group`` then reads ``MASTER_ADDR`` / ``MASTER_PORT``)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"ssm-pack/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
 @dataclass
@@ -86,8 +100,9 @@ class World:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            timeout = datetime.timedelta(seconds=timeout_s)
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout,
+                                    store=attempt_store(self.world, timeout), rank=self.rank, world_size=self.world)
         self.fsdp_mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("world",))
         if self.cp > 1:
             mesh = init_device_mesh(self.device.type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
@@ -117,7 +132,7 @@ def shard_model(model: torch.nn.Module, world: World, compute_dtype: torch.dtype
         return
     from torch.distributed.fsdp import fully_shard
     policy = {} if compute_dtype == torch.float32 else {"mp_policy": mixed_precision(compute_dtype)}
-    for block in model.blocks:
+    for block in blocks(model):
         fully_shard(block, mesh=world.fsdp_mesh, **policy)
     fully_shard(model, mesh=world.fsdp_mesh, **policy)
 
@@ -125,7 +140,7 @@ def shard_model(model: torch.nn.Module, world: World, compute_dtype: torch.dtype
 def checkpoint_blocks(model: torch.nn.Module) -> None:
     """Recompute each block's activations in the backward (the parameter names stay the same)."""
     from torch.utils.checkpoint import checkpoint
-    for block in model.blocks:
+    for block in blocks(model):
         forward = block.forward
         block.forward = lambda *args, _forward=forward, **kwargs: checkpoint(_forward, *args, use_reentrant=False,
                                                                              **kwargs)
@@ -133,5 +148,5 @@ def checkpoint_blocks(model: torch.nn.Module) -> None:
 
 def compile_blocks(model: torch.nn.Module) -> None:
     """``torch.compile`` each block in place (the parameter names stay the same)."""
-    for block in model.blocks:
+    for block in blocks(model):
         block.compile()

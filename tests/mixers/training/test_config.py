@@ -181,6 +181,15 @@ REFUSALS = [
     pytest.param(_with(data__files=["a"], data__dataset="b"), 1, r"data\.files=.*data\.dataset=.*keep one",
                  id="two-sources"),
     pytest.param(_with(data__streaming=True), 1, r"data\.streaming=true.*data\.dataset.*empty", id="stream-no-ds"),
+    pytest.param(_with(train__activation_checkpointing=True), 1,
+                 r"train\.activation_checkpointing=true with data\.carry=true.*set one of them to false",
+                 id="checkpointing-carry"),
+    pytest.param(_with(data__dataset=".", data__streaming=True), 1,
+                 r"data\.carry=true with data\.streaming=true.*set data\.carry=false", id="stream-carry"),
+    pytest.param(_with(model__kind="hf", model__hf_path="."), 1, r'model\.kind="hf" with data\.carry=true.*'
+                 r"set data\.carry=false", id="hf-carry"),
+    pytest.param(_with(model__kind="hf", model__hf_path=".", data__carry=False, parallel__cp=2), 2,
+                 r'model\.kind="hf" with parallel\.cp=2.*set parallel\.cp=1', id="hf-cp"),
     pytest.param(_with(model__pattern="MXA"), 1, r"model\.pattern='MXA' must be letters of.*fix model\.pattern",
                  id="pattern"),
     pytest.param(_with(model__pattern=""), 1, r"model\.pattern='' must be letters", id="empty-pattern"),
@@ -210,7 +219,8 @@ def test_check_config_accepts_what_exists(tmp_path):
     (tmp_path / "a.txt").write_text("x")
     (tmp_path / "ckpt").mkdir()
     config = _with(data__files=[str(tmp_path / "*.txt")], checkpoint__resume=str(tmp_path / "ckpt"),
-                   model__kind="hf", model__hf_path=str(tmp_path), model__pattern="not checked for hf")
+                   model__kind="hf", model__hf_path=str(tmp_path), model__pattern="not checked for hf",
+                   data__carry=False)
     check_config(config, world=1)
     check_config(_with(parallel__cp=2, data__carry=False, data__batch_packs=2), world=4)
 

@@ -1,0 +1,154 @@
+"""``ssm-pack train`` end to end: the same global batch at every world size, exact resume after
+SIGTERM or a killed rank, a checkpoint resharded to another world size, refusals before any
+process group starts.
+
+Runs are real processes: ``python -m mixers.training`` for one process and ``torchrun`` (gloo,
+CPU) for 2 and 4 ranks, on the embedded corpus with a small model and short packs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+SMALL = ["--model.hidden_size=32", "--data.max_tokens=256", "--data.batch_packs=4", "--train.steps=5",
+         "--train.warmup_steps=2", "--train.lr=1e-2", "--checkpoint.export=false", "--metrics.plot=false",
+         "--metrics.tensorboard=false"]
+NO_CARRY = ["--data.carry=false"]
+# fp32 loss curves against one process: |loss - loss_1| / loss_1 per step. The sums over ranks and
+# over cp shares are taken in other orders than one process takes them: rounding only.
+TOLERANCE = {"dp2": 2e-6, "cp2": 2e-6, "dp2xcp2": 2e-6}
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
+    env.pop("SSM_PACK_TRAIN_FAULT", None)
+    env.update(extra)
+    return env
+
+
+def _run(out: Path, args: list[str], *, ranks: int = 1, env: dict | None = None, restarts: int = 0,
+         check: bool = True) -> subprocess.CompletedProcess:
+    """One training run into ``out`` (a process, or ``ranks`` processes under torchrun)."""
+    command = [sys.executable, "-m", "mixers.training", f"--out_dir={out}", *SMALL, *args]
+    if ranks > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                   f"--max-restarts={restarts}", "-m", "mixers.training", f"--out_dir={out}", *SMALL, *args]
+    done = subprocess.run(command, cwd=ROOT, env=env or _env(), capture_output=True, text=True, timeout=600)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+    return done
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+DETERMINISTIC = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_total", "padding", "docs_per_pack", "carried")
+
+
+def _deterministic(out: Path) -> list[tuple]:
+    return [tuple(r[k] for k in DETERMINISTIC) for r in _records(out)]
+
+
+def _final_state(out: Path) -> tuple[dict, dict]:
+    """The last checkpoint's model and optimizer state, loaded at world 1."""
+    from mixers.training.checkpoint import Checkpointer
+
+    from mixers import HybridLM
+    checkpointer = Checkpointer(out / "checkpoints", keep=1)
+    model = HybridLM(256, 32, "MGKPA")
+    optimizer = torch.optim.AdamW(model.parameters())
+    checkpointer.load(checkpointer.latest(), model, optimizer)
+    return model.state_dict(), optimizer.state_dict()["state"]
+
+
+def _assert_bitwise(a: Path, b: Path) -> None:
+    assert _deterministic(a) == _deterministic(b)
+    (model_a, opt_a), (model_b, opt_b) = _final_state(a), _final_state(b)
+    assert model_a.keys() == model_b.keys()
+    for name in model_a:
+        assert torch.equal(model_a[name], model_b[name]), name
+    for index in opt_a:
+        for key in opt_a[index]:
+            assert torch.equal(opt_a[index][key], opt_b[index][key]), (index, key)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("world1")
+    _run(out, NO_CARRY)
+    return out
+
+
+@pytest.mark.parametrize("name, ranks, args", [
+    pytest.param("dp2", 2, [], id="world2-dp2"),
+    pytest.param("cp2", 2, ["--parallel.cp=2"], id="world2-cp2"),
+    pytest.param("dp2xcp2", 4, ["--parallel.cp=2"], id="world4-dp2xcp2"),
+])
+def test_every_world_size_trains_the_same_global_batch(one_process, tmp_path, name, ranks, args):
+    _run(tmp_path, NO_CARRY + args, ranks=ranks)
+    want, got = _records(one_process), _records(tmp_path)
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]          # the same packs
+    worst = max(abs(g["loss"] - w["loss"]) / w["loss"] for g, w in zip(got, want, strict=True))
+    assert worst <= TOLERANCE[name], worst
+    assert want[-1]["loss"] < want[0]["loss"]                                 # it trains
+
+
+def test_a_run_stopped_by_sigterm_resumes_bitwise(tmp_path):
+    """Carried states on (the default): the stream, the carried states and the optimizer resume."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    _run(whole, [])
+    stop_at = 1 + int(torch.randint(0, 3, (1,), generator=torch.Generator().manual_seed(7)))
+    stopped = _run(parts, [], env=_env(SSM_PACK_TRAIN_FAULT=f"sigterm@{stop_at}"), check=False)
+    assert stopped.returncode == 143, stopped.stdout + stopped.stderr
+    assert f"stopped by SIGTERM after step {stop_at}" in stopped.stdout
+    assert len(_records(parts)) == stop_at
+    resumed = _run(parts, [])
+    assert "resumed from" in resumed.stdout and f"at step {stop_at}" in resumed.stdout
+    _assert_bitwise(whole, parts)
+
+
+def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_bitwise(tmp_path):
+    whole, faulty = tmp_path / "whole", tmp_path / "faulty"
+    _run(whole, ["--checkpoint.every=2"], ranks=2)
+    done = _run(faulty, ["--checkpoint.every=2"], ranks=2, restarts=1,
+                env=_env(SSM_PACK_TRAIN_FAULT="kill@3:rank1"))
+    assert "resumed from" in done.stdout and "at step 2" in done.stdout, done.stdout
+    _assert_bitwise(whole, faulty)
+
+
+def test_a_checkpoint_saved_at_world_4_resumes_at_world_2(one_process, tmp_path):
+    """dp 2 x cp 2 stopped after step 2, resumed as dp 2: the loss curve of one process."""
+    stopped = _run(tmp_path, NO_CARRY + ["--parallel.cp=2"], ranks=4, check=False,
+                   env=_env(SSM_PACK_TRAIN_FAULT="sigterm@2:rank0"))
+    assert stopped.returncode != 0 and len(_records(tmp_path)) == 2
+    _run(tmp_path, NO_CARRY, ranks=2)
+    want, got = _records(one_process), _records(tmp_path)
+    worst = max(abs(g["loss"] - w["loss"]) / w["loss"] for g, w in zip(got, want, strict=True))
+    assert worst <= TOLERANCE["dp2xcp2"], worst
+
+
+def test_a_resume_with_another_model_is_refused(tmp_path):
+    _run(tmp_path, NO_CARRY + ["--train.steps=1"])
+    refused = _run(tmp_path, NO_CARRY + ["--model.pattern=MGA"], check=False)
+    assert refused.returncode != 0
+    assert "model.pattern='MGKPA'" in refused.stderr and "checkpoint.resume" in refused.stderr
+
+
+def test_a_cp_degree_that_does_not_divide_the_world_is_refused_before_any_process_group(monkeypatch, tmp_path):
+    from mixers.training.config import load_config
+    from mixers.training.train import Trainer
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    config = load_config(None, [f"out_dir={str(tmp_path)!r}".replace("'", '"'), "parallel.cp=3"])
+    with pytest.raises(ValueError, match="cp=3"):
+        Trainer(config)
+    assert not torch.distributed.is_initialized()
