@@ -59,10 +59,10 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = key(120, "optimizer steps")
+    steps: int = key(50, "optimizer steps (the default run: about a minute on a laptop CPU)")
     lr: float = key(3e-3, "peak learning rate (AdamW)")
     weight_decay: float = key(0.01, "AdamW weight decay")
-    warmup_steps: int = key(10, "steps of linear warmup to lr")
+    warmup_steps: int = key(5, "steps of linear warmup to lr, then cosine decay to lr / 10 at train.steps")
     grad_clip: float = key(1.0, "0: no clipping")
     seed: int = key(0, "parameter initialisation seed")
     dtype: str = key("float32", 'parameters; "bfloat16" / "float16": mixed precision (FSDP2 policy)')
@@ -73,6 +73,8 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     cp: int = key(1, "context-parallel degree; dp = world size / cp")
+    balance: bool = key(True, "cp > 1: cut each pack where the ranks' work (attention quadratic within a document) "
+                              "is even, not the tokens (ssm_pack.balanced_bounds)")
 
 
 @dataclass

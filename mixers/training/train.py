@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ssm_pack import shard_for_context_parallel
+from ssm_pack import balanced_bounds, shard_for_context_parallel
+from ssm_pack.parallel.balance import mixer_weights
 
 from ..model.hybrid import IGNORE_INDEX, next_token_targets
 from .checkpoint import Checkpointer, read_extra
@@ -46,22 +47,42 @@ def pack_targets(pack: dict, carried: bool) -> torch.Tensor:
     return next_token_targets(pack["labels"], pack["packed_seq_params"])
 
 
-def step_loss(model, shard: Shard, pack: dict, world: World) -> torch.Tensor:
-    """This rank's sum of cross-entropy over its part of ``pack`` (its cp share of the targets)."""
+def step_loss(model, shard: Shard, pack: dict) -> torch.Tensor:
+    """This rank's sum of cross-entropy over its part of ``pack`` (its cp share of the targets:
+    ``pack["cp_shard"]``, set by :func:`cp_shard`)."""
     if shard.carry is not None:
         out = shard.carry(pack)
         return out["loss"] * (pack["targets"] != IGNORE_INDEX).sum()
     ids, labels, params = pack["input_ids"], pack["labels"], pack["packed_seq_params"]
     count = (pack_targets(pack, False) != IGNORE_INDEX).sum()
-    if world.cp > 1:
-        start, end, params = shard_for_context_parallel(params, world.cp_rank, world.cp, cp_group=world.cp_group)
+    if "cp_shard" in pack:
+        start, end, params = pack["cp_shard"]
         ids, labels = ids[:, start:end], labels[:, start:end]
     return row_loss(model, ids, params, labels) * count
+
+
+def cp_shard(pack: dict, world: World, weights: tuple[float, float] | None) -> dict:
+    """``pack`` (on the host) with ``"cp_shard": (start, end, local params)`` of this cp rank, cut by
+    :func:`ssm_pack.balanced_bounds` for the model's ``(linear, attention)`` work per token when
+    ``weights`` are given (equal tokens otherwise); every rank of the cp group cuts the same row the
+    same way. Done before the pack moves to the device, so no boundary is read back from it."""
+    if world.cp == 1:
+        return pack
+    params = pack["packed_seq_params"]
+    bounds = None
+    if weights is not None:
+        bounds = balanced_bounds(params, world.cp, linear=weights[0], attention=weights[1])
+    start, end, local = shard_for_context_parallel(params, world.cp_rank, world.cp, bounds=bounds)
+    local.cp_group = world.cp_group
+    return {**pack, "cp_shard": (start, end, local)}
 
 
 def _to(pack: dict, device) -> dict:
     moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in pack.items()}
     moved["packed_seq_params"] = pack["packed_seq_params"].to(device)
+    if "cp_shard" in pack:
+        start, end, local = pack["cp_shard"]
+        moved["cp_shard"] = (start, end, local.to(device))
     return moved
 
 
@@ -144,6 +165,9 @@ class Trainer:
                        for s in self.world.shards(config.data.batch_packs)]
         self.checkpointer = Checkpointer(Path(config.out_dir) / "checkpoints", keep=config.checkpoint.keep,
                                          rank=self.world.rank, world=self.world.world)
+        self.weights = None            # work per token, for balanced cp shards
+        if config.parallel.balance and config.model.kind == "hybrid":
+            self.weights = mixer_weights(config.model.pattern, config.model.hidden_size)
         self.step, self.tokens_total = 0, 0
         self.stop, self._stop_everywhere = None, False            # run() listens for SIGTERM
         self._resume()
@@ -182,7 +206,7 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step over the global batch; returns the step's metrics record."""
         started = time.perf_counter()
-        packs = [_to(shard.next(), self.world.device) for shard in self.shards]
+        packs = [_to(cp_shard(shard.next(), self.world, self.weights), self.world.device) for shard in self.shards]
         carried = self.config.data.carry
         local = torch.zeros(5, dtype=torch.float64, device=self.world.device)
         for pack in packs:   # targets, real tokens, documents, pieces starting from carried states (this rank's)
@@ -197,7 +221,7 @@ class Trainer:
             if self.world.distributed:
                 self.model.set_requires_gradient_sync(i == len(packs) - 1)
             with self._autocast():
-                loss = step_loss(self.model, shard, pack, self.world)
+                loss = step_loss(self.model, shard, pack)
             (loss * (self.world.world / targets)).backward()
             loss_sum += loss.detach().double()
         clip = self.config.train.grad_clip or float("inf")

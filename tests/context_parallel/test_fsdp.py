@@ -5,7 +5,8 @@ rows with the mean of the two rows' losses. Two recipes, both 2 AdamW steps of `
 
 * ``dp``: ``fully_shard`` on the ``dp`` mesh dimension (FSDP averages over dp), then each
   gradient all-reduced (summed) over the ``cp`` group;
-* ``flat``: ``fully_shard`` on the flattened ``dp x cp`` mesh (torchtitan's way): FSDP's
+* ``flat``: ``fully_shard`` on a 1-D mesh of all ``dp x cp`` ranks (what torchtitan gets from the
+  private ``DeviceMesh._flatten``; a second ``init_device_mesh`` over the same ranks is public): FSDP's
   reduce-scatter sums over cp too but divides by ``dp * cp``, so the loss is scaled by the cp size.
 
 Gradients (before each step) and parameters (after each step) match the single process to 1e-12.
@@ -81,7 +82,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=DP * CP, timeout=datetime.timedelta(seconds=120))
     try:
         mesh = init_device_mesh("cpu", (DP, CP), mesh_dim_names=("dp", "cp"))
-        flat = mesh["dp", "cp"]._flatten("dp_cp")
+        flat = init_device_mesh("cpu", (DP * CP,), mesh_dim_names=("dp_cp",))   # every rank, in the same order
         d, c = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
         results = {"dp": _train("dp", mesh, mesh["dp"], d, c), "flat": _train("flat", mesh, flat, d, c),
                    "dp_control": _train("dp", mesh, mesh["dp"], d, c, control=True),

@@ -60,9 +60,8 @@ def _deterministic(out: Path) -> list[tuple]:
 
 def _final_state(out: Path) -> tuple[dict, dict]:
     """The last checkpoint's model and optimizer state, loaded at world 1."""
-    from mixers.training.checkpoint import Checkpointer
-
     from mixers import HybridLM
+    from mixers.training.checkpoint import Checkpointer
     checkpointer = Checkpointer(out / "checkpoints", keep=1)
     model = HybridLM(256, 32, "MGKPA")
     optimizer = torch.optim.AdamW(model.parameters())
@@ -90,7 +89,8 @@ def one_process(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("name, ranks, args", [
     pytest.param("dp2", 2, [], id="world2-dp2"),
-    pytest.param("cp2", 2, ["--parallel.cp=2"], id="world2-cp2"),
+    pytest.param("cp2", 2, ["--parallel.cp=2"], id="world2-cp2-balanced"),
+    pytest.param("cp2", 2, ["--parallel.cp=2", "--parallel.balance=false"], id="world2-cp2-even-tokens"),
     pytest.param("dp2xcp2", 4, ["--parallel.cp=2"], id="world4-dp2xcp2"),
 ])
 def test_every_world_size_trains_the_same_global_batch(one_process, tmp_path, name, ranks, args):
