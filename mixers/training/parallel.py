@@ -121,9 +121,13 @@ class World:
 
 
 def mixed_precision(dtype: torch.dtype):
-    """FSDP2's policy: parameters cast to ``dtype`` for compute, gradients reduced in fp32."""
+    """FSDP2's policy: parameters cast to ``dtype`` for compute, gradients reduced in fp32.
+
+    Forward inputs are not cast: the embedding already gives ``dtype`` activations, and FSDP2's
+    cast rebuilds every dataclass it meets in the arguments (the packing metadata, the cache slots
+    of carried states), which must stay the objects the caller resolved."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
 def shard_model(model: torch.nn.Module, world: World, compute_dtype: torch.dtype) -> None:
