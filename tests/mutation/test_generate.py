@@ -109,7 +109,7 @@ def test_a_malformed_equivalent_entry_is_refused(tmp_path):
 
 def test_candidate_tests_mirror_the_module_first():
     files = candidate_tests(ROOT, "mixers/model/carry.py", 3)
-    assert files[0].startswith("tests/mixers/test_carry")
+    assert files[0].startswith("tests/mixers/model/test_carry")     # the mirror of mixers/model/carry.py
 
 
 @pytest.mark.parametrize("module, want, never", [
