@@ -188,3 +188,23 @@ def test_bfloat16_with_carried_states_under_fsdp2(tmp_path):
     assert [r["carried"] for r in got] == [r["carried"] for r in want] and got[-1]["carried"] > 0
     worst = max(abs(g["loss"] - w["loss"]) / w["loss"] for g, w in zip(got, want, strict=True))
     assert worst <= 2e-2, worst          # bf16: FSDP2 casts parameters, autocast casts each op's inputs
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    pytest.param(["--train.stepz=3"], "did you mean 'train.steps'", id="unknown-key"),
+    pytest.param(["--config"], "--config needs a file", id="config-without-file"),
+    pytest.param(["--config", "nowhere.toml"], "nowhere.toml", id="missing-config"),
+    pytest.param(["--data.batch_packs=0"], "data.batch_packs=0 must be >= 1", id="bad-value"),
+])
+def test_the_command_refuses_a_bad_config_with_status_2_and_no_traceback(argv, fragment, capsys):
+    from mixers.training.train import main
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ssm-pack train: error: ") and fragment in err and "Traceback" not in err
+
+
+def test_the_command_prints_its_usage_and_its_keys(capsys):
+    from mixers.cli import main as cli
+    from mixers.training.config import keys_table
+    assert cli(["train", "--help"]) == 0 and "torchrun --nproc-per-node N" in capsys.readouterr().out
+    assert cli(["train", "--keys"]) == 0 and capsys.readouterr().out == keys_table()
