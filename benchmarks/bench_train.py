@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import machine, table
+from benchmarks.common import BUSY, LoadMeter, machine, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,6 +60,8 @@ def _rate(records: list[dict]) -> float:
 def throughput(args: list[str], rounds: int) -> dict:
     rates = {1: [], 2: []}
     padding = {}
+    meter = LoadMeter()
+    before, started = meter.snapshot(), time.perf_counter()
     for _ in range(rounds):
         for ranks in (1, 2):
             with tempfile.TemporaryDirectory() as out:
@@ -67,7 +69,8 @@ def throughput(args: list[str], rounds: int) -> dict:
             rates[ranks].append(_rate(records))
             padding[ranks] = statistics.fmean(r["padding"] for r in records)
     ratios = [b / a for a, b in zip(rates[1], rates[2])]
-    return {"rates": rates, "padding": padding, "ratios": ratios}
+    load = max(0.0, LoadMeter.others(before, meter.snapshot()) / (time.perf_counter() - started))
+    return {"rates": rates, "padding": padding, "ratios": ratios, "load": load}
 
 
 def checkpoint_cost(args: list[str], rounds: int) -> tuple[float, float]:
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
             ["world 2 (dp 2, gloo)", f"{best2:,.0f}", f"{t['padding'][2]:.2%}", f"{best2 / best1:.2f}",
              f"{min(t['ratios']):.2f} / {statistics.median(t['ratios']):.2f} / {max(t['ratios']):.2f}"]]
     print(table(["run", "tokens/s (best)", "padding", "ratio to world 1", "per-round min / median / max"], rows))
+    busy = " (BUSY: the figures above are not to be trusted)" if t["load"] > BUSY else ""
+    print(f"  other processes kept {t['load']:.1f} cores busy on average while the rates were measured{busy}")
     step, save = checkpoint_cost(args, a.rounds)
     print(f"  checkpoint: one save {save * 1e3:.0f} ms against one step {step * 1e3:.0f} ms "
           f"({save / step:.2f} steps); at checkpoint.every=N it adds {save / step:.2f}/N of a step per step")
