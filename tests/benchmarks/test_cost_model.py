@@ -157,3 +157,40 @@ def test_model_attention_pairs_equal_the_mask(lengths, slots, total, window):
             model = cm.attention_pairs(boundaries, lengths, bounds, window)
             assert model == [int(counted[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:])]
     assert sum(cm.attention_pairs(boundaries, lengths, [0, total], window)) == int(counted.sum()) > 0
+
+
+# ------------------------------------------------------------------ the scaling statements of docs/context-parallel.md
+GEO = {"convs": [6], "state": 40, "m": 3, "kv": 10, "left": -1, "width": 4, "w_in": 30, "w_out": 12, "heads": 8}
+
+
+@pytest.mark.parametrize("ranks", [pytest.param(p, id=f"P{p}") for p in (2, 3, 5, 8, 16)])
+def test_one_document_bytes_follow_the_stated_formulas(ranks):
+    """One document over equal shards of T/P >= J tokens: the conv sends 2 J C b per rank (one
+    boundary each way; J C b at P = 2), the state at most 2 (ceil(log2 P) (S + M) + S) b and the
+    same at every T, attention's keys exactly (P - 1)/P T kv b on every rank (P | T)."""
+    j, (c,) = GEO["width"] - 1, GEO["convs"]
+    states = set()
+    for total in (ranks * 8, ranks * 64, ranks * 1000):
+        per = cm.ours_bytes(cm.cover_of([0, total], total), cm.even_bounds(total, ranks), GEO, 2, 4)
+        conv = max(sum(r["conv"]) for r in per)
+        assert conv == (2 if ranks > 2 else 1) * j * c * 2
+        states.add(max(sum(r["state"]) for r in per))
+        assert [sum(r["kv"]) for r in per] == [(ranks - 1) * total // ranks * GEO["kv"] * 2] * ranks
+    assert len(states) == 1 and states.pop() <= 2 * (cm.ceil_log2(ranks) * (GEO["state"] + GEO["m"]) + GEO["state"]) * 4
+
+
+def test_all_to_all_formula_and_its_cap():
+    assert cm.a2a_bytes(GEO, 64, 4, 2) == 2 * 3 / 4 * 16 * 42 * 2
+    assert [p for p in (1, 2, 3, 4, 8, 16) if cm.a2a_fits(GEO, p)] == [1, 2, 4, 8]
+
+
+def test_the_benchmark_prints_both_tables(tmp_path, capsys):
+    from benchmarks.bench_cost_model import main
+    text = main(["--tokens", "4096", "8192", "--ranks", "2", "64", "--out", str(tmp_path)])
+    assert text.count("| 4,096 ") == 4 and text.count("| 8,192 ") == 4        # 2 ranks x 2 tables
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| 8,192 ")]
+    assert rows[0][9].strip() != "-" and rows[1][9].strip() == "-"      # a2a attention: P = 64 > 8 KV heads
+    assert (tmp_path / "cost-model.md").read_text().strip() == text.strip()
+    with pytest.raises(SystemExit):
+        main(["--ranks", "1"])
+    assert "--ranks must be integers >= 2" in capsys.readouterr().err
