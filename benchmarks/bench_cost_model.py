@@ -10,7 +10,7 @@ gloo runs and the attention mask by ``tests/benchmarks/test_cost_model.py``):
 1. bytes sent by the busiest rank: ours (state passing) per layer kind, and the all-to-all design
    (``-`` where the heads are not divisible by P: it cannot run);
 2. work imbalance of the hybrid (max over ranks / mean multiply-adds) with equal-token shards and
-   with work-balanced contiguous shards, and activation memory per rank.
+   with ``ssm_pack.balanced_bounds``'s contiguous shards, and activation memory per rank.
 
     python -m benchmarks.bench_cost_model [--tokens 32768 131072 ...] [--ranks 2 8 ...] [--out DIR]
 
@@ -20,11 +20,11 @@ gloo runs and the attention mask by ``tests/benchmarks/test_cost_model.py``):
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 from benchmarks import cost_model as cm
 from benchmarks.common import table
+from ssm_pack import balanced_bounds
 
 MIB, GIB = 2 ** 20, 2 ** 30
 HIDDEN = 4096
@@ -40,19 +40,6 @@ def hybrid_geometry(hidden: int = HIDDEN) -> dict:
     configs = {"Mamba2": Mamba2Config(hidden), "GatedDeltaNet": GatedDeltaNetConfig(hidden),
                "Attention": AttentionConfig(hidden, head_dim=128, num_heads=32, num_kv_heads=8)}
     return {name: geometry(name, cfg) for name, cfg in configs.items()}
-
-
-def _quantile_cuts(total: int, ranks: int, lin: float, att: float) -> list[int]:
-    """Contiguous cuts of one document with equal work: ``W(x) = lin x + att x (x + 1) / 2`` at its
-    ``k / P`` quantiles (the root of the quadratic, rounded; every shard at least one token)."""
-    whole = lin * total + att * total * (total + 1) / 2
-    cuts = [0]
-    for k in range(1, ranks):
-        w = whole * k / ranks
-        a, b = att / 2, lin + att / 2
-        x = w / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * w)) / (2 * a)
-        cuts.append(min(max(round(x), cuts[-1] + 1), total - (ranks - k)))
-    return cuts + [total]
 
 
 def hybrid_work(geos: dict, total: int, bounds) -> list[int]:
@@ -82,7 +69,7 @@ def rows_for(geos: dict, total: int, ranks: int) -> tuple[list, list, dict]:
                  mib(a2a["Mamba2"]), mib(a2a["GatedDeltaNet"]), mib(a2a["Attention"])]
     lin = sum(c * cm.linear_macs(geos[n], HIDDEN) for n, c in PATTERN.items())
     att = sum(c * cm.attention_macs(geos[n]) for n, c in PATTERN.items())
-    balanced = _quantile_cuts(total, ranks, lin, att)
+    balanced = balanced_bounds([0, total], ranks, linear=float(lin), attention=float(att))
     received = cm.received_keys(cover, bounds, -1)
     mem_ours, mem_a2a = [0] * ranks, [0] * ranks
     for name, count in PATTERN.items():

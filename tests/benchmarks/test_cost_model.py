@@ -194,3 +194,4 @@ def test_the_benchmark_prints_both_tables(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--ranks", "1"])
     assert "--ranks must be integers >= 2" in capsys.readouterr().err
+
