@@ -3,7 +3,7 @@
 * :mod:`.layout`: :class:`ContextParallelLayout` (who holds which tokens of which document),
   :func:`shard_for_context_parallel` and the per-forward run a :class:`ssm_pack.VarlenBatch` carries;
 * :mod:`.balance`: cost-balanced contiguous shard bounds (equal work per rank, not equal tokens);
-* :mod:`.layout_check`: whether every rank runs the same layout (one small all-gather);
+* :mod:`.layout_check`: whether every rank runs the same layout (a small all-reduce per forward);
 * :mod:`.groups`: which process groups a microbatch runs on (Megatron-core's dynamic CP).
 """
 

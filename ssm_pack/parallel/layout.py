@@ -255,7 +255,7 @@ def resolve(params, total_tokens: int, device, build_local) -> ContextParallelRu
     if layout.size == 1:
         return None
     device = torch.device(device) if device is not None else torch.device("cpu")
-    check_layout_agreement(layout, group, device)       # one all-gather on a layout's first forward (default)
+    check_layout_agreement(layout, group, device)       # an all-reduce; + an all-gather for a new layout
     return ContextParallelRun(layout, group, device, build_local)
 
 

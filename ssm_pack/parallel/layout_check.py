@@ -1,4 +1,4 @@
-"""Do all context-parallel ranks run the same layout? One small all-gather of a fingerprint.
+"""Do all context-parallel ranks run the same layout? A small all-reduce per forward.
 
     P = ranks of the CP group, N = documents, T = tokens of the whole physical row
 
@@ -12,22 +12,27 @@ each rank contributes ``[T, N, hash of the boundaries, bounds...]`` (``P + 4`` i
 When it runs (:func:`set_layout_check`, or the environment variable
 ``SSM_PACK_CP_LAYOUT_CHECK``):
 
-* ``"first"`` (default): on the first forward of each layout; the fingerprints all ranks agreed
-  on are kept (the last 1024, the same list on every rank) and not checked again. A row whose
-  layout is new on every rank, as a new batch's is, is always checked.
-* ``"always"``: on every forward (debugging a data loader). Needed to catch a rank that repeats a
-  layout already agreed on while another runs a different one: under ``"first"`` such a rank
-  skips the check and the other rank's all-gather meets its first exchange.
+* ``"first"`` (default): every forward all-reduces (max) three int64 over the CP group,
+  ``[1 if this rank has not yet agreed its layout else 0, d, -d]`` with ``d`` a 64-bit digest of
+  the fingerprint. Every rank gets the same result, so every rank takes the same branch: when all
+  ranks had agreed their layouts before and the digests are equal (``max d == -max(-d)``) the
+  forward goes on; otherwise the full all-gather above runs (raising on a mismatch) and the
+  agreed fingerprint is kept (the last 1024, the same list on every rank). So a rank repeating an
+  agreed layout while another runs a new one fails too: the skip is decided by all ranks, never
+  by one rank's cache alone.
+* ``"always"``: the full all-gather on every forward (debugging a data loader).
 * ``"off"``: never.
 
-Cost: one all-gather of ``P + 4`` int64 per forward checked (``HybridLM`` resolves its metadata
-twice per forward: the layers' and the loss targets'), which on an accelerator is also one host
-sync (the gathered rows are compared on the host), plus hashing the ``N + 2`` boundaries.
-It is not part of :func:`mixers.ops.common.cp_exchange.record_traffic`'s
-count (that counts the ops' exchanges); :func:`checks_run` counts the checks. Groups that are not
-a ``torch.distributed.ProcessGroup`` (test stand-ins) are not checked. A backward run on only
-some ranks cannot be detected this way (it waits in the first exchange's backward until the
-group's timeout).
+Cost per forward checked (``HybridLM`` resolves its metadata twice per forward: the layers' and
+the loss targets'): under ``"first"`` one all-reduce of 3 int64 (24 bytes) on every forward, plus
+one all-gather of ``P + 4`` int64 on a layout's first forward: 2 collectives for a new layout, 1
+for a repeat; under ``"always"`` 1 (the all-gather); each is also one host sync on an accelerator
+(the result is read on the host). Hashing the ``N + 2`` boundaries is a small part of it. It is not
+part of :func:`mixers.ops.common.cp_exchange.record_traffic`'s count (that counts the ops'
+exchanges); :func:`checks_run` counts these collectives. Groups that are not a
+``torch.distributed.ProcessGroup`` (test stand-ins) are not checked. A backward run on only some
+ranks cannot be detected this way (it waits in the first exchange's backward until the group's
+timeout).
 """
 
 from __future__ import annotations
@@ -68,7 +73,8 @@ def layout_check_mode() -> str:
 
 
 def checks_run() -> int:
-    """How many layout checks (all-gathers) this process has run: for measuring their cost."""
+    """How many collectives the layout check has run in this process (the all-reduces deciding
+    whether to skip and the all-gathers comparing fingerprints): for measuring its cost."""
     return _state["checks"]
 
 
@@ -85,6 +91,24 @@ def _describe(row: list) -> str:
     return f"T={total}, {docs} documents, bounds {bounds}, boundaries hash {digest & 0xFFFFFFFF:08x}"
 
 
+def _digest(row: tuple) -> int:
+    """A signed 64-bit digest of a fingerprint (what the ranks all-reduce to compare cheaply)."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(row)}q", *row), digest_size=8).digest()
+    return struct.unpack("<q", digest)[0] // 2       # halved: -d never overflows int64
+
+
+def _all_agreed_before(known: bool, mine: tuple, group, device) -> bool:
+    """One all-reduce (max) of ``[unknown, d, -d]``: True on every rank, or on none, when every
+    rank has agreed its layout before and all digests are equal."""
+    import torch.distributed as dist
+    d = _digest(mine)
+    flags = torch.tensor([0 if known else 1, d, -d], dtype=torch.int64, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    _state["checks"] += 1
+    unknown, high, neg_low = flags.tolist()
+    return unknown == 0 and high == -neg_low
+
+
 def check_layout_agreement(layout, group, device) -> None:
     """Raise ``ValueError`` on every rank when the ranks of ``group`` hold different layouts
     (a collective: every rank of the group must call it, as every CP forward does)."""
@@ -94,7 +118,7 @@ def check_layout_agreement(layout, group, device) -> None:
         return
     mine = fingerprint(layout)
     key = (tuple(dist.get_process_group_ranks(group)), mine)
-    if mode == "first" and key in _AGREED:
+    if mode == "first" and _all_agreed_before(key in _AGREED, mine, group, device):
         return
     local = torch.tensor(mine, dtype=torch.int64, device=device)
     rows = [torch.empty_like(local) for _ in range(layout.size)]

@@ -3,7 +3,8 @@
 Scenarios, run in order on both ranks for Mamba2, GatedDeltaNet and attention mixers:
 different shard bounds, different documents, the same layout (no error: the negative control, and
 checked once under the default ``"first"``, twice under ``"always"``), and under ``"always"`` a
-rank repeating an agreed layout while the other runs a new one.
+rank repeating an agreed layout while the other runs a new one. A second run does that last one
+under the default ``"first"``: the skip of an agreed layout is itself decided by all ranks.
 """
 
 from __future__ import annotations
@@ -88,13 +89,53 @@ def test_disagreeing_ranks_raise_on_every_rank(outcomes, subject, scenario, want
         assert "disagree" in error and "rank 0:" in error and "rank 1:" in error and wanted in error, error
 
 
+NEW = ([5, 4, 3], (0, 5, 12))
+
+
+def _repeat_main(rank: int, port: int, out_dir: str) -> None:
+    """Under the default mode: both ranks agree on a layout, then rank 0 repeats it while rank 1
+    runs a new one (a gloo group with a short timeout: a rank left waiting fails, not hangs)."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    results = {}
+    try:
+        for subject in SUBJECTS:
+            layout_check._AGREED.clear()
+            results[(subject, "agree")] = _attempt(subject, rank, AGREED)
+            results[(subject, "repeat_vs_new")] = _attempt(subject, rank, AGREED if rank == 0 else NEW)
+    finally:
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def repeat_outcomes(tmp_path_factory):
+    from tests.context_parallel.worker import free_port
+    path = tmp_path_factory.mktemp("repeat")
+    mp.start_processes(_repeat_main, args=(free_port(), str(path)), nprocs=2, join=True, start_method="spawn")
+    return [torch.load(path / f"{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("subject", [pytest.param(s, id=s) for s in SUBJECTS])
+def test_a_repeated_layout_against_a_new_one_raises_under_the_default(repeat_outcomes, subject):
+    """Rank 0 has agreed its layout before, rank 1's is new: the cache must not let rank 0 skip
+    alone (it would run its first exchange against rank 1's check)."""
+    for rank, result in enumerate(repeat_outcomes):
+        assert result[(subject, "agree")]["error"] is None, result[(subject, "agree")]
+        error = result[(subject, "repeat_vs_new")]["error"]
+        assert error is not None, f"rank {rank} ran a repeated layout against a new one without an error"
+        assert "disagree" in error and "rank 0:" in error and "bounds [0, 5, 12]" in error, error
+
+
 @pytest.mark.parametrize("subject", [pytest.param(s, id=s) for s in SUBJECTS])
 def test_agreeing_ranks_check_once_per_layout(outcomes, subject):
-    """Negative control (no error when the layouts agree) and the cost: under the default the
-    first forward of a layout is checked and its repeat is not; under ``"always"`` every one is."""
+    """Negative control (no error when the layouts agree) and the cost in collectives: under the
+    default a layout's first forward runs the deciding all-reduce and the all-gather, its repeat
+    the all-reduce only; under ``"always"`` every forward runs the all-gather only."""
     for result in outcomes:
         assert [result[(subject, s)]["error"] for s in ("same", "same_again", "same_always")] == [None] * 3
-        assert [result[(subject, s)]["checks"] for s in ("same", "same_again", "same_always")] == [1, 0, 1]
+        assert [result[(subject, s)]["checks"] for s in ("same", "same_again", "same_always")] == [2, 1, 1]
 
 
 def test_fingerprint_tells_layouts_apart():

@@ -1,0 +1,197 @@
+"""The cost model (``benchmarks/cost_model.py``) against measurement, exactly.
+
+Bytes: 3 spawned gloo ranks run each mixer (Mamba2, GatedDeltaNet, KDA, GatedDeltaProduct,
+attention, windowed attention) forward + backward on uneven shards of one packed row (a document
+crossing every rank boundary, a shard shorter than the conv window, short documents, a padding
+tail); what ``record_traffic`` counts per exchange kind equals the model's bytes per rank and
+kind. Attention work: the model's query-key pairs per rank equal those counted from the
+attention spec's own mask. The plan's arithmetic also equals ``bench_context_parallel``'s plan
+(built on the real layout) on many rows without any run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks import cost_model as cm
+
+LENGTHS, TOTAL = [3, 17, 2, 1, 9], 36          # document 1 holds tokens 3..19; tokens 32..35: the tail
+BOUNDS = (0, 8, 10, 36)                        # rank 1 holds 2 tokens, all inside document 1
+WORLD = 3
+SUBJECTS = ("M", "G", "K", "P", "A", "Aw")
+KIND = {"conv": "conv", "ssd": "state", "gdn": "state", "kda": "state", "gdp": "state", "attention": "kv"}
+
+
+def _module(subject):
+    from mixers.layers.registry import MIXERS as REGISTERED
+    from tests.context_parallel.cases import HIDDEN, SMALL
+    torch.manual_seed(0)
+    extra = {"window_size": (4, 0)} if subject == "Aw" else {}
+    return REGISTERED[subject[0]].mixer(HIDDEN, **SMALL[subject[0]], **extra).double()
+
+
+def _rank_main(rank: int, port: int, out_dir: str) -> None:
+    from mixers.ops.common.cp_exchange import record_traffic
+    from ssm_pack import PackedSeqParams, shard_for_context_parallel
+    from tests.context_parallel.cases import HIDDEN
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    results = {}
+    try:
+        params = PackedSeqParams.from_lengths(LENGTHS, total_tokens=TOTAL)
+        start, end, local = shard_for_context_parallel(params, rank, WORLD, bounds=BOUNDS, cp_group=dist.group.WORLD)
+        x = torch.randn(1, TOTAL, HIDDEN, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        for subject in SUBJECTS:
+            module = _module(subject)
+            with record_traffic() as traffic:
+                module(x[:, start:end].clone().requires_grad_(), packed_seq_params=local).square().sum().backward()
+            results[subject] = {"events": traffic.events, "config": module.config}
+    finally:
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    from tests.context_parallel.worker import free_port
+    path = tmp_path_factory.mktemp("cost")
+    mp.start_processes(_rank_main, args=(free_port(), str(path)), nprocs=WORLD, join=True, start_method="spawn")
+    return [torch.load(path / f"{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _geometry(subject, config):
+    from benchmarks.bench_context_parallel import geometry
+    names = {"M": "Mamba2", "G": "GatedDeltaNet", "K": "KDA", "P": "GatedDeltaProduct", "A": "Attention"}
+    return geometry(names[subject[0]], config)
+
+
+def _by_kind(events) -> dict:
+    out = {kind: [0, 0] for kind in ("conv", "state", "kv")}
+    for label, direction, nbytes in events:
+        out[KIND[label]][0 if direction == "forward" else 1] += nbytes
+    return {kind: tuple(v) for kind, v in out.items()}
+
+
+@pytest.mark.parametrize("subject", [pytest.param(s, id=s) for s in SUBJECTS])
+def test_model_bytes_equal_the_measured_bytes(measured, subject):
+    geo = _geometry(subject, measured[0][subject]["config"])
+    model = cm.ours_bytes(cm.cover_of([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], TOTAL), BOUNDS, geo, 8, 8)
+    got = [_by_kind(result[subject]["events"]) for result in measured]
+    assert got == model
+    assert any(f for rank in got for f, _ in rank.values())          # something was sent
+
+
+def test_the_layout_exercises_every_branch():
+    """Negative control of the arithmetic above: the row has doubling rounds for the conv (a
+    shard shorter than the window) and the scans (a document over 3 ranks), and a windowed
+    attention that needs fewer keys than the plain one."""
+    cover = cm.cover_of([0, 3, 20, 22, 23, 32], TOTAL)
+    facts = cm.rank_facts(cover, BOUNDS)
+    assert cm.chain(facts, [f["last_starts_here"] for f in facts])[0]
+    assert cm.chain(facts, [f["last_starts_here"] or f["last_len"] >= 3 for f in facts])[0]
+    assert cm.received_keys(cover, BOUNDS, 4) != cm.received_keys(cover, BOUNDS, -1)
+
+
+def _random_rows(count: int):
+    rng = random.Random(7)
+    for _ in range(count):
+        lengths = [rng.choice([0, 1, 2, 3, 5, 9, 17, 40]) for _ in range(rng.randint(1, 8))]
+        total = sum(lengths) + rng.choice([0, 0, 3])
+        world = rng.randint(2, min(8, max(2, total)))
+        if total < world:
+            continue
+        cuts = sorted(rng.sample(range(1, total), world - 1))
+        yield lengths, total, [0, *cuts, total]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, id=n) for n in ("Mamba2", "GatedDeltaNet", "Attention")])
+def test_model_bytes_equal_the_plan_of_the_real_layout(name):
+    from benchmarks.bench_context_parallel import geometry, planned_bytes
+    from mixers.layers import AttentionConfig, GatedDeltaNetConfig, Mamba2Config
+    from ssm_pack import PackedSeqParams, shard_for_context_parallel
+    config = {"Mamba2": Mamba2Config(16, head_dim=4, state_size=4, expand=1),
+              "GatedDeltaNet": GatedDeltaNetConfig(16, head_dim=4, num_heads=2),
+              "Attention": AttentionConfig(16, head_dim=4, num_heads=4, num_kv_heads=2, window_size=(6, 0))}[name]
+    geo = geometry(name, config)
+    for geo_case in (geo, {**geo, "left": -1} if "kv" in geo else geo):
+        for lengths, total, bounds in _random_rows(60):
+            params = PackedSeqParams.from_lengths(lengths, total_tokens=total)
+            lay = shard_for_context_parallel(params, 0, len(bounds) - 1, bounds=bounds)[2].cp_layout
+            plan = planned_bytes(lay, geo_case, 2, 4)
+            cover = cm.cover_of(lay.cover.tolist()[:-1], total)
+            model = [tuple(map(sum, zip(*rank.values()))) for rank in cm.ours_bytes(cover, bounds, geo_case, 2, 4)]
+            assert model == plan, (lengths, total, bounds)
+
+
+def _counted_pairs(boundaries, lengths, total, window) -> torch.Tensor:
+    """``[T]`` query-key pairs per query from the attention spec's own mask (``mixers.ops.attention.naive``)."""
+    from mixers.ops.attention.naive import _visible
+    pairs = torch.zeros(total, dtype=torch.int64)
+    for s, n in zip(boundaries, lengths):
+        if n:
+            pairs[s:s + n] = _visible(n, True, None if window is None else (window - 1, 0), "cpu").sum(1)
+    return pairs
+
+
+@pytest.mark.parametrize("lengths, slots, total, window", [
+    pytest.param([5, 1, 0, 17, 3], [5, 1, 0, 17, 3], 26, None, id="plain"),
+    pytest.param([9, 2, 11], [9, 2, 11], 30, None, id="tail"),
+    pytest.param([5, 0, 13, 2, 7], [8, 0, 16, 4, 8], 44, None, id="padded"),
+    pytest.param([21, 4, 0, 15], [21, 4, 0, 15], 44, 6, id="window"),
+    pytest.param([21, 3, 9], [24, 8, 16], 48, 4, id="window_padded"),
+])
+def test_model_attention_pairs_equal_the_mask(lengths, slots, total, window):
+    boundaries = [0, *torch.tensor(slots).cumsum(0).tolist()]
+    counted = _counted_pairs(boundaries, lengths, total, window)
+    for world in (1, 2, 3, 5):
+        for bounds in (cm.even_bounds(total, world), [0, *sorted(random.Random(world).sample(range(1, total),
+                                                                                             world - 1)), total]):
+            model = cm.attention_pairs(boundaries, lengths, bounds, window)
+            assert model == [int(counted[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:])]
+    assert sum(cm.attention_pairs(boundaries, lengths, [0, total], window)) == int(counted.sum()) > 0
+
+
+# ------------------------------------------------------------------ the scaling statements of docs/context-parallel.md
+GEO = {"convs": [6], "state": 40, "m": 3, "kv": 10, "left": -1, "width": 4, "w_in": 30, "w_out": 12, "heads": 8}
+
+
+@pytest.mark.parametrize("ranks", [pytest.param(p, id=f"P{p}") for p in (2, 3, 5, 8, 16)])
+def test_one_document_bytes_follow_the_stated_formulas(ranks):
+    """One document over equal shards of T/P >= J tokens: the conv sends 2 J C b per rank (one
+    boundary each way; J C b at P = 2), the state at most 2 (ceil(log2 P) (S + M) + S) b and the
+    same at every T, attention's keys exactly (P - 1)/P T kv b on every rank (P | T)."""
+    j, (c,) = GEO["width"] - 1, GEO["convs"]
+    states = set()
+    for total in (ranks * 8, ranks * 64, ranks * 1000):
+        per = cm.ours_bytes(cm.cover_of([0, total], total), cm.even_bounds(total, ranks), GEO, 2, 4)
+        conv = max(sum(r["conv"]) for r in per)
+        assert conv == (2 if ranks > 2 else 1) * j * c * 2
+        states.add(max(sum(r["state"]) for r in per))
+        assert [sum(r["kv"]) for r in per] == [(ranks - 1) * total // ranks * GEO["kv"] * 2] * ranks
+    assert len(states) == 1 and states.pop() <= 2 * (cm.ceil_log2(ranks) * (GEO["state"] + GEO["m"]) + GEO["state"]) * 4
+
+
+def test_all_to_all_formula_and_its_cap():
+    assert cm.a2a_bytes(GEO, 64, 4, 2) == 2 * 3 / 4 * 16 * 42 * 2
+    assert [p for p in (1, 2, 3, 4, 8, 16) if cm.a2a_fits(GEO, p)] == [1, 2, 4, 8]
+
+
+def test_the_benchmark_prints_both_tables(tmp_path, capsys):
+    from benchmarks.bench_cost_model import main
+    text = main(["--tokens", "4096", "8192", "--ranks", "2", "64", "--out", str(tmp_path)])
+    assert text.count("| 4,096 ") == 4 and text.count("| 8,192 ") == 4        # 2 ranks x 2 tables
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| 8,192 ")]
+    assert rows[0][9].strip() != "-" and rows[1][9].strip() == "-"      # a2a attention: P = 64 > 8 KV heads
+    assert (tmp_path / "cost-model.md").read_text().strip() == text.strip()
+    with pytest.raises(SystemExit):
+        main(["--ranks", "1"])
+    assert "--ranks must be integers >= 2" in capsys.readouterr().err
+
