@@ -7,7 +7,15 @@ trains and serves it), then :mod:`.checkpoints` and :mod:`.integrations` (conver
 ``enable_packing``), :mod:`.demo`, :mod:`.report` and :mod:`.cli` (the ``ssm-pack`` command).
 """
 
-from .layers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
+from .layers import (
+    AttentionMixer,
+    GatedDeltaNetMixer,
+    GatedDeltaProductMixer,
+    GatedShortConvMixer,
+    KDAMixer,
+    Mamba2Mixer,
+)
 from .model import HybridLM
 
-__all__ = ["AttentionMixer", "GatedDeltaNetMixer", "GatedDeltaProductMixer", "HybridLM", "KDAMixer", "Mamba2Mixer"]
+__all__ = ["AttentionMixer", "GatedDeltaNetMixer", "GatedDeltaProductMixer", "GatedShortConvMixer", "HybridLM",
+           "KDAMixer", "Mamba2Mixer"]

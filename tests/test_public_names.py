@@ -38,7 +38,8 @@ PUBLIC = {
     ),
     "ssm_pack.__main__": ("main", "support_matrix"),
     "mixers": (
-        "AttentionMixer", "GatedDeltaNetMixer", "GatedDeltaProductMixer", "HybridLM", "KDAMixer", "Mamba2Mixer",
+        "AttentionMixer", "GatedDeltaNetMixer", "GatedDeltaProductMixer", "GatedShortConvMixer", "HybridLM", "KDAMixer",
+        "Mamba2Mixer",
     ),
     "mixers.ops": (
         "attention_with_kvcache", "causal_conv1d_fn", "causal_conv1d_update", "chunk_gated_delta_product",
@@ -53,10 +54,12 @@ PUBLIC = {
     ),
     "mixers.layers": (
         "AttentionConfig", "AttentionMixer", "GatedDeltaNetConfig", "GatedDeltaNetMixer", "GatedDeltaProductConfig",
-        "GatedDeltaProductMixer", "GatedRMSNorm", "KDAConfig", "KDAMixer", "Mamba2Config", "Mamba2Mixer", "RMSNorm",
+        "GatedDeltaProductMixer", "GatedRMSNorm", "GatedShortConvConfig", "GatedShortConvMixer", "KDAConfig",
+        "KDAMixer", "Mamba2Config", "Mamba2Mixer", "RMSNorm",
     ),
     "mixers.layers.config": (
-        "AttentionConfig", "GatedDeltaNetConfig", "GatedDeltaProductConfig", "KDAConfig", "Mamba2Config",
+        "AttentionConfig", "GatedDeltaNetConfig", "GatedDeltaProductConfig", "GatedShortConvConfig", "KDAConfig",
+        "Mamba2Config",
     ),
     "mixers.model": ("HybridLM",),
     "mixers.carry": ("CarriedStates",),

@@ -1,7 +1,7 @@
 """Mixer layers for hybrid models, packed: ``forward(hidden_states [B, T, D], packed_seq_params=None)``.
 
 One file per mixer, holding its config and its layer (:mod:`.mamba2`, :mod:`.gated_deltanet`,
-:mod:`.kda`, :mod:`.gated_deltaproduct`, :mod:`.attention`; the three delta-rule mixers share
+:mod:`.kda`, :mod:`.gated_deltaproduct`, :mod:`.attention`, :mod:`.gated_short_conv`; the three delta-rule mixers share
 :mod:`.delta_base`); what every mixer shares in :mod:`.base` (constructor, kernel plan, metadata)
 and :mod:`.cached` (the cached forward); the building blocks in :mod:`.blocks`; the mixer
 registry (letters, Hugging Face layers, caches, converters) in :mod:`.registry`.
@@ -11,9 +11,11 @@ from .attention import AttentionConfig, AttentionMixer
 from .blocks.norm import GatedRMSNorm, RMSNorm
 from .gated_deltanet import GatedDeltaNetConfig, GatedDeltaNetMixer
 from .gated_deltaproduct import GatedDeltaProductConfig, GatedDeltaProductMixer
+from .gated_short_conv import GatedShortConvConfig, GatedShortConvMixer
 from .kda import KDAConfig, KDAMixer
 from .mamba2 import Mamba2Config, Mamba2Mixer
 
 __all__ = ["AttentionConfig", "AttentionMixer", "GatedDeltaNetConfig", "GatedDeltaNetMixer", "GatedDeltaProductConfig",
-           "GatedDeltaProductMixer", "GatedRMSNorm", "KDAConfig", "KDAMixer", "Mamba2Config", "Mamba2Mixer",
+           "GatedDeltaProductMixer", "GatedRMSNorm", "GatedShortConvConfig",
+           "GatedShortConvMixer", "KDAConfig", "KDAMixer", "Mamba2Config", "Mamba2Mixer",
            "RMSNorm"]

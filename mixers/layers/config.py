@@ -1,4 +1,4 @@
-"""The five mixers' configs, importable from one module (each is defined beside its mixer: a new
+"""The mixers' configs, importable from one module (each is defined beside its mixer: a new
 mixer's config lives in its own layer file).
 
 Typed, frozen dataclasses: every size derived from ``hidden_size`` unless given. Defaults follow
@@ -10,8 +10,9 @@ from .attention import AttentionConfig
 from .delta_base import DeltaConfig
 from .gated_deltanet import GatedDeltaNetConfig
 from .gated_deltaproduct import GatedDeltaProductConfig
+from .gated_short_conv import GatedShortConvConfig
 from .kda import KDAConfig
 from .mamba2 import Mamba2Config
 
-__all__ = ["AttentionConfig", "DeltaConfig", "GatedDeltaNetConfig", "GatedDeltaProductConfig", "KDAConfig",
-           "Mamba2Config"]
+__all__ = ["AttentionConfig", "DeltaConfig", "GatedDeltaNetConfig", "GatedDeltaProductConfig",
+           "GatedShortConvConfig", "KDAConfig", "Mamba2Config"]

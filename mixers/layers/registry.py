@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from .attention import AttentionMixer
 from .gated_deltanet import GatedDeltaNetMixer
 from .gated_deltaproduct import GatedDeltaProductMixer
+from .gated_short_conv import GatedShortConvMixer
 from .kda import KDAMixer
 from .mamba2 import Mamba2Mixer
 
@@ -83,7 +84,7 @@ def register(kind: MixerKind) -> MixerKind:
 
 
 def letters() -> str:
-    """Every registered letter, in registration order (``"MGKPA"``)."""
+    """Every registered letter, in registration order (``"MGKPAC"``)."""
     return "".join(MIXERS)
 
 
@@ -103,3 +104,4 @@ register(MixerKind("G", "Gated DeltaNet", GatedDeltaNetMixer, "state", ("fla", "
 register(MixerKind("K", "KDA", KDAMixer, "state", ("fla", "kimi_linear"), small={"head_dim": 16}))
 register(MixerKind("P", "Gated DeltaProduct", GatedDeltaProductMixer, "state", ("fla",), small={"head_dim": 16}))
 register(MixerKind("A", "attention", AttentionMixer, "kv", small={"head_dim": 16}))
+register(MixerKind("C", "gated short conv", GatedShortConvMixer, "state", ("lfm2",)))

@@ -17,7 +17,7 @@ from mixers.checkpoints import (
     to_module,
     to_state_dict,
 )
-from mixers.layers import GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig, Mamba2Config
+from mixers.layers import GatedDeltaNetConfig, GatedDeltaProductConfig, GatedShortConvConfig, KDAConfig, Mamba2Config
 from tests.mixers.checkpoints.upstream import BUILDERS, falcon_h1_config
 
 MAMBA = Mamba2Config(32, num_heads=3, head_dim=16, state_size=8, num_groups=3)
@@ -28,6 +28,7 @@ CONFIGS = {
     "fla_kda": KDAConfig(32, head_dim=16, num_heads=2, num_v_heads=4),
     "hf_kimi_linear": KDAConfig(32, head_dim=16, num_heads=2, output_gate_bias=False),
     "fla_gdp": GatedDeltaProductConfig(32, head_dim=16, num_heads=2, num_householder=3),
+    "hf_lfm2": GatedShortConvConfig(32, conv_size=3, proj_bias=True, conv_bias=True),
 }
 
 
@@ -250,3 +251,48 @@ def test_safetensors_shards(tmp_path):
         load_checkpoint(tmp_path)
     with pytest.raises(FileNotFoundError):
         load_checkpoint(tmp_path / "nope.safetensors")
+
+
+def _lfm2_with(monkeypatch, edit):
+    from tests.mixers.checkpoints.upstream import hf_lfm2
+    module = hf_lfm2(monkeypatch)
+    edit(module)
+    return module
+
+
+def _no_out_bias(m):
+    m.out_proj.bias = None
+
+
+def _grouped_conv(m):
+    m.conv = torch.nn.Conv1d(32, 32, 3, groups=16, padding=2)
+
+
+def _dilated_conv(m):
+    m.conv = torch.nn.Conv1d(32, 32, 3, groups=32, padding=2, dilation=2)
+
+
+def _circular_conv(m):
+    m.conv = torch.nn.Conv1d(32, 32, 3, groups=32, padding=2, padding_mode="circular")
+
+
+def _centred_conv(m):
+    m.conv = torch.nn.Conv1d(32, 32, 3, groups=32, padding=1)
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    pytest.param(_no_out_bias, "in_proj has a bias but out_proj has none", id="projection-biases-differ"),
+    pytest.param(_grouped_conv, r"not depthwise \(in_channels=32, out_channels=32, groups=16\)", id="grouped"),
+    pytest.param(_dilated_conv, r"dilation=\(2,\)", id="dilated"),
+    pytest.param(_circular_conv, "pads with 'circular'", id="circular"),
+    pytest.param(_centred_conv, r"padding is \(1,\) for kernel_size 3", id="not-causal"),
+])
+def test_lfm2_options_our_mixer_cannot_represent_are_refused(monkeypatch, edit, match):
+    with pytest.raises(ValueError, match=f"Lfm2ShortConv: .*{match}.*nothing was converted"):
+        from_module(_lfm2_with(monkeypatch, edit))
+
+
+def test_lfm2_has_one_bias_flag_going_back():
+    from mixers import GatedShortConvMixer
+    with pytest.raises(ValueError, match="proj_bias=True, conv_bias=False.*one conv_bias flag"):
+        to_state_dict(GatedShortConvMixer(config=GatedShortConvConfig(32, proj_bias=True)), "hf_lfm2")

@@ -216,6 +216,20 @@ def hf_kimi_linear(monkeypatch):
     return _perturb(module)
 
 
+def lfm2_config(**overrides):
+    t = _quiet_transformers()
+    kwargs = dict(hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["conv"], vocab_size=64, conv_L_cache=3,
+                  conv_bias=True, num_attention_heads=2, num_key_value_heads=1)
+    return t.Lfm2Config(**{**kwargs, **overrides})
+
+
+def hf_lfm2(monkeypatch):
+    """LFM2's gated short conv with every bias on (``conv_bias=True``: in_proj, conv, out_proj)."""
+    _quiet_transformers()
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+    return _perturb(Lfm2ShortConv(lfm2_config(), 0))
+
+
 def _fla(monkeypatch, name, **kwargs):
     fla_on_cpu(monkeypatch)
     import fla.layers
@@ -241,4 +255,4 @@ def fla_gdp(monkeypatch):
 
 BUILDERS = {"hf_mamba2": hf_mamba2, "hf_bamba": hf_bamba, "hf_nemotron_h": hf_nemotron_h, "hf_granite": hf_granite,
             "hf_falcon_h1": hf_falcon_h1, "hf_qwen3_next": hf_qwen3_next, "hf_kimi_linear": hf_kimi_linear,
-            "fla_gdn": fla_gdn, "fla_gdn_neg": fla_gdn_neg, "fla_kda": fla_kda, "fla_gdp": fla_gdp}
+            "fla_gdn": fla_gdn, "fla_gdn_neg": fla_gdn_neg, "fla_kda": fla_kda, "fla_gdp": fla_gdp, "hf_lfm2": hf_lfm2}

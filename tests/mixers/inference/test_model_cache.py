@@ -37,8 +37,9 @@ def prefill(m, cache, pieces, slots):
     return [out["logits"][0, a:b] for a, b in zip(cu[:-1], cu[1:])]
 
 
-def test_packed_prefill_then_decode_steps_equal_full_forward():
-    m = model()
+@pytest.mark.parametrize("pattern", [pytest.param("MGKPA", id="MGKPA"), pytest.param("CAC", id="lfm2-like-CAC")])
+def test_packed_prefill_then_decode_steps_equal_full_forward(pattern):
+    m = model(pattern)
     seqs = prompts([CHUNK + 5, 1, 3, 2 * CHUNK + 1])
     slots = [3, 1, 0, 4]
     cache = m.allocate_inference_cache(5, 40)

@@ -75,7 +75,13 @@ def kimi_linear(monkeypatch, impl):
     return model
 
 
-FACTORIES = {f.__name__: f for f in (mamba2, bamba, nemotron_h, granite, falcon_h1, qwen3_next, kimi_linear)}
+def lfm2(monkeypatch, impl):
+    return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, layer_types=["conv", "full_attention"],
+        conv_L_cache=3, conv_bias=True, attn_implementation=impl, **SMALL))
+
+
+FACTORIES = {f.__name__: f for f in (mamba2, bamba, nemotron_h, granite, falcon_h1, qwen3_next, kimi_linear, lfm2)}
 
 
 def build(name: str, monkeypatch, impl: str = "sdpa") -> torch.nn.Module:

@@ -4,7 +4,14 @@ import pytest
 import torch
 from torch import nn
 
-from mixers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
+from mixers import (
+    AttentionMixer,
+    GatedDeltaNetMixer,
+    GatedDeltaProductMixer,
+    GatedShortConvMixer,
+    KDAMixer,
+    Mamba2Mixer,
+)
 from mixers.layers import AttentionConfig, GatedDeltaNetConfig, KDAConfig, Mamba2Config
 from ssm_pack import PackedSeqParams
 from ssm_pack.pytest_plugin import layout
@@ -21,6 +28,7 @@ LAYERS = {
                                                          backend=backend),
     "attention": lambda backend="auto": AttentionMixer(HIDDEN, head_dim=8, num_heads=4, num_kv_heads=2,
                                                        backend=backend),
+    "gated_short_conv": lambda backend="auto": GatedShortConvMixer(HIDDEN, conv_bias=True, backend=backend),
 }
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -92,7 +100,7 @@ def test_the_checker_catches_a_leaking_module():
 
 
 class Hybrid(nn.Module):
-    """All five mixers in one residual stack."""
+    """Every mixer in one residual stack."""
 
     def __init__(self):
         super().__init__()

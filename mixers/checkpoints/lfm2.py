@@ -1,0 +1,69 @@
+"""Hugging Face LFM2 gated short convolution -> :class:`~mixers.GatedShortConvMixer` and back.
+
+    D = hidden, W = conv width (``conv_L_cache``)
+
+Same math and the same storage (``in_proj`` rows ``[B | C | x]``, an ``nn.Conv1d`` depthwise
+weight ``[D, 1, W]``), so the map is the identity on every key:
+
+| LFM2 (``Lfm2ShortConv``) | shape | ours |
+|---|---|---|
+| ``in_proj.weight`` (``.bias``) | ``[3D, D]`` (``[3D]``) | ``in_proj.weight`` (``.bias``) |
+| ``conv.weight`` (``.bias``) | ``[D, 1, W]`` (``[D]``) | ``conv.weight`` (``.bias``) |
+| ``out_proj.weight`` (``.bias``) | ``[D, D]`` (``[D]``) | ``out_proj.weight`` (``.bias``) |
+
+LFM2's one ``conv_bias`` flag sets all three biases; a layer whose ``in_proj`` and ``out_proj``
+disagree on a bias, or whose convolution is not LFM2's (not depthwise, strided, dilated, another
+padding mode), is refused by name. Writing back refuses a config with ``proj_bias != conv_bias``
+(LFM2 cannot store it).
+"""
+
+from __future__ import annotations
+
+from ..layers import GatedShortConvConfig, GatedShortConvMixer
+from ._source import Source, require
+
+_FIX = "Only LFM2's own layout converts (Lfm2ShortConv as transformers builds it)"
+
+
+def read_config(module) -> GatedShortConvConfig:
+    """Our config from ``transformers`` ``Lfm2ShortConv``."""
+    name = type(module).__name__
+    conv, in_proj, out_proj = module.conv, module.in_proj, module.out_proj
+    hidden = conv.in_channels
+    require(conv.groups == hidden == conv.out_channels, name,
+            f"the conv is not depthwise (in_channels={conv.in_channels}, out_channels={conv.out_channels}, "
+            f"groups={conv.groups})", _FIX)
+    require(tuple(conv.stride) == (1,) and tuple(conv.dilation) == (1,), name,
+            f"the conv has stride={tuple(conv.stride)}, dilation={tuple(conv.dilation)}",
+            "Only stride 1, dilation 1 convert")
+    require(conv.padding_mode == "zeros", name, f"the conv pads with {conv.padding_mode!r}",
+            "Only zero padding (a causal conv from a zero state) converts")
+    require(tuple(conv.padding) == (conv.kernel_size[0] - 1,), name,
+            f"the conv's padding is {tuple(conv.padding)} for kernel_size {conv.kernel_size[0]}",
+            "Only causal padding (kernel_size - 1) converts")
+    require((in_proj.in_features, in_proj.out_features, out_proj.in_features, out_proj.out_features)
+            == (hidden, 3 * hidden, hidden, hidden), name,
+            f"in_proj is {in_proj.in_features} -> {in_proj.out_features} and out_proj {out_proj.in_features} -> "
+            f"{out_proj.out_features} for hidden {hidden}", _FIX)
+    require((in_proj.bias is None) == (out_proj.bias is None), name,
+            f"in_proj has {'a' if in_proj.bias is not None else 'no'} bias but out_proj has "
+            f"{'one' if out_proj.bias is not None else 'none'}", "Give both projections a bias or neither")
+    return GatedShortConvConfig(hidden_size=hidden, conv_size=conv.kernel_size[0],
+                                proj_bias=in_proj.bias is not None, conv_bias=conv.bias is not None)
+
+
+def to_ours(sd, c: GatedShortConvConfig):
+    return dict(sd)
+
+
+def to_upstream(sd, c: GatedShortConvConfig):
+    require(c.proj_bias == c.conv_bias, "hf_lfm2", f"our config has proj_bias={c.proj_bias}, conv_bias={c.conv_bias}",
+            "LFM2 has one conv_bias flag for the projections and the conv; set both alike")
+    return dict(sd)
+
+
+HF_LFM2 = Source(name="hf_lfm2", description="transformers Lfm2ShortConv", mixer=GatedShortConvMixer,
+                 config_type=GatedShortConvConfig, to_ours=to_ours, to_upstream=to_upstream, read_config=read_config,
+                 classes=("transformers:Lfm2ShortConv",))
+
+SOURCES = (HF_LFM2,)
