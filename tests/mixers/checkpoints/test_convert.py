@@ -23,7 +23,7 @@ from tests.mixers.checkpoints.upstream import BUILDERS, falcon_h1_config
 MAMBA = Mamba2Config(32, num_heads=3, head_dim=16, state_size=8, num_groups=3)
 GDN = GatedDeltaNetConfig(32, head_dim=16, num_heads=2, num_v_heads=4, expand_v=1.5)
 CONFIGS = {
-    "hf_mamba2": MAMBA, "mamba_ssm": MAMBA, "megatron": MAMBA, "megatron_legacy": MAMBA,
+    "hf_mamba2": MAMBA, "mamba_ssm": MAMBA, "megatron": MAMBA, "megatron_legacy": MAMBA, "hf_zamba2": MAMBA,
     "fla_gdn": GDN, "hf_qwen3_next": GDN,
     "fla_kda": KDAConfig(32, head_dim=16, num_heads=2, num_v_heads=4),
     "hf_kimi_linear": KDAConfig(32, head_dim=16, num_heads=2, output_gate_bias=False),
@@ -296,3 +296,27 @@ def test_lfm2_has_one_bias_flag_going_back():
     from mixers import GatedShortConvMixer
     with pytest.raises(ValueError, match="proj_bias=True, conv_bias=False.*one conv_bias flag"):
         to_state_dict(GatedShortConvMixer(config=GatedShortConvConfig(32, proj_bias=True)), "hf_lfm2")
+
+
+def _zamba2_mixer(**overrides):
+    from transformers.models.zamba2.modeling_zamba2 import Zamba2MambaMixer
+
+    from tests.mixers.checkpoints.upstream import zamba2_config
+    return Zamba2MambaMixer(zamba2_config(**overrides), layer_idx=0)
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    pytest.param({"add_bias_linear": True}, r"in_proj / out_proj have biases \(config.add_bias_linear=True\)",
+                 id="add_bias_linear"),
+    pytest.param({"n_mamba_heads": 3}, r"intermediate_size=64 != n_mamba_heads \* mamba_headdim = 63",
+                 id="heads-do-not-divide"),
+])
+def test_zamba2_options_our_mixer_cannot_represent_are_refused(overrides, match):
+    pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match=f"Zamba2MambaMixer: {match}.*nothing was converted"):
+        from_module(_zamba2_mixer(**overrides))
+
+
+def test_zamba2_layer_is_read_by_its_own_source():
+    pytest.importorskip("transformers")
+    assert source_of(_zamba2_mixer()).name == "hf_zamba2"

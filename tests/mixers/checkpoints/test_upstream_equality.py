@@ -30,13 +30,14 @@ TOLERANCES_FP32 = {
     "fla_kda": (1e-5, 1e-5, 2e-4),
     "fla_gdp": (1e-5, 1e-5, 2e-4),
     "hf_lfm2": (1e-6, 1e-5, 0.0),            # no decay parameter
+    "hf_zamba2": (1e-6, 1e-5, 2e-4),
 }
 DECAY = ("A_log", "dt_bias")
 
 
 def _length(name):
     """Unpacked rows (upstream cannot pack) that cross chunks: Mamba2 layers use chunk 8, delta rules 64."""
-    return 21 if name in ("hf_mamba2", "hf_bamba", "hf_nemotron_h", "hf_granite", "hf_falcon_h1") else 70
+    return 21 if name in ("hf_mamba2", "hf_bamba", "hf_nemotron_h", "hf_granite", "hf_falcon_h1", "hf_zamba2") else 70
 
 
 def _rel(a, b):
@@ -111,3 +112,18 @@ def test_qwen3_next_needs_its_eps(monkeypatch):
     ours = from_module(upstream, backend="reference")
     assert ours.config.norm_eps == upstream.norm.variance_epsilon == 1e-6
 
+
+
+def test_zamba2_needs_its_dt_floor(monkeypatch):
+    """Zamba2's scan clamps dt from below at ``time_step_min``; the converted config carries it as
+    ``dt_limit``. Negative control: the same weights without the floor compute something else."""
+    import dataclasses
+
+    from mixers import Mamba2Mixer
+    upstream = BUILDERS["hf_zamba2"](monkeypatch)
+    ours = from_module(upstream, backend="reference")
+    assert ours.config.dt_limit == (1.0, float("inf"))
+    unclamped = Mamba2Mixer(config=dataclasses.replace(ours.config, dt_limit=(0.0, float("inf"))), backend="reference")
+    unclamped.load_state_dict(ours.state_dict())
+    forward, _, _ = measure(upstream, unclamped, _length("hf_zamba2"))
+    assert forward > 100 * TOLERANCES_FP32["hf_zamba2"][0], forward

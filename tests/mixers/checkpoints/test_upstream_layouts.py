@@ -169,7 +169,7 @@ def _lfm2_map(m) -> dict[str, torch.Tensor]:
 HAND_MAPS = {"hf_mamba2": _hf_mamba2_map, "hf_bamba": _hf_mamba2_map, "hf_nemotron_h": _hf_mamba2_map,
              "hf_granite": _hf_mamba2_map, "hf_falcon_h1": _hf_mamba2_map, "hf_qwen3_next": _qwen3_next_map,
              "hf_kimi_linear": _kimi_map, "fla_gdn": _fla_map, "fla_gdn_neg": _fla_map, "fla_kda": _fla_map,
-             "fla_gdp": _fla_map, "hf_lfm2": _lfm2_map}
+             "fla_gdp": _fla_map, "hf_lfm2": _lfm2_map, "hf_zamba2": _hf_mamba2_map}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, id=n) for n in BUILDERS])

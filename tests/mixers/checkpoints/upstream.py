@@ -230,6 +230,22 @@ def hf_lfm2(monkeypatch):
     return _perturb(Lfm2ShortConv(lfm2_config(), 0))
 
 
+def zamba2_config(**overrides):
+    t = _quiet_transformers()
+    kwargs = dict(hidden_size=HIDDEN, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2,
+                  n_mamba_heads=4, chunk_size=8, num_hidden_layers=1, layers_block_type=["mamba"], vocab_size=64,
+                  num_attention_heads=2, num_key_value_heads=2, time_step_min=1.0)
+    return t.Zamba2Config(**{**kwargs, **overrides})
+
+
+def hf_zamba2(monkeypatch):
+    """Zamba2's Mamba2 layer: 4 heads of 16 in 2 groups; its scan clamps dt from below at
+    ``time_step_min``, 1.0 here so that the clamp bites (on about a quarter of the dt values)."""
+    _quiet_transformers()
+    from transformers.models.zamba2.modeling_zamba2 import Zamba2MambaMixer
+    return _perturb(Zamba2MambaMixer(zamba2_config(), layer_idx=0))
+
+
 def _fla(monkeypatch, name, **kwargs):
     fla_on_cpu(monkeypatch)
     import fla.layers
@@ -255,4 +271,5 @@ def fla_gdp(monkeypatch):
 
 BUILDERS = {"hf_mamba2": hf_mamba2, "hf_bamba": hf_bamba, "hf_nemotron_h": hf_nemotron_h, "hf_granite": hf_granite,
             "hf_falcon_h1": hf_falcon_h1, "hf_qwen3_next": hf_qwen3_next, "hf_kimi_linear": hf_kimi_linear,
-            "fla_gdn": fla_gdn, "fla_gdn_neg": fla_gdn_neg, "fla_kda": fla_kda, "fla_gdp": fla_gdp, "hf_lfm2": hf_lfm2}
+            "fla_gdn": fla_gdn, "fla_gdn_neg": fla_gdn_neg, "fla_kda": fla_kda, "fla_gdp": fla_gdp, "hf_lfm2": hf_lfm2,
+            "hf_zamba2": hf_zamba2}
