@@ -1,6 +1,7 @@
 """Tiny random-weight Hugging Face models of every class ``enable_packing`` accepts: two layers, one
 SSM / linear-attention layer and one full-attention layer (FalconH1: both in each layer; Mamba2:
-no attention), hidden 32, vocabulary 64."""
+no attention; Zamba2: a Mamba2 layer, then its shared attention block before a second Mamba2
+layer), hidden 32, vocabulary 64."""
 
 import pytest
 import torch
@@ -81,7 +82,18 @@ def lfm2(monkeypatch, impl):
         conv_L_cache=3, conv_bias=True, attn_implementation=impl, **SMALL))
 
 
-FACTORIES = {f.__name__: f for f in (mamba2, bamba, nemotron_h, granite, falcon_h1, qwen3_next, kimi_linear, lfm2)}
+def zamba2(monkeypatch, impl):
+    """A Mamba2 layer, then a hybrid layer (the shared attention block with RoPE and LoRA adapters,
+    then a Mamba2 layer); full multi-head attention (Zamba2's adapters need it)."""
+    return transformers.Zamba2ForCausalLM(transformers.Zamba2Config(
+        hidden_size=32, intermediate_size=64, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2,
+        n_mamba_heads=4, chunk_size=8, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"],
+        use_mem_rope=True, use_shared_attention_adapter=True, adapter_rank=4, attn_implementation=impl,
+        **{**SMALL, "num_key_value_heads": 2}))
+
+
+FACTORIES = {f.__name__: f for f in (mamba2, bamba, nemotron_h, granite, falcon_h1, qwen3_next, kimi_linear, lfm2,
+                                     zamba2)}
 
 
 def build(name: str, monkeypatch, impl: str = "sdpa") -> torch.nn.Module:
