@@ -73,7 +73,7 @@ def default_heads(hidden_size: int, head_dim: int, share: float) -> int:
 
 
 class MixerBase(nn.Module):
-    """Base of the five mixers: ``self.config`` and ``self.backend`` set, the kernels checked.
+    """Base of our mixers: ``self.config`` and ``self.backend`` set, the kernels checked.
 
     Subclasses set ``CONFIG`` (their config class) and ``PLAN``, and build their modules after
     ``super().__init__``.

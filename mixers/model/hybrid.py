@@ -1,12 +1,12 @@
-"""``HybridLM``: a small language model stacking any mix of the five mixers.
+"""``HybridLM``: a small language model stacking any mix of the registered mixers.
 
     B = rows, T = tokens, D = hidden, V = vocabulary
 
 token embedding -> blocks (pre-norm RMSNorm -> mixer -> residual; pre-norm RMSNorm -> SwiGLU
 MLP -> residual) -> final RMSNorm -> output head tied to the embedding. The stack is a pattern
 string, one letter per block, read from the mixer registry (:mod:`mixers.layers.registry`): ``M``
-Mamba2, ``G`` Gated DeltaNet, ``K`` KDA, ``P`` Gated DeltaProduct, ``A`` attention, and any mixer
-registered there.
+Mamba2, ``G`` Gated DeltaNet, ``K`` KDA, ``P`` Gated DeltaProduct, ``A`` attention, ``C`` LFM2's
+gated short convolution, and any mixer registered there.
 """
 
 from __future__ import annotations

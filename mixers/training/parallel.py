@@ -150,7 +150,7 @@ def checkpoint_blocks(model: torch.nn.Module) -> None:
                                                                              **kwargs)
 
 
-def compile_blocks(model: torch.nn.Module) -> None:
+def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> None:
     """``torch.compile`` each block in place (the parameter names stay the same)."""
     for block in blocks(model):
-        block.compile()
+        block.compile(backend=backend)

@@ -24,7 +24,7 @@ MAMBA = Mamba2Config(32, num_heads=3, head_dim=16, state_size=8, num_groups=3)
 GDN = GatedDeltaNetConfig(32, head_dim=16, num_heads=2, num_v_heads=4, expand_v=1.5)
 CONFIGS = {
     "hf_mamba2": MAMBA, "mamba_ssm": MAMBA, "megatron": MAMBA, "megatron_legacy": MAMBA, "hf_zamba2": MAMBA,
-    "fla_gdn": GDN, "hf_qwen3_next": GDN,
+    "fla_gdn": GDN, "hf_qwen3_next": GDN, "hf_qwen3_5": GDN,
     "fla_kda": KDAConfig(32, head_dim=16, num_heads=2, num_v_heads=4),
     "hf_kimi_linear": KDAConfig(32, head_dim=16, num_heads=2, output_gate_bias=False),
     "fla_gdp": GatedDeltaProductConfig(32, head_dim=16, num_heads=2, num_householder=3),
@@ -296,6 +296,45 @@ def test_lfm2_has_one_bias_flag_going_back():
     from mixers import GatedShortConvMixer
     with pytest.raises(ValueError, match="proj_bias=True, conv_bias=False.*one conv_bias flag"):
         to_state_dict(GatedShortConvMixer(config=GatedShortConvConfig(32, proj_bias=True)), "hf_lfm2")
+
+
+def _qwen3_5_gelu(monkeypatch):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from tests.mixers.checkpoints.upstream import qwen3_5_config
+    return Qwen3_5GatedDeltaNet(qwen3_5_config(hidden_act="gelu"), 0)
+
+
+def _qwen3_5_with(edit):
+    def build(monkeypatch):
+        module = BUILDERS["hf_qwen3_5"](monkeypatch)
+        edit(module)
+        return module
+    return build
+
+
+def _conv_bias(m):
+    m.conv1d.bias = torch.nn.Parameter(torch.zeros(m.conv_dim))
+
+
+def _z_bias(m):
+    m.in_proj_z.bias = torch.nn.Parameter(torch.zeros(m.value_dim))
+
+
+@pytest.mark.parametrize(("build", "match"), [
+    pytest.param(_qwen3_5_gelu, r"the conv activation \(hidden_act\) is 'gelu'", id="gelu-conv"),
+    pytest.param(_qwen3_5_with(_conv_bias), "the conv has a bias", id="conv-bias"),
+    pytest.param(_qwen3_5_with(_z_bias), r"the projections \['in_proj_z'\] have a bias", id="projection-bias"),
+])
+def test_qwen3_5_options_our_mixer_cannot_represent_are_refused(monkeypatch, build, match):
+    with pytest.raises(ValueError, match=f"Qwen3_5GatedDeltaNet: .*{match}.*nothing was converted"):
+        from_module(build(monkeypatch))
+
+
+def test_qwen3_5_has_no_negative_eigenvalues_going_back():
+    with pytest.raises(ValueError, match="allow_neg_eigval=True.*Qwen3.5 has no negative-eigenvalue beta"):
+        to_state_dict(GatedDeltaNetMixer(config=GatedDeltaNetConfig(32, head_dim=16, allow_neg_eigval=True)),
+                      "hf_qwen3_5")
 
 
 def _zamba2_mixer(**overrides):

@@ -13,11 +13,14 @@ def _blocks():
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
-def test_the_page_has_its_three_examples():
-    assert len(_blocks()) == 3
+EXAMPLES = 4       # Mamba2 from a state dict, fla modules, enable_packing with Trainer, LFM2
 
 
-@pytest.mark.parametrize("index", [pytest.param(i, id=f"block{i}") for i in range(3)])
+def test_the_page_has_its_examples():
+    assert len(_blocks()) == EXAMPLES
+
+
+@pytest.mark.parametrize("index", [pytest.param(i, id=f"block{i}") for i in range(EXAMPLES)])
 def test_readme_block_runs(index, tmp_path, monkeypatch):
     code = _blocks()[index]
     for module in re.findall(r"^from (\w+)", code, flags=re.M):

@@ -136,6 +136,17 @@ def _qwen3_next_map(m) -> dict[str, torch.Tensor]:
             "dt_bias": m.dt_bias, "A_log": m.A_log}
 
 
+def _qwen3_5_map(m) -> dict[str, torch.Tensor]:
+    key_dim = m.num_k_heads * m.head_k_dim
+    qkv, conv = m.in_proj_qkv.weight, m.conv1d.weight     # both rows [q, k, v], flat
+    return {"q_proj.weight": qkv[:key_dim], "k_proj.weight": qkv[key_dim:2 * key_dim],
+            "v_proj.weight": qkv[2 * key_dim:], "g_proj.weight": m.in_proj_z.weight,
+            "b_proj.weight": m.in_proj_b.weight, "a_proj.weight": m.in_proj_a.weight,
+            "q_conv.weight": conv[:key_dim], "k_conv.weight": conv[key_dim:2 * key_dim],
+            "v_conv.weight": conv[2 * key_dim:], "o_norm.weight": m.norm.weight, "o_proj.weight": m.out_proj.weight,
+            "dt_bias": m.dt_bias, "A_log": m.A_log}
+
+
 def _kimi_map(m) -> dict[str, torch.Tensor]:
     key_dim = m.num_heads * m.head_dim
     conv = m.conv1d.weight                                # rows q, k, v
@@ -168,6 +179,7 @@ def _lfm2_map(m) -> dict[str, torch.Tensor]:
 
 HAND_MAPS = {"hf_mamba2": _hf_mamba2_map, "hf_bamba": _hf_mamba2_map, "hf_nemotron_h": _hf_mamba2_map,
              "hf_granite": _hf_mamba2_map, "hf_falcon_h1": _hf_mamba2_map, "hf_qwen3_next": _qwen3_next_map,
+             "hf_qwen3_5": _qwen3_5_map, "hf_qwen3_5_moe": _qwen3_5_map,
              "hf_kimi_linear": _kimi_map, "fla_gdn": _fla_map, "fla_gdn_neg": _fla_map, "fla_kda": _fla_map,
              "fla_gdp": _fla_map, "hf_lfm2": _lfm2_map, "hf_zamba2": _hf_mamba2_map}
 

@@ -197,6 +197,34 @@ def hf_qwen3_next(monkeypatch):
     return _perturb(q.Qwen3NextGatedDeltaNet(config, 0))
 
 
+def qwen3_5_config(**overrides):
+    t = _quiet_transformers()
+    kwargs = dict(hidden_size=HIDDEN, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=24, linear_conv_kernel_dim=4, num_hidden_layers=1,
+                  layer_types=["linear_attention"], vocab_size=64, num_attention_heads=2, num_key_value_heads=1)
+    return t.Qwen3_5TextConfig(**{**kwargs, **overrides})
+
+
+def hf_qwen3_5(monkeypatch):
+    """Qwen3.5's flat projections; 2 key heads of 16, 4 value heads of 24 (grouped, expand_v = 1.5)."""
+    _quiet_transformers()
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q
+    transformers_torch_paths(monkeypatch, q, "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    return _perturb(q.Qwen3_5GatedDeltaNet(qwen3_5_config(), 0))
+
+
+def hf_qwen3_5_moe(monkeypatch):
+    """Qwen3.5-MoE's layer (transformers: Qwen3.5's, renamed); 2 key heads of 16, 2 value heads of 32."""
+    t = _quiet_transformers()
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q
+    transformers_torch_paths(monkeypatch, q, "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    config = t.Qwen3_5MoeTextConfig(hidden_size=HIDDEN, linear_num_key_heads=2, linear_num_value_heads=2,
+                                    linear_key_head_dim=16, linear_value_head_dim=32, linear_conv_kernel_dim=3,
+                                    num_hidden_layers=1, layer_types=["linear_attention"], vocab_size=64,
+                                    num_attention_heads=2, num_key_value_heads=1)
+    return _perturb(q.Qwen3_5MoeGatedDeltaNet(config, 0))
+
+
 def kimi_config(**overrides):
     t = _quiet_transformers()
     linear = {"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4, "kda_layers": [1], "full_attn_layers": []}
@@ -270,6 +298,7 @@ def fla_gdp(monkeypatch):
 
 
 BUILDERS = {"hf_mamba2": hf_mamba2, "hf_bamba": hf_bamba, "hf_nemotron_h": hf_nemotron_h, "hf_granite": hf_granite,
-            "hf_falcon_h1": hf_falcon_h1, "hf_qwen3_next": hf_qwen3_next, "hf_kimi_linear": hf_kimi_linear,
+            "hf_falcon_h1": hf_falcon_h1, "hf_qwen3_next": hf_qwen3_next, "hf_qwen3_5": hf_qwen3_5,
+            "hf_qwen3_5_moe": hf_qwen3_5_moe, "hf_kimi_linear": hf_kimi_linear,
             "fla_gdn": fla_gdn, "fla_gdn_neg": fla_gdn_neg, "fla_kda": fla_kda, "fla_gdp": fla_gdp, "hf_lfm2": hf_lfm2,
             "hf_zamba2": hf_zamba2}

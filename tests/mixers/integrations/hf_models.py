@@ -59,6 +59,15 @@ def qwen3_next(monkeypatch, impl):
         attn_implementation=impl, **SMALL))
 
 
+def qwen3_5(monkeypatch, impl):
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q
+    transformers_torch_paths(monkeypatch, q, "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
+        hidden_size=32, intermediate_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], head_dim=16, attn_implementation=impl, **SMALL))
+
+
 def kimi_linear(monkeypatch, impl):
     from transformers.models.kimi_linear import modeling_kimi_linear as k
     transformers_torch_paths(monkeypatch, k, "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
@@ -92,8 +101,8 @@ def zamba2(monkeypatch, impl):
         **{**SMALL, "num_key_value_heads": 2}))
 
 
-FACTORIES = {f.__name__: f for f in (mamba2, bamba, nemotron_h, granite, falcon_h1, qwen3_next, kimi_linear, lfm2,
-                                     zamba2)}
+FACTORIES = {f.__name__: f for f in (mamba2, bamba, nemotron_h, granite, falcon_h1, qwen3_next, qwen3_5, kimi_linear,
+                                     lfm2, zamba2)}
 
 
 def build(name: str, monkeypatch, impl: str = "sdpa") -> torch.nn.Module:

@@ -15,7 +15,8 @@ SSM_LAYER = {"mamba2": ("backbone.layers.0.mixer", "D"), "qwen3_next": ("model.l
              "kimi_linear": ("model.layers.0.self_attn", "forget_gate.A_log"),
              "nemotron_h": ("model.layers.0.mixer", "conv1d.weight"),
              "granite": ("model.layers.0.mamba", "norm.weight"),
-             "falcon_h1": ("model.layers.0.mamba", "out_proj.weight")}
+             "falcon_h1": ("model.layers.0.mamba", "out_proj.weight"),
+             "qwen3_5": ("model.layers.0.linear_attn", "in_proj_z.weight")}
 SSM_KEY = {name: f"{layer}.{key}" for name, (layer, key) in SSM_LAYER.items()}
 MODELS = [pytest.param(name, id=name) for name in SSM_KEY]
 
