@@ -108,3 +108,20 @@ def test_native_names_give_parameter_paths_and_round_trip(name, monkeypatch):
         assert torch.equal(patched.state_dict()[key], value), key
     error, _ = _load(patched, {**checkpoint, SSM_KEY[name]: torch.zeros(3)}, strict=True)
     assert error is not None and SSM_KEY[name] in error          # the whole-load check is back
+
+
+def test_a_swapped_layer_reads_a_padding_mask_passed_positionally(monkeypatch):
+    """Hugging Face layers take ``(hidden_states, cache, attention_mask)``; the mask may come by
+    position. Left padding: without the mask the real tokens would read the padding's state."""
+    from mixers.integrations.transformers import PackedMixer
+    _, patched, _ = _pair("bamba", monkeypatch)
+    layer = next(m for m in patched.modules() if isinstance(m, PackedMixer))
+    hidden = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :4] = 0                                                   # row 1: 4 padding tokens first
+    with torch.no_grad():
+        by_keyword = layer(hidden, attention_mask=mask)
+        by_position = layer(hidden, None, mask)
+        unmasked = layer(hidden)
+    assert torch.equal(by_position, by_keyword)
+    assert not torch.allclose(unmasked[1, 4:], by_keyword[1, 4:], atol=1e-4)   # the mask matters
