@@ -31,8 +31,8 @@ import math
 
 import torch
 
-from ..checks import as_boundaries, check_boundaries, check_int, describe
-from ..formats.seq_idx import get_cu_seqlens
+from ..checks import check_int, describe
+from .layout import whole_row
 
 
 def _weight(name: str, value) -> float:
@@ -55,33 +55,8 @@ def _check_weights(linear, attention, window) -> tuple:
 
 def _row(params, total_tokens) -> tuple:
     """``(physical boundaries, real lengths, T)`` (int64, CPU) of a whole row's params or cu_seqlens."""
-    if hasattr(params, "cu_seqlens_q"):
-        if getattr(params, "cp_layout", None) is not None:
-            raise ValueError("params are already one rank's shard (params.cp_layout is set); pass the whole row's "
-                             "PackedSeqParams")
-        physical = as_boundaries("params.cu_seqlens", get_cu_seqlens(params)).to("cpu", torch.int64)
-        real = as_boundaries("params.cu_seqlens_q", params.cu_seqlens_q).to("cpu", torch.int64)
-        given_total = getattr(params, "total_tokens", None)
-    else:
-        physical = real = as_boundaries("params", params).to("cpu", torch.int64)
-        given_total = None
-    check_boundaries("params.cu_seqlens", physical)
-    check_boundaries("params.cu_seqlens_q", real)
-    if real.numel() != physical.numel():
-        raise ValueError(f"params.cu_seqlens_q has {real.numel()} offsets but the padded boundaries "
-                         f"{physical.numel()}; give both for the same documents")
-    lengths, slots = real[1:] - real[:-1], physical[1:] - physical[:-1]
-    if bool((lengths > slots).any()):
-        i = int(torch.nonzero(lengths > slots)[0, 0])
-        raise ValueError(f"document {i} has {int(lengths[i])} real tokens but a padded slot of {int(slots[i])}; "
-                         "the padded boundaries must hold every document")
-    last = int(physical[-1])
-    total = total_tokens if total_tokens is not None else (given_total if given_total is not None else last)
-    total = check_int("total_tokens", total, minimum=0)
-    if total < last:
-        raise ValueError(f"total_tokens={total} is smaller than the last physical boundary {last}; pass the "
-                         "length of the whole packed row")
-    return physical, lengths, total
+    physical, real, _, total = whole_row(params, total_tokens)
+    return physical, real[1:] - real[:-1], total
 
 
 def _token_costs(physical, lengths, total, linear, attention, window) -> torch.Tensor:

@@ -142,6 +142,51 @@ def _check_bounds(bounds, cp_size: int, total: int) -> tuple:
     return bounds
 
 
+def whole_row(params, total_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, bool, int]:
+    """The boundaries of a whole packed row, checked: ``(physical, real, padded, T)``.
+
+    Args:
+        params: the whole row's :class:`~ssm_pack.PackedSeqParams` or its ``cu_seqlens``.
+        total_tokens: T (default ``params.total_tokens``, else the last physical boundary).
+
+    Returns:
+        ``physical`` [N+1] int64 (CPU): the padded slot boundaries (the physical layout);
+        ``real`` [N+1] int64: cumulative real-token counts (equal to ``physical`` without padding);
+        ``padded``: whether ``params`` carry padded boundaries; ``T``: the row length.
+
+    Raises ``ValueError`` for a shard's params (``cp_layout`` set), boundaries that do not agree
+    (counts, a document longer than its slot) and a T shorter than the last boundary.
+    """
+    if hasattr(params, "cu_seqlens_q"):
+        if getattr(params, "cp_layout", None) is not None:
+            raise ValueError("params are already one rank's shard (params.cp_layout is set); pass the whole row's "
+                             "PackedSeqParams")
+        physical = as_boundaries("params.cu_seqlens", get_cu_seqlens(params)).to("cpu", torch.int64)
+        real = as_boundaries("params.cu_seqlens_q", params.cu_seqlens_q).to("cpu", torch.int64)
+        padded = getattr(params, "cu_seqlens_q_padded", None) is not None
+        given_total = getattr(params, "total_tokens", None)
+    else:
+        physical = real = as_boundaries("params", params).to("cpu", torch.int64)
+        padded, given_total = False, None
+    check_boundaries("params.cu_seqlens", physical)
+    check_boundaries("params.cu_seqlens_q", real)
+    if real.numel() != physical.numel():
+        raise ValueError(f"params.cu_seqlens_q has {real.numel()} offsets but the padded boundaries "
+                         f"{physical.numel()}; give both for the same documents")
+    lengths, slots = real[1:] - real[:-1], physical[1:] - physical[:-1]
+    if bool((lengths > slots).any()):
+        i = int(torch.nonzero(lengths > slots)[0, 0])
+        raise ValueError(f"document {i} has {int(lengths[i])} real tokens but a padded slot of {int(slots[i])}; "
+                         "the padded boundaries must hold every document")
+    last = int(physical[-1])
+    total = total_tokens if total_tokens is not None else (given_total if given_total is not None else last)
+    total = check_int("total_tokens", total, minimum=0)
+    if total < last:
+        raise ValueError(f"total_tokens={total} is smaller than the last physical boundary {last}; pass the "
+                         "length of the whole packed row")
+    return physical, real, padded, total
+
+
 def shard_for_context_parallel(params, cp_rank: int, cp_size: int, *, total_tokens: int | None = None,
                                bounds=None, cp_group=None):
     """Rank ``cp_rank``'s contiguous shard of a packed row split over ``cp_size`` ranks.
@@ -165,25 +210,7 @@ def shard_for_context_parallel(params, cp_rank: int, cp_size: int, *, total_toke
     cp_rank = check_int("cp_rank", cp_rank, minimum=0)
     if cp_rank >= cp_size:
         raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank}")
-    if hasattr(params, "cu_seqlens_q"):
-        if getattr(params, "cp_layout", None) is not None:
-            raise ValueError("params are already one rank's shard (params.cp_layout is set); shard the whole "
-                             "row's PackedSeqParams")
-        physical = as_boundaries("params.cu_seqlens", get_cu_seqlens(params)).to("cpu", torch.int64)
-        real = as_boundaries("params.cu_seqlens_q", params.cu_seqlens_q).to("cpu", torch.int64)
-        padded = getattr(params, "cu_seqlens_q_padded", None) is not None
-        given_total = getattr(params, "total_tokens", None)
-    else:
-        physical = real = as_boundaries("params", params).to("cpu", torch.int64)
-        padded, given_total = False, None
-    check_boundaries("params.cu_seqlens", physical)
-    check_boundaries("params.cu_seqlens_q", real)
-    last = int(physical[-1])
-    total = total_tokens if total_tokens is not None else (given_total if given_total is not None else last)
-    total = check_int("total_tokens", total, minimum=0)
-    if total < last:
-        raise ValueError(f"total_tokens={total} is smaller than the last physical boundary {last}; pass the "
-                         "length of the whole packed row")
+    physical, real, padded, total = whole_row(params, total_tokens)
     bounds = _check_bounds(bounds, cp_size, total)
     layout = ContextParallelLayout(cp_rank, bounds, torch.cat([physical, physical.new_tensor([total])]))
     start, end = layout.start, layout.end
