@@ -292,6 +292,17 @@ def test_lfm2_options_our_mixer_cannot_represent_are_refused(monkeypatch, edit, 
         from_module(_lfm2_with(monkeypatch, edit))
 
 
+@pytest.mark.parametrize(("name", "layer"), [pytest.param("hf_lfm3", "Lfm3ShortConv", id="lfm3"),
+                                             pytest.param("hf_lfm2_moe", "Lfm2MoeShortConv", id="lfm2_moe")])
+def test_lfm2_copies_refuse_by_their_own_class_name(monkeypatch, name, layer):
+    module = BUILDERS[name](monkeypatch)
+    assert from_module(module) is not None                     # negative control: the layer as built converts
+    width = module.conv.kernel_size[0]
+    module.conv = torch.nn.Conv1d(32, 32, width, groups=32, padding=width - 1, dilation=2)
+    with pytest.raises(ValueError, match=rf"{layer}: .*dilation=\(2,\).*nothing was converted"):
+        from_module(module)
+
+
 def test_lfm2_has_one_bias_flag_going_back():
     from mixers import GatedShortConvMixer
     with pytest.raises(ValueError, match="proj_bias=True, conv_bias=False.*one conv_bias flag"):

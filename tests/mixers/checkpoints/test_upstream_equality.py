@@ -32,6 +32,8 @@ TOLERANCES_FP32 = {
     "fla_kda": (1e-5, 1e-5, 2e-4),
     "fla_gdp": (1e-5, 1e-5, 2e-4),
     "hf_lfm2": (1e-6, 1e-5, 0.0),            # no decay parameter
+    "hf_lfm3": (1e-6, 1e-5, 0.0),
+    "hf_lfm2_moe": (1e-6, 1e-5, 0.0),
     "hf_zamba2": (1e-6, 1e-5, 2e-4),
 }
 DECAY = ("A_log", "dt_bias")
