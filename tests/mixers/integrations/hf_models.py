@@ -108,6 +108,20 @@ def lfm2_moe(monkeypatch, impl):
         conv_L_cache=3, attn_implementation=impl, **SMALL))
 
 
+def olmo_hybrid(monkeypatch, impl):
+    """A gated delta net layer (negative eigenvalues allowed, OLMo-hybrid's default; grouped
+    values), then an attention layer with q / k norms over all heads and no RoPE (NoPE, as the
+    released checkpoints: ``rope_theta`` None)."""
+    from transformers.models.olmo_hybrid import modeling_olmo_hybrid as o
+    transformers_torch_paths(monkeypatch, o, "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    return transformers.OlmoHybridForCausalLM(transformers.OlmoHybridConfig(
+        hidden_size=32, intermediate_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], head_dim=16, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": None}, attn_implementation=impl,
+        **SMALL))
+
+
 def zamba2(monkeypatch, impl):
     """A Mamba2 layer, then a hybrid layer (the shared attention block with RoPE and LoRA adapters,
     then a Mamba2 layer); full multi-head attention (Zamba2's adapters need it)."""
@@ -119,7 +133,7 @@ def zamba2(monkeypatch, impl):
 
 
 FACTORIES = {f.__name__: f for f in (mamba2, bamba, nemotron_h, granite, falcon_h1, qwen3_next, qwen3_5, kimi_linear,
-                                     lfm2, zamba2, lfm3, lfm2_moe)}
+                                     lfm2, zamba2, lfm3, lfm2_moe, olmo_hybrid)}
 
 
 def build(name: str, monkeypatch, impl: str = "sdpa") -> torch.nn.Module:
