@@ -178,8 +178,9 @@ class Row:
 
 
 def _monkeypatch():
-    from _pytest.monkeypatch import MonkeyPatch
-    return MonkeyPatch.context()
+    """What the hf_models factories patch transformers' kernel routing with, undone after each model."""
+    import pytest
+    return pytest.MonkeyPatch.context()
 
 
 def family_rows(family: str, key: str, fallback, impls, log=print) -> list[Row]:

@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from mixers.checkpoints import SOURCES  # noqa: E402
-from mixers.integrations.transformers import PackedMixer, _hf_classes, disable_packing, enable_packing  # noqa: E402
+from mixers.integrations.transformers import PackedMixer, disable_packing, enable_packing  # noqa: E402
 from tests.mixers.integrations.hf_models import FACTORIES, SMALL, VOCAB, build  # noqa: E402
 from tests.support.oracles import rel_rms  # noqa: E402
 
@@ -45,7 +45,7 @@ def _alone(model, docs):
 
 def _converted_layers(model) -> list[str]:
     """The ``package:Class`` names of the layers a converter reads, in module order."""
-    classes = _hf_classes()
+    classes = {c for s in SOURCES.values() for c in s.classes if c.startswith("transformers:")}
     return [c for m in model.modules() if (c := f"{type(m).__module__.split('.')[0]}:{type(m).__name__}") in classes]
 
 
