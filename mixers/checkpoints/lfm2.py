@@ -11,6 +11,12 @@ weight ``[D, 1, W]``), so the map is the identity on every key:
 | ``conv.weight`` (``.bias``) | ``[D, 1, W]`` (``[D]``) | ``conv.weight`` (``.bias``) |
 | ``out_proj.weight`` (``.bias``) | ``[D, D]`` (``[D]``) | ``out_proj.weight`` (``.bias``) |
 
+LFM3's ``Lfm3ShortConv`` and LFM2-MoE's ``Lfm2MoeShortConv`` are the same layer (transformers
+copies ``Lfm2ShortConv`` into each, line for line: same call, same weights, same conv, same
+gating ``out_proj(C * conv(B * x))``) and convert the same way; what differs in those models
+(LFM3's sandwich norms, attention output gate and sliding-window layers, LFM2-MoE's experts) lies
+outside the layer.
+
 LFM2's one ``conv_bias`` flag sets all three biases; a layer whose ``in_proj`` and ``out_proj``
 disagree on a bias, or whose convolution is not LFM2's (not depthwise, strided, dilated, another
 padding mode), is refused by name. Writing back refuses a config with ``proj_bias != conv_bias``
@@ -22,11 +28,11 @@ from __future__ import annotations
 from ..layers import GatedShortConvConfig, GatedShortConvMixer
 from ._source import Source, require
 
-_FIX = "Only LFM2's own layout converts (Lfm2ShortConv as transformers builds it)"
+_FIX = "Only LFM2's own layout converts (Lfm2ShortConv / Lfm3ShortConv / Lfm2MoeShortConv as transformers builds it)"
 
 
 def read_config(module) -> GatedShortConvConfig:
-    """Our config from ``transformers`` ``Lfm2ShortConv``."""
+    """Our config from ``transformers`` ``Lfm2ShortConv`` (or LFM3's / LFM2-MoE's copy of it)."""
     name = type(module).__name__
     conv, in_proj, out_proj = module.conv, module.in_proj, module.out_proj
     hidden = conv.in_channels
@@ -62,8 +68,9 @@ def to_upstream(sd, c: GatedShortConvConfig):
     return dict(sd)
 
 
-HF_LFM2 = Source(name="hf_lfm2", description="transformers Lfm2ShortConv", mixer=GatedShortConvMixer,
-                 config_type=GatedShortConvConfig, to_ours=to_ours, to_upstream=to_upstream, read_config=read_config,
-                 classes=("transformers:Lfm2ShortConv",))
+HF_LFM2 = Source(name="hf_lfm2", description="transformers Lfm2ShortConv (and LFM3's, LFM2-MoE's copies)",
+                 mixer=GatedShortConvMixer, config_type=GatedShortConvConfig, to_ours=to_ours, to_upstream=to_upstream,
+                 read_config=read_config,
+                 classes=("transformers:Lfm2ShortConv", "transformers:Lfm3ShortConv", "transformers:Lfm2MoeShortConv"))
 
 SOURCES = (HF_LFM2,)

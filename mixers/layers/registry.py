@@ -100,7 +100,7 @@ def unknown_letters(pattern: str) -> list[str]:
 
 register(MixerKind("M", "Mamba2", Mamba2Mixer, "state", ("mamba2", "zamba2"),
                    small={"head_dim": 16, "state_size": 16, "chunk_size": 64}))
-register(MixerKind("G", "Gated DeltaNet", GatedDeltaNetMixer, "state", ("fla", "qwen3_next", "qwen3_5"),
+register(MixerKind("G", "Gated DeltaNet", GatedDeltaNetMixer, "state", ("fla", "qwen3_next", "qwen3_5", "olmo_hybrid"),
                    small={"head_dim": 16}))
 register(MixerKind("K", "KDA", KDAMixer, "state", ("fla", "kimi_linear"), small={"head_dim": 16}))
 register(MixerKind("P", "Gated DeltaProduct", GatedDeltaProductMixer, "state", ("fla",), small={"head_dim": 16}))

@@ -24,7 +24,7 @@ MAMBA = Mamba2Config(32, num_heads=3, head_dim=16, state_size=8, num_groups=3)
 GDN = GatedDeltaNetConfig(32, head_dim=16, num_heads=2, num_v_heads=4, expand_v=1.5)
 CONFIGS = {
     "hf_mamba2": MAMBA, "mamba_ssm": MAMBA, "megatron": MAMBA, "megatron_legacy": MAMBA, "hf_zamba2": MAMBA,
-    "fla_gdn": GDN, "hf_qwen3_next": GDN, "hf_qwen3_5": GDN,
+    "fla_gdn": GDN, "hf_qwen3_next": GDN, "hf_qwen3_5": GDN, "hf_olmo_hybrid": GDN,
     "fla_kda": KDAConfig(32, head_dim=16, num_heads=2, num_v_heads=4),
     "hf_kimi_linear": KDAConfig(32, head_dim=16, num_heads=2, output_gate_bias=False),
     "fla_gdp": GatedDeltaProductConfig(32, head_dim=16, num_heads=2, num_householder=3),
@@ -292,6 +292,17 @@ def test_lfm2_options_our_mixer_cannot_represent_are_refused(monkeypatch, edit, 
         from_module(_lfm2_with(monkeypatch, edit))
 
 
+@pytest.mark.parametrize(("name", "layer"), [pytest.param("hf_lfm3", "Lfm3ShortConv", id="lfm3"),
+                                             pytest.param("hf_lfm2_moe", "Lfm2MoeShortConv", id="lfm2_moe")])
+def test_lfm2_copies_refuse_by_their_own_class_name(monkeypatch, name, layer):
+    module = BUILDERS[name](monkeypatch)
+    assert from_module(module) is not None                     # negative control: the layer as built converts
+    width = module.conv.kernel_size[0]
+    module.conv = torch.nn.Conv1d(32, 32, width, groups=32, padding=width - 1, dilation=2)
+    with pytest.raises(ValueError, match=rf"{layer}: .*dilation=\(2,\).*nothing was converted"):
+        from_module(module)
+
+
 def test_lfm2_has_one_bias_flag_going_back():
     from mixers import GatedShortConvMixer
     with pytest.raises(ValueError, match="proj_bias=True, conv_bias=False.*one conv_bias flag"):
@@ -335,6 +346,39 @@ def test_qwen3_5_has_no_negative_eigenvalues_going_back():
     with pytest.raises(ValueError, match="allow_neg_eigval=True.*Qwen3.5 has no negative-eigenvalue beta"):
         to_state_dict(GatedDeltaNetMixer(config=GatedDeltaNetConfig(32, head_dim=16, allow_neg_eigval=True)),
                       "hf_qwen3_5")
+
+
+def _olmo_hybrid_gelu(monkeypatch):
+    from tests.mixers.checkpoints.upstream import hf_olmo_hybrid
+    return hf_olmo_hybrid(monkeypatch, hidden_act="gelu")
+
+
+def _olmo_hybrid_with(edit):
+    def build(monkeypatch):
+        module = BUILDERS["hf_olmo_hybrid"](monkeypatch)
+        edit(module)
+        return module
+    return build
+
+
+def _g_bias(m):
+    m.g_proj.bias = torch.nn.Parameter(torch.zeros(m.value_dim))
+
+
+def _sigmoid_gate(m):
+    m.o_norm.activation = "sigmoid"
+
+
+@pytest.mark.parametrize(("build", "match"), [
+    pytest.param(_olmo_hybrid_gelu, r"the conv activation \(hidden_act\) is 'gelu'", id="gelu-conv"),
+    pytest.param(_olmo_hybrid_with(_conv_bias), "the conv has a bias", id="conv-bias"),
+    pytest.param(_olmo_hybrid_with(_g_bias), r"the projections \['g_proj'\] have a bias", id="projection-bias"),
+    pytest.param(_olmo_hybrid_with(_sigmoid_gate), "the output gate uses 'sigmoid'", id="sigmoid-gate"),
+])
+def test_olmo_hybrid_options_our_mixer_cannot_represent_are_refused(monkeypatch, build, match):
+    assert from_module(BUILDERS["hf_olmo_hybrid"](monkeypatch)) is not None     # negative control
+    with pytest.raises(ValueError, match=f"OlmoHybridGatedDeltaNet: .*{match}.*nothing was converted"):
+        from_module(build(monkeypatch))
 
 
 def _zamba2_mixer(**overrides):

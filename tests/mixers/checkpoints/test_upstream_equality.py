@@ -32,6 +32,9 @@ TOLERANCES_FP32 = {
     "fla_kda": (1e-5, 1e-5, 2e-4),
     "fla_gdp": (1e-5, 1e-5, 2e-4),
     "hf_lfm2": (1e-6, 1e-5, 0.0),            # no decay parameter
+    "hf_lfm3": (1e-6, 1e-5, 0.0),
+    "hf_olmo_hybrid": (1e-6, 1e-5, 2e-4),
+    "hf_lfm2_moe": (1e-6, 1e-5, 0.0),
     "hf_zamba2": (1e-6, 1e-5, 2e-4),
 }
 DECAY = ("A_log", "dt_bias")
@@ -114,6 +117,26 @@ def test_qwen3_next_needs_its_eps(monkeypatch):
     ours = from_module(upstream, backend="reference")
     assert ours.config.norm_eps == upstream.norm.variance_epsilon == 1e-6
 
+
+
+@pytest.mark.parametrize("neg", [pytest.param(True, id="beta-in-0-2"), pytest.param(False, id="beta-in-0-1")])
+def test_olmo_hybrid_carries_its_eigenvalue_range(monkeypatch, neg):
+    """OLMo-hybrid doubles beta when ``linear_allow_neg_eigval`` is set (its default); the converted
+    config carries it as ``allow_neg_eigval`` and matches upstream either way. Negative control: the
+    same weights with the other range compute something else."""
+    import dataclasses
+
+    from mixers import GatedDeltaNetMixer
+    from tests.mixers.checkpoints.upstream import hf_olmo_hybrid
+    upstream = hf_olmo_hybrid(monkeypatch, linear_allow_neg_eigval=neg)
+    ours = from_module(upstream, backend="reference")
+    assert ours.config.allow_neg_eigval is neg
+    tolerances = TOLERANCES_FP32["hf_olmo_hybrid"]
+    assert all(e <= tol for e, tol in zip(measure(upstream, ours, 70), tolerances))
+    other = GatedDeltaNetMixer(config=dataclasses.replace(ours.config, allow_neg_eigval=not neg), backend="reference")
+    other.load_state_dict(ours.state_dict())
+    forward, _, _ = measure(upstream, other, 70)
+    assert forward > 100 * tolerances[0], forward
 
 
 def test_zamba2_needs_its_dt_floor(monkeypatch):

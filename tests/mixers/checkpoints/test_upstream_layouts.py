@@ -172,16 +172,24 @@ def _hf_mamba2_map(m) -> dict[str, torch.Tensor]:
             "out_proj.weight": m.out_proj.weight}
 
 
+def _olmo_hybrid_map(m) -> dict[str, torch.Tensor]:
+    same = {k: v for k, v in m.state_dict().items() if k != "conv1d.weight"}
+    q, k, v = m.conv1d.weight.split([m.key_dim, m.key_dim, m.value_dim])
+    return {**same, "q_conv.weight": q, "k_conv.weight": k, "v_conv.weight": v}
+
+
 def _lfm2_map(m) -> dict[str, torch.Tensor]:
-    return {"in_proj.weight": m.in_proj.weight, "in_proj.bias": m.in_proj.bias, "conv.weight": m.conv.weight,
-            "conv.bias": m.conv.bias, "out_proj.weight": m.out_proj.weight, "out_proj.bias": m.out_proj.bias}
+    biases = {"in_proj.bias": m.in_proj.bias, "conv.bias": m.conv.bias, "out_proj.bias": m.out_proj.bias}
+    return {"in_proj.weight": m.in_proj.weight, "conv.weight": m.conv.weight, "out_proj.weight": m.out_proj.weight,
+            **{k: v for k, v in biases.items() if v is not None}}
 
 
 HAND_MAPS = {"hf_mamba2": _hf_mamba2_map, "hf_bamba": _hf_mamba2_map, "hf_nemotron_h": _hf_mamba2_map,
              "hf_granite": _hf_mamba2_map, "hf_falcon_h1": _hf_mamba2_map, "hf_qwen3_next": _qwen3_next_map,
              "hf_qwen3_5": _qwen3_5_map, "hf_qwen3_5_moe": _qwen3_5_map,
              "hf_kimi_linear": _kimi_map, "fla_gdn": _fla_map, "fla_gdn_neg": _fla_map, "fla_kda": _fla_map,
-             "fla_gdp": _fla_map, "hf_lfm2": _lfm2_map, "hf_zamba2": _hf_mamba2_map}
+             "fla_gdp": _fla_map, "hf_lfm2": _lfm2_map, "hf_lfm3": _lfm2_map, "hf_olmo_hybrid": _olmo_hybrid_map,
+             "hf_lfm2_moe": _lfm2_map, "hf_zamba2": _hf_mamba2_map}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, id=n) for n in BUILDERS])

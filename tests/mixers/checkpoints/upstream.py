@@ -258,6 +258,42 @@ def hf_lfm2(monkeypatch):
     return _perturb(Lfm2ShortConv(lfm2_config(), 0))
 
 
+def olmo_hybrid_config(**overrides):
+    t = _quiet_transformers()
+    kwargs = dict(hidden_size=HIDDEN, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=24, linear_conv_kernel_dim=4, num_hidden_layers=2,
+                  layer_types=["linear_attention", "full_attention"], vocab_size=64, num_attention_heads=2,
+                  num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return t.OlmoHybridConfig(**{**kwargs, **overrides})
+
+
+def hf_olmo_hybrid(monkeypatch, **overrides):
+    """OLMo-hybrid's gated delta net: 2 key heads of 16, 4 value heads of 24 (grouped,
+    expand_v = 1.5), negative eigenvalues allowed (``linear_allow_neg_eigval``, its default)."""
+    _quiet_transformers()
+    from transformers.models.olmo_hybrid import modeling_olmo_hybrid as o
+    transformers_torch_paths(monkeypatch, o, "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    return _perturb(o.OlmoHybridGatedDeltaNet(olmo_hybrid_config(**overrides), 0))
+
+
+def hf_lfm3(monkeypatch):
+    """LFM3's copy of LFM2's gated short conv, every bias on, width 4."""
+    t = _quiet_transformers()
+    from transformers.models.lfm3.modeling_lfm3 import Lfm3ShortConv
+    config = t.Lfm3Config(hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["conv"], vocab_size=64,
+                          conv_L_cache=4, conv_bias=True, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    return _perturb(Lfm3ShortConv(config, 0))
+
+
+def hf_lfm2_moe(monkeypatch):
+    """LFM2-MoE's copy of LFM2's gated short conv, bias-free (the released configs' ``conv_bias``)."""
+    t = _quiet_transformers()
+    from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeShortConv
+    config = t.Lfm2MoeConfig(hidden_size=HIDDEN, num_hidden_layers=1, layer_types=["conv"], vocab_size=64,
+                             conv_L_cache=3, conv_bias=False, num_attention_heads=2, num_key_value_heads=1)
+    return _perturb(Lfm2MoeShortConv(config, 0))
+
+
 def zamba2_config(**overrides):
     t = _quiet_transformers()
     kwargs = dict(hidden_size=HIDDEN, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2,
@@ -301,4 +337,4 @@ BUILDERS = {"hf_mamba2": hf_mamba2, "hf_bamba": hf_bamba, "hf_nemotron_h": hf_ne
             "hf_falcon_h1": hf_falcon_h1, "hf_qwen3_next": hf_qwen3_next, "hf_qwen3_5": hf_qwen3_5,
             "hf_qwen3_5_moe": hf_qwen3_5_moe, "hf_kimi_linear": hf_kimi_linear,
             "fla_gdn": fla_gdn, "fla_gdn_neg": fla_gdn_neg, "fla_kda": fla_kda, "fla_gdp": fla_gdp, "hf_lfm2": hf_lfm2,
-            "hf_zamba2": hf_zamba2}
+            "hf_lfm3": hf_lfm3, "hf_olmo_hybrid": hf_olmo_hybrid, "hf_lfm2_moe": hf_lfm2_moe, "hf_zamba2": hf_zamba2}

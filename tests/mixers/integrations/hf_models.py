@@ -1,7 +1,7 @@
 """Tiny random-weight Hugging Face models of every class ``enable_packing`` accepts: two layers, one
 SSM / linear-attention layer and one full-attention layer (FalconH1: both in each layer; Mamba2:
 no attention; Zamba2: a Mamba2 layer, then its shared attention block before a second Mamba2
-layer), hidden 32, vocabulary 64."""
+layer; LFM3: sliding-window attention), hidden 32, vocabulary 64."""
 
 import pytest
 import torch
@@ -91,6 +91,37 @@ def lfm2(monkeypatch, impl):
         conv_L_cache=3, conv_bias=True, attn_implementation=impl, **SMALL))
 
 
+def lfm3(monkeypatch, impl):
+    """A gated short conv layer, then a sliding-window attention layer (window 8, shorter than the
+    documents; RoPE, q/k norms, a sigmoid output gate per head, sandwich norms)."""
+    return transformers.Lfm3ForCausalLM(transformers.Lfm3Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, layer_types=["conv", "sliding_attention"],
+        sliding_window=8, conv_L_cache=4, conv_bias=False, head_dim=16, use_attention_gate=True,
+        use_sandwich_norm=True, pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation=impl, **SMALL))
+
+
+def lfm2_moe(monkeypatch, impl):
+    """A gated short conv layer with a dense MLP, then an attention layer with two experts."""
+    return transformers.Lfm2MoeForCausalLM(transformers.Lfm2MoeConfig(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        layer_types=["conv", "full_attention"], num_dense_layers=1, num_experts=2, num_experts_per_tok=1,
+        conv_L_cache=3, attn_implementation=impl, **SMALL))
+
+
+def olmo_hybrid(monkeypatch, impl):
+    """A gated delta net layer (negative eigenvalues allowed, OLMo-hybrid's default; grouped
+    values), then an attention layer with q / k norms over all heads and no RoPE (NoPE, as the
+    released checkpoints: ``rope_theta`` None)."""
+    from transformers.models.olmo_hybrid import modeling_olmo_hybrid as o
+    transformers_torch_paths(monkeypatch, o, "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    return transformers.OlmoHybridForCausalLM(transformers.OlmoHybridConfig(
+        hidden_size=32, intermediate_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], head_dim=16, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": None}, attn_implementation=impl,
+        **SMALL))
+
+
 def zamba2(monkeypatch, impl):
     """A Mamba2 layer, then a hybrid layer (the shared attention block with RoPE and LoRA adapters,
     then a Mamba2 layer); full multi-head attention (Zamba2's adapters need it)."""
@@ -102,7 +133,7 @@ def zamba2(monkeypatch, impl):
 
 
 FACTORIES = {f.__name__: f for f in (mamba2, bamba, nemotron_h, granite, falcon_h1, qwen3_next, qwen3_5, kimi_linear,
-                                     lfm2, zamba2)}
+                                     lfm2, zamba2, lfm3, lfm2_moe, olmo_hybrid)}
 
 
 def build(name: str, monkeypatch, impl: str = "sdpa") -> torch.nn.Module:

@@ -1,5 +1,7 @@
-"""enable_packing on tiny random-weight Hugging Face hybrid models: a flattened batch of documents
-equals each document alone (outputs and gradients), where the unpatched model leaks."""
+"""enable_packing on tiny random-weight Hugging Face hybrid models: gradients of a flattened batch,
+one document through the patched model, padding, the state dict, generation, bad calls and the
+Trainer. Each family against each document alone, for every boundary form the collator writes:
+test_transformers_families.py."""
 
 import pytest
 import torch
@@ -23,19 +25,8 @@ def _sdpa(name):
     return factory
 
 
-mamba2, qwen3_next, bamba, kimi_linear, lfm2, qwen3_5, zamba2 = (_sdpa(n) for n in (
-    "mamba2", "qwen3_next", "bamba", "kimi_linear", "lfm2", "qwen3_5", "zamba2"))
-
-
-MODELS = [pytest.param(mamba2, id="mamba2"), pytest.param(qwen3_next, id="qwen3_next"),
-          pytest.param(bamba, id="bamba"), pytest.param(kimi_linear, id="kimi_linear"), pytest.param(lfm2, id="lfm2"),
-          pytest.param(qwen3_5, id="qwen3_5"), pytest.param(zamba2, id="zamba2")]
-
-# The boundary forms each matter once per code path (they meet in one helper); every model gets
-# the collator's default (position_ids), the first two models the other forms too.
-BOUNDARIES = [pytest.param({}, id="position_ids"),
-              pytest.param({"return_flash_attn_kwargs": True}, id="cu_seq_lens"),
-              pytest.param({"return_seq_idx": True}, id="seq_idx")]
+mamba2, qwen3_next = _sdpa("mamba2"), _sdpa("qwen3_next")
+MODELS = [pytest.param(_sdpa(name), id=name) for name in hf_models.FACTORIES]         # mamba2, qwen3_next first
 
 
 def _build(factory, monkeypatch):
@@ -60,32 +51,6 @@ def _flattened(docs, **collator):
 
 def _logits(model, **batch):
     return model(**batch).logits                   # use_cache left at its default, as Trainer calls
-
-
-@torch.no_grad()
-def _leak(model, docs, batch):
-    """Largest |packed - alone| over the documents' logits."""
-    packed = _logits(model, **batch)[0]
-    alone = torch.cat([_logits(model, input_ids=torch.tensor([d]))[0] for d in docs])
-    return float((packed - alone).abs().max()), packed, alone
-
-
-CASES = [pytest.param(m.values[0], b.values[0], id=f"{m.id}-{b.id}") for m in MODELS for b in BOUNDARIES
-         if b.id == "position_ids" or m.id in ("mamba2", "qwen3_next")]
-
-
-@pytest.mark.parametrize(("factory", "collator"), CASES)
-def test_flattened_batch_equals_each_document_alone(monkeypatch, factory, collator):
-    model = _build(factory, monkeypatch)
-    docs = _documents()
-    batch = _flattened(docs, **collator)
-    if not collator:                                  # negative control: Hugging Face's own layers leak
-        before, _, _ = _leak(model, docs, batch)
-        assert before > 1e-2, before
-    enable_packing(model)
-    assert any(isinstance(m, PackedMixer) for m in model.modules())
-    after, packed, alone = _leak(model, docs, batch)
-    assert rel_rms(packed, alone) <= 1e-5, after     # fp32 exactness: relative RMS <= 1e-5
 
 
 @pytest.mark.parametrize("factory", MODELS[:2])
