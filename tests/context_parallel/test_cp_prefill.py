@@ -8,10 +8,11 @@ One spawn per world size (2 and 4 ranks) runs every case and saves what each ran
 tests compare it, in this process, with a one-process prefill of the whole row into the same
 slots (fp64, ``HybridLM`` with every registered mixer letter). Each case also keeps another
 sequence in a slot of its own, prefilled on the decoding rank before the CP prefill (slots
-shared), and continues after the CP prefill with a chunk of 4 tokens per slot and then
-single-token decode steps (chunked prefill, then decoding), teacher-forced: the logits of
-every step must match. The negative control prefills the same shards without the exchange
-(each rank its shard alone), which must leave a different cache.
+shared), and continues after the CP prefill with a chunk of 4 tokens per slot, single-token
+decode steps, and a continuous-batching step (a packed call of every slot's next token and a
+new prompt in a fresh slot), teacher-forced: the logits of every step must match. The
+negative control prefills the same shards without the exchange (each rank its shard alone),
+which must leave a different cache.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ssm_pack import PackedSeqParams, balanced_bounds, shard_for_context_paralle
 
 VOCAB, HIDDEN, SLOTS, MAX_SEQLEN, CHUNK, STEPS = 64, 16, 8, 72, 4, 3
 OTHER_SLOT, OTHER = 7, (11, 3, 60, 5, 9)          # a sequence of its own, in a slot the prefill does not name
+NEW_SLOT, NEW = 6, (8, 41, 2)                     # a prompt admitted after the CP prefill
 TOL = 1e-12
 SEED = 3
 
@@ -100,12 +102,16 @@ def states(cache) -> dict:
 
 
 def continue_decoding(m, cache, case: Case, more: torch.Tensor) -> list[torch.Tensor]:
-    """A chunk of CHUNK tokens per slot (rows), then STEPS single-token decode steps, teacher-forced;
-    the logits of each call."""
+    """A chunk of CHUNK tokens per slot (rows), then STEPS single-token decode steps, teacher-forced,
+    then one step of continuous batching: a packed call with the next token of every slot and a
+    new prompt in a fresh slot (``NEW_SLOT``); the logits of each call."""
     slots = list(case.slots) + [OTHER_SLOT]
     logits = [m(more[:, :CHUNK], cache=cache, cache_slots=slots)["logits"]]
     for t in range(CHUNK, CHUNK + STEPS):
         logits.append(m(more[:, t:t + 1], cache=cache, cache_slots=slots)["logits"])
+    params = PackedSeqParams.from_lengths([1] * len(slots) + [len(NEW)])
+    ids = torch.cat([more[:, -1], torch.tensor(NEW)]).unsqueeze(0)
+    logits.append(m(ids, packed_seq_params=params, cache=cache, cache_slots=slots + [NEW_SLOT])["logits"])
     return logits
 
 
@@ -265,7 +271,8 @@ def test_cp_prefill_leaves_the_one_process_cache(prefill_runs, name, world):
 @pytest.mark.parametrize("name", [pytest.param(n, id=n) for n in CASES])
 def test_decoding_after_cp_prefill_matches_one_process(prefill_runs, name, world):
     """A chunk of 4 tokens per slot, then 3 decode steps (every slot of the prefill and the other
-    sequence's, in one row call each): the logits equal those after the one-process prefill."""
+    sequence's, in one row call each), then a packed call mixing a token for each slot with a new
+    prompt in a fresh slot: the logits equal those after the one-process prefill."""
     case = CASES[name]
     path = prefill_runs(world)
     ref = reference(case)["decode"]
@@ -273,7 +280,7 @@ def test_decoding_after_cp_prefill_matches_one_process(prefill_runs, name, world
         result = torch.load(path / f"{name}.{rank}.pt")
         if result["holds"]:
             errors = [float((got - want).abs().max()) for got, want in zip(result["decode"], ref)]
-            assert len(errors) == 1 + STEPS and max(errors) <= TOL, errors
+            assert len(errors) == 2 + STEPS and max(errors) <= TOL, errors
 
 
 @pytest.mark.parametrize("world", WORLDS)
