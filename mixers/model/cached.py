@@ -72,6 +72,6 @@ class CachedLM:
     def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, **options) -> list[list[int]]:
         """Continuations of ``prompts`` (token-id sequences) by continuous batching; see
         :func:`mixers.inference.generate.generate` for ``options`` (``max_batch_size``,
-        ``prefill_chunk``, ``eos_token_id``, ``generator``, ``cache``). ``temperature`` must be finite
+        ``prefill_chunk``, ``eos_token_id``, ``generator``, ``cache``, ``prefilled``). ``temperature`` must be finite
         and >= 0 (0 = greedy)."""
         return generate(self, prompts, max_new_tokens, temperature, **options)

@@ -178,6 +178,32 @@ def _mixers(rank: int, world: int) -> dict:
     return out
 
 
+def generation_prompts(case: Case, ids: torch.Tensor) -> list[list[int]]:
+    """The spanning row's documents 1 and 3 (both end on the last rank at 2 and 4 ranks), then two
+    prompts of their own."""
+    cu = [0, *torch.tensor(case.lengths).cumsum(0).tolist()]
+    return [ids[0, cu[1]:cu[2]].tolist(), ids[0, cu[3]:cu[4]].tolist(), list(NEW), list(OTHER)]
+
+
+def _generate(m, rank: int, world: int) -> dict:
+    """A CP prefill of the spanning row into the last rank's cache, then continuous batching there
+    (``prefilled=`` the two documents whose last logits that rank holds, plus two new prompts)."""
+    from mixers.inference import ContinuousBatcher
+    case = CASES["spanning_last"]
+    params, ids, _ = row(case)
+    start, end, local = shard_for_context_parallel(params, rank, world, total_tokens=case.total,
+                                                   cp_group=dist.group.WORLD)
+    cache = m.allocate_inference_cache(SLOTS, MAX_SEQLEN) if rank == world - 1 else None
+    logits = m(ids[:, start:end], packed_seq_params=local, cache=cache, cache_slots=list(case.slots))["logits"]
+    if cache is None:
+        return {}
+    cu = [0, *torch.tensor(case.lengths).cumsum(0).tolist()]
+    prefilled = {0: (case.slots[1], logits[0, cu[2] - 1 - start]), 1: (case.slots[3], logits[0, cu[4] - 1 - start])}
+    batcher = ContinuousBatcher(m, prefill_chunk=4, record_logits=True, cache=cache)
+    outputs = batcher.run(generation_prompts(case, ids), 4, prefilled=prefilled)
+    return {"outputs": outputs, "logits": batcher.logits}
+
+
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     from mixers.ops.common.cp_exchange import record_traffic
     torch.set_num_threads(1)
@@ -205,6 +231,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
                 m(ids[:, start:end], packed_seq_params=alone, cache=control, cache_slots=list(case.slots))
                 result["control"] = states(control)
                 torch.save(result, os.path.join(out_dir, f"{name}.{rank}.pt"))
+            torch.save(_generate(m, rank, world), os.path.join(out_dir, f"generate.{rank}.pt"))
             if world == 2:
                 torch.save(_refusals(m, rank, world), os.path.join(out_dir, f"refusals.{rank}.pt"))
             torch.save(_mixers(rank, world), os.path.join(out_dir, f"mixers.{rank}.pt"))
@@ -281,6 +308,23 @@ def test_decoding_after_cp_prefill_matches_one_process(prefill_runs, name, world
         if result["holds"]:
             errors = [float((got - want).abs().max()) for got, want in zip(result["decode"], ref)]
             assert len(errors) == 2 + STEPS and max(errors) <= TOL, errors
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_continuous_batching_resumes_cp_prefilled_slots(prefill_runs, world):
+    """``ContinuousBatcher.run(..., prefilled=)`` on the last rank after a CP prefill: the two
+    prefilled documents and two new prompts (chunks of 4, 8 slots) generate the tokens, and from
+    the logits, that generating all four from scratch on one process gives."""
+    from mixers.inference import ContinuousBatcher
+    case = CASES["spanning_last"]
+    path = prefill_runs(world)
+    got = torch.load(path / f"generate.{world - 1}.pt")
+    m = model()
+    batcher = ContinuousBatcher(m, prefill_chunk=4, record_logits=True)
+    want = batcher.run(generation_prompts(case, row(case)[1]), 4)
+    assert got["outputs"] == want and all(len(o) == 4 for o in want)
+    errors = [float((a - b).abs().max()) for a, b in zip(got["logits"], batcher.logits)]
+    assert max(errors) <= TOL, errors
 
 
 @pytest.mark.parametrize("world", WORLDS)
