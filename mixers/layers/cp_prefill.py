@@ -125,7 +125,8 @@ class ContextParallelPrefill:
         got = exchange(self.run, "prefill kv", sends, recvs, values.dtype, chained=False)
         if not self.holds:
             return None
-        return torch.cat([values if j == r else got[j][0] for j in range(self.layout.size) if counts[j]])
+        pieces = [values if j == r else got[j][0] for j in range(self.layout.size) if counts[j]]
+        return torch.cat(pieces) if pieces else values[:0]
 
     def token_places(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slots, positions)`` ``[sum R_j]`` of the row's real tokens in row order (fresh slots:
