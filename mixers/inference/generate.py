@@ -8,7 +8,9 @@ sequence: a sequence still reading its prompt brings its next piece (the whole r
 step is a row call ``[N, 1]`` (the decode-step kernels); otherwise one packed call ``[1, T]``
 with one document per sequence, each continuing its slot (prefill chunks and decodes together).
 The logits at each piece's last token give the next token of the sequences that have read their
-whole prompt (greedy at ``temperature=0``, else sampled). A sequence that has its
+whole prompt (greedy at ``temperature=0``, else sampled). A prompt already prefilled into a slot
+of the given cache (``prefilled=``, e.g. by a context-parallel prefill) starts there generating,
+from the logits at its last token, next to the others. A sequence that has its
 ``max_new_tokens`` (or produced ``eos_token_id``) leaves; its slot is reset and taken by the next
 prompt. Works with any model that has ``allocate_inference_cache`` and takes ``cache=`` /
 ``cache_slots=`` (``HybridLM``).
@@ -114,8 +116,55 @@ class ContinuousBatcher:
                              "pass max_batch_size <= the cache's slots (or leave it None to use them all)")
         return cache, cache.capacity if self.max_batch_size is None else self.max_batch_size
 
-    def run(self, prompts, max_new_tokens: int) -> list[list[int]]:
-        """The generated tokens of every prompt, in the prompts' order."""
+    def _check_prefilled(self, prefilled, prompts: list[list[int]], cache, capacity: int) -> dict:
+        """``{prompt index: (slot, logits [V])}`` checked against the prompts and the cache (nothing
+        touched yet)."""
+        if not prefilled:
+            return {}
+        if self.cache is None:
+            raise ValueError("prefilled= names slots of a cache that already hold the prompts; pass that cache "
+                             "(cache=...)")
+        if not isinstance(prefilled, dict):
+            raise TypeError(f"prefilled must be a dict {{prompt index: (slot, logits)}}, got {describe(prefilled)}")
+        vocab = getattr(getattr(self.model, "embed", None), "num_embeddings", None)
+        checked, slots = {}, {}
+        for index, entry in prefilled.items():
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(prompts):
+                raise ValueError(f"prefilled names prompt {index!r} but there are {len(prompts)} prompts; key it by "
+                                 "the prompt's index")
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], torch.Tensor)):
+                raise TypeError(f"prefilled[{index}] must be (slot, logits at the prompt's last token [V]), got "
+                                f"{describe(entry)}")
+            slot, logits = entry
+            slot = check_int(f"prefilled[{index}]'s slot", slot, minimum=0)
+            if slot >= capacity:
+                raise ValueError(f"prefilled[{index}] is in slot {slot} but the batcher uses slots 0..{capacity - 1} "
+                                 "(max_batch_size); use a slot below it")
+            if slot in slots:
+                raise ValueError(f"prefilled puts prompts {slots[slot]} and {index} in slot {slot}; one slot each")
+            held = int(cache.table.lengths[slot])
+            if held != len(prompts[index]):
+                raise ValueError(f"slot {slot} holds {held} tokens but prompts[{index}] has {len(prompts[index])}; "
+                                 "prefill the prompt into that slot first (e.g. a context-parallel prefill)")
+            if logits.dim() != 1 or (vocab is not None and logits.numel() != vocab):
+                raise ValueError(f"prefilled[{index}]'s logits must be [V] (V={vocab}), the logits at the prompt's "
+                                 f"last token, got shape {tuple(logits.shape)}")
+            slots[slot] = index
+            checked[index] = (slot, logits)
+        return checked
+
+    def _take(self, seq: _Sequence, logits: torch.Tensor, max_new_tokens: int) -> bool:
+        """Choose ``seq``'s next token from ``logits [V]``; whether it is done."""
+        token = self._choose(logits)
+        seq.tokens.append(token)
+        if self.record_logits:
+            seq.logits.append(logits.detach().clone())
+        return len(seq.tokens) >= max_new_tokens or token == self.eos_token_id
+
+    def run(self, prompts, max_new_tokens: int, *, prefilled: dict | None = None) -> list[list[int]]:
+        """The generated tokens of every prompt, in the prompts' order. ``prefilled`` ``{i: (slot,
+        logits [V])}``: prompt i already fills ``slot`` of the given cache (its length checked) and
+        ``logits`` are those at its last token; it is not fed again, and its slot is kept."""
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, minimum=0)
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
             raise TypeError(f"prompts must be a list of token-id sequences, got {describe(prompts)}")
@@ -126,11 +175,32 @@ class ContinuousBatcher:
         busy = bool(prompts) and max_new_tokens > 0
         if busy or self.cache is not None:            # a given cache is checked even when there is nothing to do
             cache, capacity = self._cache_for(max((len(p) for p in prompts), default=0) + max_new_tokens)
+        elif prefilled:
+            raise ValueError("prefilled= names slots of a cache that already hold the prompts; pass that cache "
+                             "(cache=...)")
+        if busy or prefilled:
+            prefilled = self._check_prefilled(prefilled, prompts, cache, capacity)
         if not busy:
             return outputs
-        cache.reset()
-        waiting, active, used = deque(range(len(prompts))), [], set()
-        free = deque(range(capacity))
+        kept = {slot for slot, _ in prefilled.values()}
+        cache.reset([s for s in range(cache.capacity) if s not in kept])
+        waiting, active, used = deque(i for i in range(len(prompts)) if i not in prefilled), [], set(kept)
+        free = deque(s for s in range(capacity) if s not in kept)
+
+        def finish(seq: _Sequence) -> None:
+            outputs[seq.index] = seq.tokens
+            if self.record_logits:
+                self.logits[seq.index] = torch.stack(seq.logits)
+            cache.reset([seq.slot])
+            free.append(seq.slot)
+
+        for index, (slot, logits) in sorted(prefilled.items()):
+            seq = _Sequence(index, prompts[index], slot, fed=len(prompts[index]))
+            self.admitted += 1
+            if self._take(seq, logits, max_new_tokens):
+                finish(seq)
+            else:
+                active.append(seq)
         with torch.no_grad():
             while waiting or active:
                 while waiting and free:
@@ -142,12 +212,8 @@ class ContinuousBatcher:
                     self.admitted += 1
                 finished = self._step(cache, active, max_new_tokens)
                 for seq in finished:
-                    outputs[seq.index] = seq.tokens
-                    if self.record_logits:
-                        self.logits[seq.index] = torch.stack(seq.logits)
                     active.remove(seq)
-                    cache.reset([seq.slot])
-                    free.append(seq.slot)
+                    finish(seq)
         return outputs
 
     def _step(self, cache, active: list[_Sequence], max_new_tokens: int) -> list[_Sequence]:
@@ -166,11 +232,7 @@ class ContinuousBatcher:
                 seq.fed += len(piece)
                 if seq.fed < len(seq.prompt):
                     continue                                   # still reading its prompt
-            token = self._choose(logits)
-            seq.tokens.append(token)
-            if self.record_logits:
-                seq.logits.append(logits.detach().clone())
-            if len(seq.tokens) >= max_new_tokens or token == self.eos_token_id:
+            if self._take(seq, logits, max_new_tokens):
                 done.append(seq)
         return done
 
@@ -200,7 +262,7 @@ class ContinuousBatcher:
 
 def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0, *, max_batch_size: int | None = None,
              prefill_chunk: int | None = None, eos_token_id: int | None = None,
-             generator: torch.Generator | None = None, cache=None) -> list[list[int]]:
+             generator: torch.Generator | None = None, cache=None, prefilled: dict | None = None) -> list[list[int]]:
     """Continuations of ``prompts`` (each a sequence of token ids: a list, a 1-D tensor, bytes), by
     continuous batching over ``max_batch_size`` slots (see the module docstring).
 
@@ -214,11 +276,15 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
         generator: the sampler's ``torch.Generator`` (CPU).
         cache: an :class:`~mixers.inference.InferenceCache` of ``model`` to use: checked first (its
             model, dtype, device, ``max_seqlen`` and slots; a refused cache is left bitwise
-            unchanged), then all its slots are reset; ``None`` allocates one sized to the prompts.
+            unchanged), then all its slots are reset (but ``prefilled`` ones); ``None`` allocates one
+            sized to the prompts.
+        prefilled: ``{prompt index: (slot, logits [V])}``: prompts already in ``cache`` (e.g. a
+            context-parallel prefill), with the logits at each one's last token; they generate from
+            there (see :meth:`ContinuousBatcher.run`).
 
     Returns:
         The generated token ids of every prompt, in order.
     """
     batcher = ContinuousBatcher(model, max_batch_size=max_batch_size, prefill_chunk=prefill_chunk,
                                 temperature=temperature, eos_token_id=eos_token_id, generator=generator, cache=cache)
-    return batcher.run(prompts, max_new_tokens)
+    return batcher.run(prompts, max_new_tokens, prefilled=prefilled)

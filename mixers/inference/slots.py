@@ -23,6 +23,37 @@ from ssm_pack.checks import check_int, describe
 from ssm_pack.varlen import VarlenBatch
 
 
+def parse_slots(name: str, slots, capacity: int | None, *, unique: bool = True) -> list[int]:
+    """``slots`` (a 1-D integer tensor or a sequence of ints) as host ints, each in ``0 .. capacity - 1``
+    (``capacity=None``: any int >= 0), each once when ``unique``."""
+    if slots is None:
+        raise ValueError(f"{name} is required with cache=: one slot per document (packed call) or per row, "
+                         f"e.g. {name}=[0, 1, 2]")
+    if isinstance(slots, torch.Tensor):
+        if slots.dim() != 1 or slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool:
+            raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {describe(slots)}")
+        values = [int(s) for s in slots.tolist()]
+    elif isinstance(slots, Sequence) and not isinstance(slots, (str, bytes)):
+        values = []
+        for s in slots:
+            if isinstance(s, bool) or not isinstance(s, int):
+                raise TypeError(f"{name} must hold ints, got element {describe(s)}")
+            values.append(s)
+    else:
+        raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {describe(slots)}")
+    seen: dict[int, int] = {}
+    for i, s in enumerate(values):
+        if s < 0 or (capacity is not None and s >= capacity):
+            bound = "" if capacity is None else f" for a cache of {capacity} slots (max_batch_size)"
+            fix = "slot indices >= 0" if capacity is None else f"0..{capacity - 1}"
+            raise ValueError(f"{name}[{i}]={s} is out of range{bound}; use {fix}")
+        if unique and s in seen:
+            raise ValueError(f"{name} names slot {s} twice (entries {seen[s]} and {i}); every document or "
+                             "row needs a slot of its own")
+        seen.setdefault(s, i)
+    return values
+
+
 class SlotTable:
     """``capacity`` slots of up to ``max_seqlen`` tokens each; ``lengths`` (host int64 ``[S]``) is
     how many tokens each slot holds since its last reset (0 = fresh)."""
@@ -34,36 +65,17 @@ class SlotTable:
 
     def indices(self, name: str, slots, *, unique: bool = True) -> list[int]:
         """``slots`` (a 1-D integer tensor or a sequence of ints) checked against the table."""
-        if slots is None:
-            raise ValueError(f"{name} is required with cache=: one slot per document (packed call) or per row, "
-                             f"e.g. {name}=[0, 1, 2]")
-        if isinstance(slots, torch.Tensor):
-            if slots.dim() != 1 or slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool:
-                raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {describe(slots)}")
-            values = [int(s) for s in slots.tolist()]
-        elif isinstance(slots, Sequence) and not isinstance(slots, (str, bytes)):
-            values = []
-            for s in slots:
-                if isinstance(s, bool) or not isinstance(s, int):
-                    raise TypeError(f"{name} must hold ints, got element {describe(s)}")
-                values.append(s)
-        else:
-            raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {describe(slots)}")
-        seen: dict[int, int] = {}
-        for i, s in enumerate(values):
-            if not 0 <= s < self.capacity:
-                raise ValueError(f"{name}[{i}]={s} is out of range for a cache of {self.capacity} slots "
-                                 f"(max_batch_size); use 0..{self.capacity - 1}")
-            if unique and s in seen:
-                raise ValueError(f"{name} names slot {s} twice (entries {seen[s]} and {i}); every document or "
-                                 "row needs a slot of its own")
-            seen.setdefault(s, i)
-        return values
+        return parse_slots(name, slots, self.capacity, unique=unique)
 
-    def resolve(self, cache_slots, rows: int, steps: int, varlen: VarlenBatch | None, device) -> SlotBatch:
+    def resolve(self, cache_slots, rows: int, steps: int, varlen: VarlenBatch | None, device, *,
+                counts: torch.Tensor | None = None) -> SlotBatch:
         """Validate one call's slots; ``varlen`` is the packing of a ``[1, T]`` call (``None``: ``rows``
-        rows of ``steps`` tokens, each row continuing its slot)."""
-        if varlen is not None:
+        rows of ``steps`` tokens, each row continuing its slot). ``counts`` (host int64 ``[N]``): the
+        real tokens each document brings, where ``varlen`` holds only a part of them (a
+        context-parallel shard: the whole row's, :mod:`mixers.layers.cp_prefill`)."""
+        if counts is not None:
+            what = f"{counts.numel()} documents (packed_seq_params)"
+        elif varlen is not None:
             real = varlen.real_cu_seqlens.to("cpu", torch.int64)
             counts = real[1:] - real[:-1]
             what = f"{varlen.num_docs} documents (packed_seq_params)"
@@ -197,7 +209,10 @@ class SlotBatch:
         document of each, and its place within the document (device int64 ``[R]``)."""
         v = self.varlen
         doc = v.seq_idx[0].to(torch.int64)
-        keep = v.real_tokens[0] & (doc < v.num_docs)
+        if v.cp is not None:        # a context-parallel shard (tight boundaries): every token before the tail
+            keep = doc < v.num_docs
+        else:
+            keep = v.real_tokens[0] & (doc < v.num_docs)
         index = torch.nonzero(keep).reshape(-1)
         return index, doc[index], v.position_ids[0, index]
 

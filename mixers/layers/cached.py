@@ -24,25 +24,8 @@ import torch
 
 from ..inference.layer_cache import LayerCache
 from ..inference.slots import SlotBatch, SlotTable
+from . import cp_prefill
 from .base import plan_support
-
-
-def refuse_context_parallel(packed_seq_params, name: str) -> None:
-    """Refuse an inference cache with context-parallel metadata (``cp_group`` set, or a rank's shard
-    from :func:`ssm_pack.shard_for_context_parallel`): each rank would keep a partial state of a
-    document it shares. Reads attributes only, so it runs before anything is built or written."""
-    if packed_seq_params is None:
-        return
-    layout = getattr(packed_seq_params, "cp_layout", None)
-    group = getattr(packed_seq_params, "cp_group", None)
-    run = getattr(packed_seq_params, "cp", None)                  # a resolved VarlenBatch
-    if layout is None and group is None and run is None:
-        return
-    seen = (f"cp_layout splits the row over {layout.size} ranks" if layout is not None
-            else "a CP run" if run is not None else "cp_group is set")
-    raise ValueError(f"{name}: no decoding cache under CP: packed_seq_params describe a context-parallel shard "
-                     f"({seen}) but cache= was given; run the prefill with the whole row's params on one "
-                     "process (no cp_group, no shard), or drop cache= for a context-parallel forward")
 
 
 class CachedMixin:
@@ -83,14 +66,25 @@ class CachedMixin:
         states = self._cache_states(table.capacity, table.max_seqlen, dtype, device)
         return LayerCache(self, table, states, dtype, shared=shared)
 
+    def _check_cache(self, cache, hidden_states: torch.Tensor) -> SlotTable:
+        if not isinstance(cache, LayerCache):
+            raise TypeError(f"{type(self).__name__}: cache must be the LayerCache of this mixer's "
+                            f"allocate_inference_cache, got {type(cache).__name__}")
+        cache.check(self, hidden_states)
+        return cache.table
+
     def _forward_cached(self, hidden_states: torch.Tensor, packed_seq_params, cache, cache_slots) -> torch.Tensor:
         name = type(self).__name__
-        if not isinstance(cache, LayerCache):
-            raise TypeError(f"{name}: cache must be the LayerCache of this mixer's allocate_inference_cache, got "
-                            f"{type(cache).__name__}")
-        refuse_context_parallel(packed_seq_params, name)
+        if isinstance(cache, cp_prefill.ShardedLayerCache):          # a model's CP prefill: resolved there
+            varlen = self.varlen(hidden_states, packed_seq_params)
+            cache.check(self, hidden_states)
+            if cache_slots is not cache.prefill.batch or varlen is not cache.prefill.varlen:
+                raise ValueError(f"{name}: cache_slots were resolved for another cache or another call")
+            return self._cached(hidden_states, varlen, cache, cache_slots)
+        if cp_prefill.is_context_parallel(packed_seq_params):
+            return self._cp_prefill(hidden_states, packed_seq_params, cache, cache_slots)
         varlen = self.varlen(hidden_states, packed_seq_params)
-        cache.check(self, hidden_states)
+        self._check_cache(cache, hidden_states)
         rows, steps = hidden_states.shape[:2]
         owned = not isinstance(cache_slots, SlotBatch)
         if owned:
@@ -104,4 +98,24 @@ class CachedMixin:
         out = self._cached(hidden_states, varlen, cache, batch)
         if owned:
             cache.table.advance(batch)
+        return out
+
+    def _cp_prefill(self, hidden_states: torch.Tensor, packed_seq_params, cache, cache_slots) -> torch.Tensor:
+        """A context-parallel prefill of this mixer alone (:mod:`.cp_prefill`): ``cache=None`` on the
+        ranks that keep no states."""
+        name = type(self).__name__
+        cp_prefill.refuse_unsupported(packed_seq_params, name)
+        if isinstance(cache_slots, SlotBatch):
+            raise ValueError(f"{name}: a context-parallel prefill takes cache_slots as ints (one per document of "
+                             "the whole row); resolved SlotBatches come from a model's own call")
+        varlen = self.varlen(hidden_states, packed_seq_params)
+        prefill = cp_prefill.agree(varlen, cache, cache_slots, name=name,
+                                   check_cache=lambda c: self._check_cache(c, hidden_states),
+                                   rows=hidden_states.shape[0], device=hidden_states.device)
+        if hidden_states.shape[1] == 0:
+            out = torch.zeros_like(hidden_states)
+        else:
+            out = self._cached(hidden_states, varlen, cp_prefill.ShardedLayerCache(prefill, cache), prefill.batch)
+        if cache is not None:
+            cache.table.advance(prefill.batch)
         return out

@@ -19,7 +19,7 @@ from ssm_pack.checks import check_int
 
 from ..layers import RMSNorm, registry
 from ..layers.blocks.mlp import SwiGLU
-from ..layers.cached import refuse_context_parallel
+from ..layers.cp_prefill import is_context_parallel, refuse_unsupported
 from ..ops.device_policy import policy_for
 from .cached import CachedLM
 from .cp_loss import continue_targets
@@ -136,8 +136,8 @@ class HybridLM(CachedLM, nn.Module):
             packed_seq_params = _params_from_hf(input_ids, hf)
             input_ids = input_ids.reshape(1, -1)
             labels = None if labels is None else labels.reshape(1, -1)
-        if cache is not None or cache_slots is not None:
-            refuse_context_parallel(packed_seq_params, type(self).__name__)
+        if (cache is not None or cache_slots is not None) and is_context_parallel(packed_seq_params):
+            refuse_unsupported(packed_seq_params, type(self).__name__)     # the same on every rank, first
         varlen = None
         if packed_seq_params is not None:
             varlen = VarlenBatch.build(packed_seq_params, input_ids.shape[1], device=input_ids.device)

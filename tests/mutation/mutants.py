@@ -58,6 +58,8 @@ def _m(name, area, tests, what, *edits):
 SLOTS = "mixers/inference/slots.py"
 LAYER_CACHE = "mixers/inference/layer_cache.py"
 GENERATE = "mixers/inference/generate.py"
+CP_PREFILL_MODULE = "mixers/layers/cp_prefill.py"
+CP_PREFILL = "tests/context_parallel/test_cp_prefill.py"
 VARLEN = "ssm_pack/varlen.py"
 MAMBA2_CKPT = "mixers/checkpoints/mamba2.py"
 CACHED = "mixers/layers/cached.py"
@@ -155,12 +157,24 @@ MUTANTS: tuple[Mutant, ...] = (
     _m("token-ids-unchecked", "inference/model", (API, *OLDER),
        "the model embeds out-of-range token ids without checking",
        ("mixers/model/hybrid.py", "        check_token_ids(input_ids, self.embed.num_embeddings)\n", "")),
-    _m("cache-under-cp-accepted", "inference/model", (API, *OLDER),
-       "a cache is accepted under context parallelism",
-       (CACHED, "    if layout is None and group is None and run is None:\n        return\n", "    return\n")),
-    _m("mixer-cache-under-cp-accepted", "inference/model", (API, *OLDER),
-       "a mixer-level cache is accepted under context parallelism",
-       (CACHED, "        refuse_context_parallel(packed_seq_params, name)\n", "")),
+    _m("cp-prefill-takes-padding", "inference/model", (API, *OLDER),
+       "a context-parallel prefill accepts per-document padding",
+       ("mixers/layers/cp_prefill.py", "    if padded is None:\n        return\n", "    return\n")),
+    _m("mixer-cp-prefill-takes-padding", "inference/model", (API, *OLDER),
+       "a mixer's context-parallel prefill accepts per-document padding",
+       (CACHED, "        cp_prefill.refuse_unsupported(packed_seq_params, name)\n", "")),
+    _m("cp-prefill-drops-received-states", "inference/cp-prefill", (CP_PREFILL,),
+       "the cache's rank keeps its own zeros for documents another rank owns",
+       (CP_PREFILL_MODULE, "            full.index_copy_(0, ", "            full.index_copy(0, ")),
+    _m("cp-prefill-slots-unchecked", "inference/cp-prefill", (CP_PREFILL,),
+       "ranks passing different cache_slots are not refused",
+       (CP_PREFILL_MODULE, "    if any(s != host for s in slots):\n", "    if False:\n")),
+    _m("cp-prefill-busy-slots", "inference/cp-prefill", (CP_PREFILL,),
+       "a context-parallel prefill writes into slots that hold tokens",
+       (CP_PREFILL_MODULE, "            if busy:\n", "            if False:\n")),
+    _m("generate-resets-prefilled", "inference/generate", (*GENERATION, CP_PREFILL),
+       "generate resets the slots it was told are prefilled",
+       (GENERATE, "cache.reset([s for s in range(cache.capacity) if s not in kept])", "cache.reset()")),
     _m("allocate-ignores-dtype", "inference/cache", (CACHE, *OLDER),
        "allocate_inference_cache(dtype=...) allocates in the model's dtype",
        (CACHED, "        dtype = reference.dtype if dtype is None else dtype\n", "        dtype = reference.dtype\n")),

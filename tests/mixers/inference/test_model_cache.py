@@ -213,3 +213,47 @@ def test_inference_mode():
         inside = prefill(m, cache, ps, [1, 0])
     outside = prefill(m, m.allocate_inference_cache(2, 16), ps, [1, 0])
     assert all(torch.equal(a, b) for a, b in zip(inside, outside))
+
+
+def test_generate_resumes_prefilled_slots():
+    """Prompts already in slots of the cache (``prefilled=``, what a context-parallel prefill leaves;
+    here a packed prefill) generate from there next to prompts the batcher admits itself, through 3
+    slots with chunks and slot reuse: the same tokens and logits as generating them all from scratch."""
+    m = model()
+    ps = prompts([11, 3, 6, 9, 2], seed=6)
+    want = ContinuousBatcher(m, max_batch_size=3, prefill_chunk=4, record_logits=True)
+    expected = want.run(ps, max_new_tokens=5)
+    cache = m.allocate_inference_cache(3, 32)
+    last = prefill(m, cache, [ps[3], ps[0]], [2, 0])               # prompts 3 and 0 are in slots 2 and 0
+    batcher = ContinuousBatcher(m, prefill_chunk=4, record_logits=True, cache=cache)
+    got = batcher.run(ps, max_new_tokens=5, prefilled={3: (2, last[0][-1]), 0: (0, last[1][-1])})
+    assert got == expected and batcher.slots_reused >= 2
+    assert max(max_error(a, b) for a, b in zip(batcher.logits, want.logits)) <= EXACT
+    # negative control: the slots' tokens taken as fresh prompts' logits (wrong logits) change the tokens
+    cache = m.allocate_inference_cache(3, 32)
+    last = prefill(m, cache, [ps[3], ps[0]], [2, 0])
+    wrong = m.generate(ps, 5, cache=cache, max_batch_size=3, prefilled={3: (2, last[1][-1]), 0: (0, last[0][-1])})
+    assert wrong != expected
+
+
+@pytest.mark.parametrize("prefilled,error,match", [
+    pytest.param({0: (1, None)}, TypeError, r"prefilled\[0\] must be \(slot, logits", id="no-logits"),
+    pytest.param({5: (1, torch.zeros(64))}, ValueError, "prefilled names prompt 5 but there are 2", id="index"),
+    pytest.param({0: (0, torch.zeros(64))}, ValueError, "slot 0 holds 0 tokens but prompts\\[0\\] has 3",
+                 id="slot-not-filled"),
+    pytest.param({0: (1, torch.zeros(64)), 1: (1, torch.zeros(64))}, ValueError, "in slot 1; one slot each",
+                 id="same-slot"),
+    pytest.param({0: (1, torch.zeros(63))}, ValueError, r"logits must be \[V\] \(V=64\)", id="logits-shape"),
+    pytest.param({0: (4, torch.zeros(64))}, ValueError, "uses slots 0..1", id="slot-beyond-max-batch-size"),
+])
+def test_generate_refuses_bad_prefilled_slots(prefilled, error, match):
+    m = model("G")
+    cache = m.allocate_inference_cache(2, 16) if 4 not in [s for s, _ in prefilled.values()] else \
+        m.allocate_inference_cache(6, 16)
+    prefill(m, cache, [[1, 2, 3]], [1])
+    before = snapshot(cache)
+    with pytest.raises(error, match=match):
+        m.generate([[1, 2, 3], [4]], 2, cache=cache, max_batch_size=2, prefilled=prefilled)
+    assert same(before, snapshot(cache))
+    with pytest.raises(ValueError, match="pass that cache"):
+        m.generate([[1, 2, 3]], 2, prefilled={0: (1, torch.zeros(64))})
