@@ -107,4 +107,4 @@ register(MixerKind("K", "KDA", KDAMixer, "state", ("fla", "kimi_linear"), small=
 register(MixerKind("P", "Gated DeltaProduct", GatedDeltaProductMixer, "state", ("fla",), small={"head_dim": 16}))
 register(MixerKind("A", "attention", AttentionMixer, "kv", small={"head_dim": 16}))
 register(MixerKind("C", "gated short conv", GatedShortConvMixer, "state", ("lfm2",)))
-register(MixerKind("S", "Mamba-1 selective scan", Mamba1Mixer, "state", (), small={"state_size": 8}))
+register(MixerKind("S", "Mamba-1 selective scan", Mamba1Mixer, "state", ("mamba1",), small={"state_size": 8}))

@@ -33,6 +33,9 @@ TOLERANCES_FP32 = {
     "fla_gdp": (1e-5, 1e-5, 2e-4),
     "hf_lfm2": (1e-6, 1e-5, 0.0),            # no decay parameter
     "hf_zamba2": (1e-6, 1e-5, 2e-4),
+    "hf_mamba": (1e-6, 1e-5, 2e-4),
+    "hf_falcon_mamba": (1e-6, 1e-5, 2e-4),
+    "hf_jamba": (1e-6, 1e-5, 2e-4),
 }
 DECAY = ("A_log", "dt_bias")
 
