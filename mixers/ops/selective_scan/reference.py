@@ -10,7 +10,10 @@ The recurrence ``h_t = a_t h_{t-1} + b_t`` with ``a_t = exp(dt_t A)`` and ``b_t 
    state entries; a token that starts a document carries a *reset* flag and is never combined with
    anything before it (``torch.where``, so nothing from an earlier document is multiplied in);
 2. the state leaving one chunk enters the next at its first token (dropped where that token starts
-   a document); a document's own initial state enters at its first token as ``a_t h0``;
+   a document); a document's own initial state enters at its first token as ``a_t h0``. The
+   segment starts come from ``seq_idx`` on the device: the training forward reads no tensor value
+   on the host (``torch.compile`` traces it whole); only per-document final states read the
+   boundaries;
 3. ``y_t = C_t . h_t`` per channel, then the ``D`` skip and the ``silu(z)`` gate.
 
 No ``exp`` of a positive sum is ever formed, so any step size is safe (no log-space division).
@@ -41,49 +44,55 @@ def step_sizes(delta, delta_bias, delta_softplus, compute) -> torch.Tensor:
     return F.softplus(dt) if delta_softplus else dt
 
 
-def _chunk(u, dt, A, B, C, h_in, reset, fold, picks):
+def _chunk(u, dt, A, B, C, h_in, reset, h0, picks):
     """One chunk: u, dt ``[R, L, E]``, B, C ``[R, L, Ns]``, h_in ``[R, E, Ns]`` (the state entering it),
-    reset ``[R, L]`` (document starts), fold ``(rows, positions, h0 [K, E, Ns])`` (initial states
-    entering at those starts) or ``None``, picks ``(rows, positions)`` of states to return.
-    Returns ``(y [R, L, E], h_last [R, E, Ns], picked [K', E, Ns])``."""
+    reset ``[R, L]`` (segment starts: nothing before them is combined in), h0 ``[R, L, E, Ns]`` (each
+    token's segment's initial state, read at the starts) or ``None``, picks ``(rows, positions)`` of
+    states to return or ``None``. Returns ``(y [R, L, E], h_last [R, E, Ns], picked [K, E, Ns] | None)``.
+
+    Every product that meets a state from before a reset multiplies a ``torch.where``-ed zero, never
+    the state itself, so a non-finite value of one document reaches no other document's output or
+    gradient."""
     length = u.shape[1]
     a = torch.exp(dt[..., None] * A)                                  # [R, L, E, Ns]
     b = (dt * u)[..., None] * B[:, :, None, :]
-    carry = torch.where(reset[:, 0, None, None], torch.zeros_like(h_in), a[:, 0] * h_in)
+    starts = reset[..., None, None]
+    carry = a[:, 0] * torch.where(starts[:, 0], torch.zeros_like(h_in), h_in)
     b = torch.cat([(b[:, 0] + carry)[:, None], b[:, 1:]], 1)
-    if fold is not None:
-        rows, pos, h0 = fold
-        b = b.index_put((rows, pos), a[rows, pos] * h0, accumulate=True)
+    if h0 is not None:
+        b = b + a * torch.where(starts, h0, torch.zeros_like(h0))
     flag = torch.cat([torch.ones_like(reset[:, :1]), reset[:, 1:]], 1)
     step = 1
     while step < length:
         keep = flag[:, step:, None, None]
-        b = torch.cat([b[:, :step], torch.where(keep, b[:, step:], a[:, step:] * b[:, :-step] + b[:, step:])], 1)
+        earlier = torch.where(keep, torch.zeros_like(b[:, :-step]), b[:, :-step])
+        b = torch.cat([b[:, :step], a[:, step:] * earlier + b[:, step:]], 1)
         if step * 2 < length:
-            a = torch.cat([a[:, :step], torch.where(keep, a[:, step:], a[:, step:] * a[:, :-step])], 1)
+            earlier = torch.where(keep, torch.ones_like(a[:, :-step]), a[:, :-step])
+            a = torch.cat([a[:, :step], a[:, step:] * earlier], 1)
         flag = torch.cat([flag[:, :step], flag[:, step:] | flag[:, :-step]], 1)
         step *= 2
     y = torch.einsum("rlen,rln->rle", b, C)
-    return y, b[:, -1], b[picks[0], picks[1]]
+    return y, b[:, -1], None if picks is None else b[picks[0], picks[1]]
 
 
-def _segments(call: ScanCall, rows: int, total: int):
-    """``(starts, h0s, ends)``: the first token ``(row, t)`` of every non-empty segment with its initial
-    state (``None``: zeros), and ``ends[doc] = t`` of every document's last token (``None``: empty)."""
-    init = call.initial_states
+def _resets(call: ScanCall, rows: int, total: int, device) -> torch.Tensor:
+    """``[R, T]`` bool: the first token of every segment (a document, the padding tail, a row), from
+    ``seq_idx`` on the device (nothing read on the host). Unpacked rows: none (a row's initial state
+    enters as the state carried into its first token)."""
     if call.varlen is None:
-        starts = [(r, 0, None if init is None else init[r]) for r in range(rows)]
-        return starts, []
+        return torch.zeros(rows, total, dtype=torch.bool, device=device)
+    seq = call.varlen.seq_idx[0]
+    first = torch.ones(1, dtype=torch.bool, device=device)
+    return torch.cat([first, seq[1:] != seq[:-1]])[None]
+
+
+def _ends(call: ScanCall) -> list[int | None]:
+    """The last token of every document (``None``: empty); read on the host, only for
+    ``return_varlen_states`` (decoding prefills and context parallelism)."""
     v = call.varlen
     bounds = (v.cu_seqlens if v.host_cu_seqlens is None else v.host_cu_seqlens).tolist()
-    starts, ends = [], []
-    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if e > s:
-            starts.append((0, s, None if init is None else init[i]))
-        ends.append(e - 1 if e > s else None)
-    if total > bounds[-1]:
-        starts.append((0, bounds[-1], None))
-    return starts, ends
+    return [e - 1 if e > s else None for s, e in zip(bounds[:-1], bounds[1:])]
 
 
 def selective_scan_reference(call: ScanCall):
@@ -95,30 +104,29 @@ def selective_scan_reference(call: ScanCall):
     dt = step_sizes(call.delta, call.delta_bias, call.delta_softplus, compute).transpose(1, 2)
     A = call.A.to(compute)
     B, C = call.B.to(compute).transpose(1, 2), call.C.to(compute).transpose(1, 2)       # [R, T, Ns]
-    starts, ends = _segments(call, rows, total)
-    reset = torch.zeros(rows, total, dtype=torch.bool, device=u.device)
-    if starts:
-        reset[[r for r, _, _ in starts], [t for _, t, _ in starts]] = True
-    start_pos = [t for _, t, _ in starts]
+    reset = _resets(call, rows, total, u.device)
+    h = u.new_zeros(rows, channels, state)
+    h0_tokens = None
+    if call.initial_states is not None:
+        if call.varlen is None:
+            h = call.initial_states.to(compute)
+        else:                       # per token, its document's initial state (the tail: zeros)
+            h0_all = torch.cat([call.initial_states.to(compute), h.new_zeros(1, channels, state)])
+            h0_tokens = (h0_all, call.varlen.seq_idx[0].long())
+    ends = _ends(call) if call.return_varlen_states else []
     end_pos = sorted((t, doc) for doc, t in enumerate(ends) if t is not None)
     grad = dispatch.records_grad(u, dt, A, B, C, call.initial_states)
-    h = u.new_zeros(rows, channels, state)
     ys, picked = [], {}
     for s in range(0, total, call.chunk_size):
         e = min(s + call.chunk_size, total)
-        fold = None
-        if call.initial_states is not None:
-            mine = [(r, t - s, h0) for r, t, h0 in starts[bisect_left(start_pos, s):bisect_left(start_pos, e)]
-                    if h0 is not None] if call.varlen is not None else [x for x in starts if s == 0]
-            if mine:
-                fold = (torch.tensor([r for r, _, _ in mine], device=u.device),
-                        torch.tensor([t for _, t, _ in mine], device=u.device),
-                        torch.stack([h0.to(compute) for _, _, h0 in mine]))
-        lo, hi = bisect_left(end_pos, (s, -1)), bisect_left(end_pos, (e, -1))
-        docs = [doc for _, doc in end_pos[lo:hi]]
-        picks = (torch.zeros(len(docs), dtype=torch.long, device=u.device),
-                 torch.tensor([t - s for t, _ in end_pos[lo:hi]], dtype=torch.long, device=u.device))
-        args = (u[:, s:e], dt[:, s:e], A, B[:, s:e], C[:, s:e], h, reset[:, s:e], fold, picks)
+        h0 = None if h0_tokens is None else h0_tokens[0][h0_tokens[1][s:e]][None]
+        picks, docs = None, []
+        if end_pos:
+            lo, hi = bisect_left(end_pos, (s, -1)), bisect_left(end_pos, (e, -1))
+            docs = [doc for _, doc in end_pos[lo:hi]]
+            picks = (torch.zeros(len(docs), dtype=torch.long, device=u.device),
+                     torch.tensor([t - s for t, _ in end_pos[lo:hi]], dtype=torch.long, device=u.device))
+        args = (u[:, s:e], dt[:, s:e], A, B[:, s:e], C[:, s:e], h, reset[:, s:e], h0, picks)
         y, h, got = checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args)
         ys.append(y)
         picked.update({doc: got[i] for i, doc in enumerate(docs)})
