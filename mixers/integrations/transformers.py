@@ -6,13 +6,15 @@ Transformers' own torch paths cannot keep the documents of a ``DataCollatorWithF
 apart (the state of one document flows into the next). ``enable_packing`` swaps every
 SSM / linear-attention layer that :mod:`mixers.checkpoints` reads (Mamba2 and the Mamba2 blocks
 of Bamba / NemotronH / GraniteMoeHybrid / FalconH1 / Zamba2, the gated delta nets of Qwen3-Next /
-Qwen3.5 / OLMo-hybrid, Kimi-Linear's KDA, the gated short conv of LFM2 / LFM3 / LFM2-MoE) for our
-mixer holding the same weights, and reads the boundaries the collator passes to the model
-(``cu_seq_lens_q`` / ``cu_seq_lens_k``, ``seq_idx``, ``position_ids`` restarts) once per forward,
-so every document starts from a zero state. Attention layers stay Hugging Face's, and the model's
-``attn_implementation`` is wrapped (:mod:`.hf_attention`): a packed call attends within each
+Qwen3.5 / OLMo-hybrid, Kimi-Linear's KDA, the gated short conv of LFM2 / LFM3 / LFM2-MoE, the
+Mamba-1 layers of Mamba / Falcon-Mamba / Jamba) for our mixer holding the same weights, and reads
+the boundaries the collator passes to the model (``cu_seq_lens_q`` / ``cu_seq_lens_k``,
+``seq_idx``, ``position_ids`` restarts) once per forward, so every document starts from a zero
+state. Attention layers stay Hugging Face's, and the model's ``attn_implementation`` is wrapped
+(:mod:`.hf_attention`): a packed call attends within each
 document whatever ``use_cache`` is; ``eager``, ``sdpa`` and ``flex_attention`` are wrapped, other
-implementations are refused with the fix. A packed batch must not also carry an ``attention_mask``
+implementations are refused with the fix (models without attention, Mamba and Falcon-Mamba, have
+none to wrap). A packed batch must not also carry an ``attention_mask``
 with padding (refused before any layer runs); an unpacked padded batch runs as packed rows.
 
 The patched model's ``state_dict`` keeps Hugging Face's names and layout (a ``save_pretrained``

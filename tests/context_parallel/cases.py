@@ -23,12 +23,13 @@ from ssm_pack import PackedSeqParams, VarlenBatch
 SMALL = {"M": {"head_dim": 4, "state_size": 4, "chunk_size": 8, "expand": 1},
          "G": {"head_dim": 4, "chunk_size": 8, "num_heads": 2, "num_v_heads": 4},
          "K": {"head_dim": 4, "chunk_size": 8, "num_heads": 2}, "P": {"head_dim": 4, "chunk_size": 8, "num_heads": 2},
-         "A": {"head_dim": 4, "num_heads": 4, "num_kv_heads": 2}, "C": {"conv_size": 4, "conv_bias": True}}
-OPS = ("conv", "ssd", "gdn", "kda", "gdp", "attention", "attention_window", "attention_varlen_attn",
+         "A": {"head_dim": 4, "num_heads": 4, "num_kv_heads": 2}, "C": {"conv_size": 4, "conv_bias": True},
+         "S": {"state_size": 4, "chunk_size": 8, "expand": 1, "dt_bc_norm": "weighted"}}
+OPS = ("conv", "ssd", "selective_scan", "gdn", "kda", "gdp", "attention", "attention_window", "attention_varlen_attn",
        "attention_flash_window")
 # attention under the CUDA device policy on fakes (tests/support/fakes.py), fp16: (the installed kernel, window)
 KERNEL_ATTENTION = {"attention_varlen_attn": ("torch_varlen", None), "attention_flash_window": ("flash_attn", (5, 0))}
-MIXERS = ("M", "G", "K", "P", "A", "C")
+MIXERS = ("M", "G", "K", "P", "A", "C", "S")
 HIDDEN, CONV_DIM, WIDTH = 16, 6, 4
 
 
@@ -143,6 +144,13 @@ def op_inputs(subject: str, total: int, docs: int, seed: int) -> dict:
         shared.update(A=-torch.rand(h, generator=g, dtype=torch.float64) - 0.2, D=_rand(g, h),
                       dt_bias=_rand(g, h) * 0.3, h0=_rand(g, docs, h, p, n), w_final=_rand(g, docs, h, p, n),
                       w_row=_rand(g, 1, h, p, n))
+    elif subject == "selective_scan":
+        e, n = 3, 4
+        row.update(u=_rand(g, 1, e, total), delta=_rand(g, 1, e, total), B=_rand(g, 1, n, total),
+                   C=_rand(g, 1, n, total), z=_rand(g, 1, e, total), w_out=_rand(g, 1, e, total))
+        shared.update(A=-torch.rand(e, n, generator=g, dtype=torch.float64) - 0.2, D=_rand(g, e),
+                      delta_bias=_rand(g, e) * 0.3, h0=_rand(g, docs, e, n), w_final=_rand(g, docs, e, n),
+                      w_row=_rand(g, 1, e, n))
     elif subject in ("gdn", "kda", "gdp"):
         h, hv, kd, vd = 2, (4 if subject == "gdn" else 2), 4, 3
         nh = 2 if subject == "gdp" else 1
@@ -186,7 +194,7 @@ def cuda_policy(subject: str, varlen):
 
 def _slice(subject, name, t, lo, hi):
     """Tokens ``lo:hi`` of a row tensor (Gated DeltaProduct's k, v, beta hold 2 steps per token)."""
-    dim = 2 if subject == "conv" else (0 if subject.startswith("attention") else 1)
+    dim = 2 if subject in ("conv", "selective_scan") else (0 if subject.startswith("attention") else 1)
     per = 2 if subject == "gdp" and name in ("k", "v", "beta") else 1
     return t.narrow(dim, lo * per, (hi - lo) * per)
 
@@ -204,6 +212,7 @@ def run_op(subject, inputs, varlen, lo, hi) -> dict:
         chunk_gated_delta_rule,
         chunk_kda,
         mamba_chunk_scan_combined,
+        selective_scan_fn,
         varlen_attention,
     )
     row = {k: _slice(subject, k, t, lo, hi) if k.startswith("w_") else _leaf(_slice(subject, k, t, lo, hi))
@@ -218,6 +227,10 @@ def run_op(subject, inputs, varlen, lo, hi) -> dict:
             row["x"], row["dt"], shared["A"], row["B"], row["C"], 8, D=shared["D"], z=row["z"],
             dt_bias=shared["dt_bias"], initial_states=shared["h0"], cu_seqlens=varlen, dt_softplus=True,
             return_final_states=True, return_varlen_states=True)
+    elif subject == "selective_scan":
+        out, row_state, states = selective_scan_fn(
+            row["u"], row["delta"], shared["A"], row["B"], row["C"], shared["D"], row["z"], shared["delta_bias"],
+            True, True, initial_states=shared["h0"], cu_seqlens=varlen, return_varlen_states=True, chunk_size=4)
     elif subject in ("gdn", "kda", "gdp"):
         args = (row["q"], row["k"], row["v"], row.get("g"), row["beta"])
         kw = dict(initial_state=shared["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True,
@@ -293,9 +306,10 @@ def run_module(subject, module, inputs, params, lo, hi) -> dict:
 
 def poison(subject: str, inputs: dict, token: int) -> dict:
     """A NaN in one input of one token (x for the conv and SSD, k for the delta rule, q for attention)."""
-    key = "x" if subject in ("conv", "ssd") else ("q" if subject.startswith("attention") else "k")
+    key = {"conv": "x", "ssd": "x", "selective_scan": "u"}.get(subject) or (
+        "q" if subject.startswith("attention") else "k")
     t = inputs["row"][key].clone()
-    if subject == "conv":
+    if subject in ("conv", "selective_scan"):
         t[0, :, token] = float("nan")
     elif subject.startswith("attention"):
         t[token] = float("nan")

@@ -36,7 +36,8 @@ DECAY_PARAMS, DECAY_REL = ("A_log", "dt_bias", "D"), 2e-4
 # fp32 sums of different order to fp16 (one ulp is 2 ** -11 relative), and the keys' gradients sum
 # over ranks in fp16.
 FP16_REL = 1e-3
-ROW_KEYS = ("out", "grad_x", "grad_q", "grad_k", "grad_v", "grad_g", "grad_beta", "grad_dt", "grad_B", "grad_C",
+ROW_KEYS = ("out", "grad_x", "grad_u", "grad_delta",
+            "grad_q", "grad_k", "grad_v", "grad_g", "grad_beta", "grad_dt", "grad_B", "grad_C",
             "grad_z")
 CASES = [(world, *c) for world in WORLDS for c in all_cases(world)]
 
@@ -64,6 +65,8 @@ def _load(directory, case_id, world):
 
 def _row_dim(subject, key):
     if subject == "conv" and key in ("out", "grad_x"):
+        return 2
+    if subject == "selective_scan" and key in ("out", "grad_u", "grad_delta", "grad_B", "grad_C", "grad_z"):
         return 2
     return 0 if subject.startswith("attention") else 1
 
@@ -208,4 +211,4 @@ def test_bytes_follow_the_plan(ranks, subject):
 
 def test_every_op_and_mixer_is_covered():
     subjects = {c[2] for c in CASES}
-    assert set(OPS) | {"M", "G", "K", "P", "A", "C", "model", "model32"} <= subjects
+    assert set(OPS) | {"M", "G", "K", "P", "A", "C", "S", "model", "model32"} <= subjects

@@ -17,7 +17,14 @@ from mixers.checkpoints import (
     to_module,
     to_state_dict,
 )
-from mixers.layers import GatedDeltaNetConfig, GatedDeltaProductConfig, GatedShortConvConfig, KDAConfig, Mamba2Config
+from mixers.layers import (
+    GatedDeltaNetConfig,
+    GatedDeltaProductConfig,
+    GatedShortConvConfig,
+    KDAConfig,
+    Mamba1Config,
+    Mamba2Config,
+)
 from tests.mixers.checkpoints.upstream import BUILDERS, falcon_h1_config
 
 MAMBA = Mamba2Config(32, num_heads=3, head_dim=16, state_size=8, num_groups=3)
@@ -29,6 +36,9 @@ CONFIGS = {
     "hf_kimi_linear": KDAConfig(32, head_dim=16, num_heads=2, output_gate_bias=False),
     "fla_gdp": GatedDeltaProductConfig(32, head_dim=16, num_heads=2, num_householder=3),
     "hf_lfm2": GatedShortConvConfig(32, conv_size=3, proj_bias=True, conv_bias=True),
+    "hf_mamba": Mamba1Config(32, state_size=8, dt_rank=3, proj_bias=True),
+    "hf_falcon_mamba": Mamba1Config(32, state_size=8, conv_bias=False, dt_bc_norm="weightless"),
+    "hf_jamba": Mamba1Config(32, d_inner=48, state_size=4, dt_bc_norm="weighted", norm_eps=1e-5),
 }
 
 
@@ -403,3 +413,61 @@ def test_zamba2_options_our_mixer_cannot_represent_are_refused(overrides, match)
 def test_zamba2_layer_is_read_by_its_own_source():
     pytest.importorskip("transformers")
     assert source_of(_zamba2_mixer()).name == "hf_zamba2"
+
+
+def _mamba_with(monkeypatch, name, edit):
+    module = BUILDERS[name](monkeypatch)
+    edit(module)
+    return module
+
+
+def _gelu(m):
+    m.activation = "gelu"
+
+
+def _no_mamba_out_bias(m):
+    m.out_proj.bias = None
+
+
+def _mamba_grouped_conv(m):
+    m.conv1d = torch.nn.Conv1d(64, 64, 4, groups=32, padding=3)
+
+
+def _mamba_centred_conv(m):
+    m.conv1d = torch.nn.Conv1d(64, 64, 4, groups=64, padding=1)
+
+
+def _quantized(m):
+    m.config._is_quantized = True
+
+
+def _no_b_norm(m):
+    del m.b_layernorm
+
+
+def _two_eps(m):
+    m.c_layernorm.variance_epsilon = 1e-3
+
+
+@pytest.mark.parametrize(("name", "cls", "edit", "match"), [
+    pytest.param("hf_mamba", "MambaMixer", _gelu, "hidden_act is 'gelu'", id="mamba-gelu"),
+    pytest.param("hf_mamba", "MambaMixer", _no_mamba_out_bias, "in_proj and out_proj disagree on a bias",
+                 id="mamba-biases-differ"),
+    pytest.param("hf_mamba", "MambaMixer", _mamba_grouped_conv, "the conv is not depthwise", id="mamba-grouped"),
+    pytest.param("hf_mamba", "MambaMixer", _mamba_centred_conv, r"padding=\(1,\)", id="mamba-not-causal"),
+    pytest.param("hf_falcon_mamba", "FalconMambaMixer", _quantized, "quantized", id="falcon-quantized"),
+    pytest.param("hf_falcon_mamba", "FalconMambaMixer", _no_b_norm, "only some of dt_layernorm", id="falcon-one-norm"),
+    pytest.param("hf_jamba", "JambaMambaMixer", _two_eps, "different eps", id="jamba-two-eps"),
+])
+def test_mamba1_options_our_mixer_cannot_represent_are_refused(monkeypatch, name, cls, edit, match):
+    with pytest.raises(ValueError, match=f"{cls}: .*{match}.*nothing was converted"):
+        from_module(_mamba_with(monkeypatch, name, edit))
+
+
+@pytest.mark.parametrize(("source", "norm"), [pytest.param("hf_mamba", "weighted", id="mamba"),
+                                              pytest.param("hf_falcon_mamba", None, id="falcon-mamba"),
+                                              pytest.param("hf_jamba", "weightless", id="jamba")])
+def test_mamba1_norm_option_must_match_the_family_going_back(source, norm):
+    from mixers import Mamba1Mixer
+    with pytest.raises(ValueError, match=f"our config has dt_bc_norm={norm!r}"):
+        to_state_dict(Mamba1Mixer(config=Mamba1Config(32, dt_bc_norm=norm)), source)

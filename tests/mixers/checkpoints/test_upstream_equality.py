@@ -36,6 +36,9 @@ TOLERANCES_FP32 = {
     "hf_olmo_hybrid": (1e-6, 1e-5, 2e-4),
     "hf_lfm2_moe": (1e-6, 1e-5, 0.0),
     "hf_zamba2": (1e-6, 1e-5, 2e-4),
+    "hf_mamba": (1e-6, 1e-5, 2e-4),
+    "hf_falcon_mamba": (1e-6, 1e-5, 2e-4),
+    "hf_jamba": (1e-6, 1e-5, 2e-4),
 }
 DECAY = ("A_log", "dt_bias")
 

@@ -184,12 +184,23 @@ def _lfm2_map(m) -> dict[str, torch.Tensor]:
             **{k: v for k, v in biases.items() if v is not None}}
 
 
+def _mamba1_map(m) -> dict[str, torch.Tensor]:
+    out = {"in_proj.weight": m.in_proj.weight, "in_proj.bias": m.in_proj.bias, "conv.weight": m.conv1d.weight,
+           "conv.bias": m.conv1d.bias, "x_proj.weight": m.x_proj.weight, "dt_proj.weight": m.dt_proj.weight,
+           "dt_proj.bias": m.dt_proj.bias, "A_log": m.A_log, "D": m.D, "out_proj.weight": m.out_proj.weight,
+           "out_proj.bias": m.out_proj.bias}
+    if type(m).__name__ == "JambaMambaMixer":
+        out.update(dt_norm=m.dt_layernorm.weight, b_norm=m.b_layernorm.weight, c_norm=m.c_layernorm.weight)
+    return out
+
+
 HAND_MAPS = {"hf_mamba2": _hf_mamba2_map, "hf_bamba": _hf_mamba2_map, "hf_nemotron_h": _hf_mamba2_map,
              "hf_granite": _hf_mamba2_map, "hf_falcon_h1": _hf_mamba2_map, "hf_qwen3_next": _qwen3_next_map,
              "hf_qwen3_5": _qwen3_5_map, "hf_qwen3_5_moe": _qwen3_5_map,
              "hf_kimi_linear": _kimi_map, "fla_gdn": _fla_map, "fla_gdn_neg": _fla_map, "fla_kda": _fla_map,
              "fla_gdp": _fla_map, "hf_lfm2": _lfm2_map, "hf_lfm3": _lfm2_map, "hf_olmo_hybrid": _olmo_hybrid_map,
-             "hf_lfm2_moe": _lfm2_map, "hf_zamba2": _hf_mamba2_map}
+             "hf_lfm2_moe": _lfm2_map, "hf_zamba2": _hf_mamba2_map,
+             "hf_mamba": _mamba1_map, "hf_falcon_mamba": _mamba1_map, "hf_jamba": _mamba1_map}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, id=n) for n in BUILDERS])

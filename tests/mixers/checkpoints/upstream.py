@@ -310,6 +310,50 @@ def hf_zamba2(monkeypatch):
     return _perturb(Zamba2MambaMixer(zamba2_config(), layer_idx=0))
 
 
+def mamba1_config(family: str, **overrides):
+    """Tiny Mamba / Falcon-Mamba / Jamba configs: E = 64, Ns = 8, R = 4, W = 4, with projection biases
+    (Mamba, Falcon-Mamba) so that every key is exercised."""
+    t = _quiet_transformers()
+    if family == "jamba":
+        kwargs = dict(hidden_size=HIDDEN, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+                      num_hidden_layers=1, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                      expert_layer_offset=1, num_experts=2, vocab_size=64, num_attention_heads=2,
+                      num_key_value_heads=1, mamba_proj_bias=True)
+        return t.JambaConfig(**{**kwargs, **overrides})
+    kwargs = dict(hidden_size=HIDDEN, state_size=8, conv_kernel=4, expand=2, time_step_rank=4, num_hidden_layers=1,
+                  vocab_size=64, use_bias=True, use_conv_bias=True)
+    cls = t.FalconMambaConfig if family == "falcon_mamba" else t.MambaConfig
+    return cls(**{**kwargs, **overrides})
+
+
+def _hf_mamba1(family, cls_name, **overrides):
+    import importlib
+    _quiet_transformers()
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    config = mamba1_config(family, **overrides)
+    if family == "jamba":
+        return _perturb(module.JambaMambaMixer(config, layer_idx=0))
+    # FalconMambaMixer's own initialisation reads its norms before building them: initialise here
+    layer = getattr(module, cls_name)(config, layer_idx=0, initialize_mixer_weights=False)
+    with torch.no_grad():
+        layer.A_log.copy_(torch.arange(1, 9, dtype=torch.float32).log().expand_as(layer.A_log))
+        layer.D.fill_(1.0)
+    return _perturb(layer)
+
+
+def hf_mamba(monkeypatch):
+    return _hf_mamba1("mamba", "MambaMixer")
+
+
+def hf_falcon_mamba(monkeypatch):
+    return _hf_mamba1("falcon_mamba", "FalconMambaMixer", mixer_rms_eps=1e-5)
+
+
+def hf_jamba(monkeypatch):
+    """Jamba's Mamba layer: learnt dt / B / C norm weights (perturbed away from ones)."""
+    return _hf_mamba1("jamba", "JambaMambaMixer")
+
+
 def _fla(monkeypatch, name, **kwargs):
     fla_on_cpu(monkeypatch)
     import fla.layers
@@ -337,4 +381,5 @@ BUILDERS = {"hf_mamba2": hf_mamba2, "hf_bamba": hf_bamba, "hf_nemotron_h": hf_ne
             "hf_falcon_h1": hf_falcon_h1, "hf_qwen3_next": hf_qwen3_next, "hf_qwen3_5": hf_qwen3_5,
             "hf_qwen3_5_moe": hf_qwen3_5_moe, "hf_kimi_linear": hf_kimi_linear,
             "fla_gdn": fla_gdn, "fla_gdn_neg": fla_gdn_neg, "fla_kda": fla_kda, "fla_gdp": fla_gdp, "hf_lfm2": hf_lfm2,
-            "hf_lfm3": hf_lfm3, "hf_olmo_hybrid": hf_olmo_hybrid, "hf_lfm2_moe": hf_lfm2_moe, "hf_zamba2": hf_zamba2}
+            "hf_lfm3": hf_lfm3, "hf_olmo_hybrid": hf_olmo_hybrid, "hf_lfm2_moe": hf_lfm2_moe, "hf_zamba2": hf_zamba2,
+            "hf_mamba": hf_mamba, "hf_falcon_mamba": hf_falcon_mamba, "hf_jamba": hf_jamba}

@@ -1,7 +1,9 @@
 """Tiny random-weight Hugging Face models of every class ``enable_packing`` accepts: two layers, one
 SSM / linear-attention layer and one full-attention layer (FalconH1: both in each layer; Mamba2:
 no attention; Zamba2: a Mamba2 layer, then its shared attention block before a second Mamba2
-layer; LFM3: sliding-window attention), hidden 32, vocabulary 64."""
+layer; LFM3: sliding-window attention; Mamba and Falcon-Mamba: two selective-scan layers, no
+attention; Jamba: a selective-scan layer, then an attention layer with a mixture of experts),
+hidden 32, vocabulary 64."""
 
 import pytest
 import torch
@@ -132,8 +134,30 @@ def zamba2(monkeypatch, impl):
         **{**SMALL, "num_key_value_heads": 2}))
 
 
+MAMBA1 = dict(hidden_size=32, state_size=8, conv_kernel=4, expand=2, time_step_rank=4, num_hidden_layers=2,
+              vocab_size=VOCAB, use_bias=True)
+
+
+def mamba(monkeypatch, impl):
+    """Projection biases on, so the converter's every key runs."""
+    return transformers.MambaForCausalLM(transformers.MambaConfig(**MAMBA1))
+
+
+def falcon_mamba(monkeypatch, impl):
+    """Weightless RMS norms on dt, B and C (eps 1e-5, not the default, so a wrong eps shows)."""
+    return transformers.FalconMambaForCausalLM(transformers.FalconMambaConfig(**MAMBA1, mixer_rms_eps=1e-5))
+
+
+def jamba(monkeypatch, impl):
+    """A selective-scan layer with weighted dt / B / C norms, then attention with 2 experts."""
+    return transformers.JambaForCausalLM(transformers.JambaConfig(
+        hidden_size=32, intermediate_size=64, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+        num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=2, num_experts_per_tok=1, attn_implementation=impl, **SMALL))
+
+
 FACTORIES = {f.__name__: f for f in (mamba2, bamba, nemotron_h, granite, falcon_h1, qwen3_next, qwen3_5, kimi_linear,
-                                     lfm2, zamba2, lfm3, lfm2_moe, olmo_hybrid)}
+                                     lfm2, zamba2, lfm3, lfm2_moe, olmo_hybrid, mamba, falcon_mamba, jamba)}
 
 
 def build(name: str, monkeypatch, impl: str = "sdpa") -> torch.nn.Module:

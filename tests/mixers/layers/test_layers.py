@@ -10,6 +10,7 @@ from mixers import (
     GatedDeltaProductMixer,
     GatedShortConvMixer,
     KDAMixer,
+    Mamba1Mixer,
     Mamba2Mixer,
 )
 from mixers.layers import AttentionConfig, GatedDeltaNetConfig, KDAConfig, Mamba2Config
@@ -29,6 +30,8 @@ LAYERS = {
     "attention": lambda backend="auto": AttentionMixer(HIDDEN, head_dim=8, num_heads=4, num_kv_heads=2,
                                                        backend=backend),
     "gated_short_conv": lambda backend="auto": GatedShortConvMixer(HIDDEN, conv_bias=True, backend=backend),
+    "mamba1": lambda backend="auto": Mamba1Mixer(HIDDEN, state_size=4, chunk_size=8, dt_bc_norm="weighted",
+                                                 backend=backend),
 }
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -1,0 +1,141 @@
+"""Mamba1Mixer (Mamba-1's selective-scan block): a packed row equals its spec run on each document
+alone, outputs and every gradient (fp64), with each norm option; dropping the packing metadata
+leaks (the negative control); decoding with a cache equals recomputing the whole sequence;
+HybridLM builds the letter 'S'; bad configs are refused."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixers import HybridLM, Mamba1Mixer
+from mixers.layers import Mamba1Config
+from mixers.ops.selective_scan.naive import selective_scan_naive
+from ssm_pack import PackedSeqParams, get_cu_seqlens
+from tests.support.oracles import check_grads
+
+HIDDEN = 16
+
+
+def _rms(x, w, eps):
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x if w is None else x * w
+
+
+def naive_mamba1(m: Mamba1Mixer, h: torch.Tensor) -> torch.Tensor:
+    """The spec on ONE document ``h [T, D]``: in_proj -> x, z; silu(causal conv(x)) by F.conv1d with
+    W-1 zeros in front; x_proj -> dt_low, B, C (normed if configured); dt_proj; the naive scan; out_proj."""
+    c = m.config
+    if h.shape[0] == 0:
+        return h.new_zeros(0, m.config.hidden_size)
+    xz = F.linear(h, m.in_proj.weight, m.in_proj.bias)
+    x, z = xz[:, :c.d_inner], xz[:, c.d_inner:]
+    conv = F.conv1d(F.pad(x.T[None], (c.conv_size - 1, 0)), m.conv.weight, m.conv.bias, groups=c.d_inner)
+    x = F.silu(conv[0].T)
+    dbc = x @ m.x_proj.weight.T
+    dt, B, C = dbc[:, :c.dt_rank], dbc[:, c.dt_rank:c.dt_rank + c.state_size], dbc[:, c.dt_rank + c.state_size:]
+    if c.dt_bc_norm is not None:
+        w = c.dt_bc_norm == "weighted"
+        dt, B, C = (_rms(t, getattr(m, n) if w else None, c.norm_eps) for t, n in
+                    ((dt, "dt_norm"), (B, "b_norm"), (C, "c_norm")))
+    dt = dt @ m.dt_proj.weight.T
+    y = selective_scan_naive(x.T[None], dt.T[None], -torch.exp(m.A_log), B.T[None], C.T[None], m.D, z.T[None],
+                             m.dt_proj.bias, True)
+    return F.linear(y[0].T, m.out_proj.weight, m.out_proj.bias)
+
+
+def _mixer(seed=0, **overrides):
+    torch.manual_seed(seed)
+    mixer = Mamba1Mixer(HIDDEN, backend="reference", state_size=4, chunk_size=8, **overrides).double()
+    with torch.no_grad():                            # every parameter away from its init
+        for p in mixer.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return mixer
+
+
+CASES = [
+    pytest.param([1, 2, 3, 4, 7, 17], 1, 0, {}, id="grid-1-2-W-1-W-odd-chunks"),
+    pytest.param([5, 0, 1, 9, 0, 16], 4, 3, {}, id="empty-docs-padded-to-4-tail"),
+    pytest.param([3, 8, 9, 1], 1, 2, {"proj_bias": True, "dt_bc_norm": "weightless"}, id="falcon-mamba-norms"),
+    pytest.param([4, 1, 12, 6], 1, 0, {"dt_bc_norm": "weighted", "conv_size": 3}, id="jamba-norms-width3"),
+    pytest.param([1, 2, 1, 3] * 10, 2, 1, {}, id="many-tiny-documents"),
+]
+
+
+@pytest.mark.parametrize(("lengths", "pad", "tail", "overrides"), CASES)
+def test_packed_equals_the_spec_per_document(lengths, pad, tail, overrides):
+    mixer = _mixer(**overrides)
+    params = PackedSeqParams.from_lengths(lengths, pad_to_multiple_of=pad)
+    starts = get_cu_seqlens(params).tolist()
+    total = starts[-1] + tail
+    params = PackedSeqParams.from_lengths(lengths, pad_to_multiple_of=pad, total_tokens=total)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, total, HIDDEN, generator=g, dtype=torch.float64, requires_grad=True)
+    w_out = torch.randn(1, total, HIDDEN, generator=g, dtype=torch.float64)
+    out = mixer(x, params)
+    keep = torch.zeros(total, dtype=torch.bool)
+    for s, n in zip(starts, lengths):
+        keep[s:s + n] = True
+    loss = (out[0, keep] * w_out[0, keep]).sum()
+    ref_x = x.detach().clone().requires_grad_(True)
+    want = torch.cat([naive_mamba1(mixer, ref_x[0, s:s + n]) for s, n in zip(starts, lengths)])
+    assert float((out[0, keep] - want).abs().max().detach()) <= 1e-12
+    ref_loss = (want * w_out[0, keep]).sum()
+    named = dict(mixer.named_parameters())
+    check_grads(loss, ref_loss, {"x": x, **named}, {"x": ref_x, **named}, torch.float64, what="mamba1")
+
+
+def test_without_the_metadata_the_documents_leak():
+    """Negative control of the test above: the same row as one sequence is not the per-document result."""
+    mixer = _mixer()
+    x = torch.randn(1, 14, HIDDEN, dtype=torch.float64)
+    with torch.no_grad():
+        want = torch.cat([naive_mamba1(mixer, x[0, :5]), naive_mamba1(mixer, x[0, 5:])])
+        assert float((mixer(x, PackedSeqParams.from_lengths([5, 9]))[0] - want).abs().max()) <= 1e-12
+        assert float((mixer(x)[0] - want).abs().max()) > 1e-6
+
+
+@pytest.mark.parametrize("lengths", [pytest.param([1, 6, 2], id="short"), pytest.param([9, 4, 13], id="uneven")])
+def test_decoding_with_a_cache_equals_recomputing(lengths):
+    """A packed prefill of every sequence but its last 3 tokens, then 3 decode steps == the whole sequence."""
+    mixer = _mixer(dt_bc_norm="weighted")
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randn(n + 3, HIDDEN, generator=g, dtype=torch.float64) for n in lengths]
+    cache = mixer.allocate_inference_cache(len(seqs), max(lengths) + 3)
+    slots = torch.arange(len(seqs))
+    prompt = torch.cat([s[:-3] for s in seqs])[None]
+    with torch.no_grad():
+        got = list(mixer(prompt, PackedSeqParams.from_lengths(lengths), cache=cache, cache_slots=slots)[0]
+                   .split(lengths))
+        steps = [mixer(torch.stack([s[n + k] for s, n in zip(seqs, lengths)])[:, None], cache=cache,
+                       cache_slots=slots)[:, 0] for k in range(3)]
+        for i, s in enumerate(seqs):
+            mine = torch.cat([got[i]] + [step[i:i + 1] for step in steps])
+            assert float((mine - mixer(s[None])[0]).abs().max()) <= 1e-12, i
+
+
+def test_hybrid_lm_takes_the_letter():
+    torch.manual_seed(0)
+    model = HybridLM(32, HIDDEN, "SAS", mixer_overrides={"A": {"head_dim": 8}, "S": {"state_size": 4}}).double()
+    assert isinstance(model.blocks[0].mixer, Mamba1Mixer)
+    ids = torch.randint(0, 32, (1, 14))
+    out = model(ids, PackedSeqParams.from_lengths([6, 8]), labels=ids)
+    out["loss"].backward()
+    assert torch.isfinite(out["loss"]) and model.blocks[2].mixer.A_log.grad is not None
+
+
+def test_config_derives_mamba_ssm_defaults():
+    c = Mamba1Config(hidden_size=40)
+    assert (c.d_inner, c.dt_rank, c.state_size, c.conv_size) == (80, 3, 16, 4)
+
+
+@pytest.mark.parametrize(("overrides", "error", "match"), [
+    pytest.param({"state_size": 0}, ValueError, "state_size must be >= 1", id="state-0"),
+    pytest.param({"dt_rank": 0}, ValueError, "dt_rank must be >= 1", id="rank-0"),
+    pytest.param({"conv_bias": 1}, TypeError, "conv_bias must be a bool, got 1", id="bias-int"),
+    pytest.param({"dt_bc_norm": "rms"}, ValueError, r"dt_bc_norm must be one of \(None, 'weightless', 'weighted'\), "
+                                                    "got 'rms'", id="norm-name"),
+    pytest.param({"norm_eps": 0}, ValueError, "norm_eps must be a positive number, got 0", id="eps-0"),
+])
+def test_bad_config_is_refused(overrides, error, match):
+    with pytest.raises(error, match=match):
+        Mamba1Config(hidden_size=HIDDEN, **overrides)
