@@ -45,8 +45,8 @@ PUBLIC = {
         "attention_with_kvcache", "causal_conv1d_fn", "causal_conv1d_update", "chunk_gated_delta_product",
         "chunk_gated_delta_rule", "chunk_kda", "fused_recurrent_gated_delta_product",
         "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "gated_delta_product_step",
-        "gated_delta_rule_step", "kda_step", "mamba_chunk_scan_combined", "segment_attention",
-        "selective_state_update", "varlen_attention",
+        "gated_delta_rule_step", "kda_step", "mamba_chunk_scan_combined", "rg_lru", "rg_lru_update",
+        "segment_attention", "selective_state_update", "varlen_attention",
     ),
     "mixers.ops.device_policy": (
         "ENV_VAR", "POLICIES", "branch_free_isolation", "device_policy", "forced_policy", "policy_for",
