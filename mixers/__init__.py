@@ -14,8 +14,9 @@ from .layers import (
     GatedShortConvMixer,
     KDAMixer,
     Mamba2Mixer,
+    RGLRUMixer,
 )
 from .model import HybridLM
 
 __all__ = ["AttentionMixer", "GatedDeltaNetMixer", "GatedDeltaProductMixer", "GatedShortConvMixer", "HybridLM",
-           "KDAMixer", "Mamba2Mixer"]
+           "KDAMixer", "Mamba2Mixer", "RGLRUMixer"]

@@ -39,7 +39,7 @@ PUBLIC = {
     "ssm_pack.__main__": ("main", "support_matrix"),
     "mixers": (
         "AttentionMixer", "GatedDeltaNetMixer", "GatedDeltaProductMixer", "GatedShortConvMixer", "HybridLM", "KDAMixer",
-        "Mamba2Mixer",
+        "Mamba2Mixer", "RGLRUMixer",
     ),
     "mixers.ops": (
         "attention_with_kvcache", "causal_conv1d_fn", "causal_conv1d_update", "chunk_gated_delta_product",
@@ -55,11 +55,11 @@ PUBLIC = {
     "mixers.layers": (
         "AttentionConfig", "AttentionMixer", "GatedDeltaNetConfig", "GatedDeltaNetMixer", "GatedDeltaProductConfig",
         "GatedDeltaProductMixer", "GatedRMSNorm", "GatedShortConvConfig", "GatedShortConvMixer", "KDAConfig",
-        "KDAMixer", "Mamba2Config", "Mamba2Mixer", "RMSNorm",
+        "KDAMixer", "Mamba2Config", "Mamba2Mixer", "RGLRUConfig", "RGLRUMixer", "RMSNorm",
     ),
     "mixers.layers.config": (
         "AttentionConfig", "GatedDeltaNetConfig", "GatedDeltaProductConfig", "GatedShortConvConfig", "KDAConfig",
-        "Mamba2Config",
+        "Mamba2Config", "RGLRUConfig",
     ),
     "mixers.model": ("HybridLM",),
     "mixers.carry": ("CarriedStates",),

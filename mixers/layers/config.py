@@ -13,6 +13,7 @@ from .gated_deltaproduct import GatedDeltaProductConfig
 from .gated_short_conv import GatedShortConvConfig
 from .kda import KDAConfig
 from .mamba2 import Mamba2Config
+from .rg_lru import RGLRUConfig
 
 __all__ = ["AttentionConfig", "DeltaConfig", "GatedDeltaNetConfig", "GatedDeltaProductConfig",
-           "GatedShortConvConfig", "KDAConfig", "Mamba2Config"]
+           "GatedShortConvConfig", "KDAConfig", "Mamba2Config", "RGLRUConfig"]

@@ -11,6 +11,7 @@ from mixers import (
     GatedShortConvMixer,
     KDAMixer,
     Mamba2Mixer,
+    RGLRUMixer,
 )
 from mixers.layers import AttentionConfig, GatedDeltaNetConfig, KDAConfig, Mamba2Config
 from ssm_pack import PackedSeqParams
@@ -29,6 +30,7 @@ LAYERS = {
     "attention": lambda backend="auto": AttentionMixer(HIDDEN, head_dim=8, num_heads=4, num_kv_heads=2,
                                                        backend=backend),
     "gated_short_conv": lambda backend="auto": GatedShortConvMixer(HIDDEN, conv_bias=True, backend=backend),
+    "rg_lru": lambda backend="auto": RGLRUMixer(HIDDEN, num_heads=4, backend=backend),
 }
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
