@@ -17,7 +17,14 @@ from mixers.checkpoints import (
     to_module,
     to_state_dict,
 )
-from mixers.layers import GatedDeltaNetConfig, GatedDeltaProductConfig, GatedShortConvConfig, KDAConfig, Mamba2Config
+from mixers.layers import (
+    GatedDeltaNetConfig,
+    GatedDeltaProductConfig,
+    GatedShortConvConfig,
+    KDAConfig,
+    Mamba2Config,
+    RGLRUConfig,
+)
 from tests.mixers.checkpoints.upstream import BUILDERS, falcon_h1_config
 
 MAMBA = Mamba2Config(32, num_heads=3, head_dim=16, state_size=8, num_groups=3)
@@ -29,6 +36,7 @@ CONFIGS = {
     "hf_kimi_linear": KDAConfig(32, head_dim=16, num_heads=2, output_gate_bias=False),
     "fla_gdp": GatedDeltaProductConfig(32, head_dim=16, num_heads=2, num_householder=3),
     "hf_lfm2": GatedShortConvConfig(32, conv_size=3, proj_bias=True, conv_bias=True),
+    "hf_recurrent_gemma": RGLRUConfig(32, lru_width=48, num_heads=4),
 }
 
 
@@ -359,3 +367,64 @@ def test_zamba2_options_our_mixer_cannot_represent_are_refused(overrides, match)
 def test_zamba2_layer_is_read_by_its_own_source():
     pytest.importorskip("transformers")
     assert source_of(_zamba2_mixer()).name == "hf_zamba2"
+
+
+def _recurrent_gemma_with(monkeypatch, edit):
+    from tests.mixers.checkpoints.upstream import hf_recurrent_gemma
+    module = hf_recurrent_gemma(monkeypatch)
+    edit(module)
+    return module
+
+
+def _rg_no_out_bias(m):
+    m.linear_out.bias = None
+
+
+def _rg_grouped_conv(m):
+    m.conv_1d = torch.nn.Conv1d(48, 48, 4, groups=12, padding=3)
+
+
+def _rg_strided_conv(m):
+    m.conv_1d = torch.nn.Conv1d(48, 48, 4, groups=48, padding=3, stride=2)
+
+
+def _rg_reflect_conv(m):
+    m.conv_1d = torch.nn.Conv1d(48, 48, 4, groups=48, padding=3, padding_mode="reflect")
+
+
+def _rg_centred_conv(m):
+    m.conv_1d = torch.nn.Conv1d(48, 48, 4, groups=48, padding=1)
+
+
+def _rg_conv_without_bias(m):
+    m.conv_1d = torch.nn.Conv1d(48, 48, 4, groups=48, padding=3, bias=False)
+
+
+def _rg_relu(m):
+    m.act_fn = torch.nn.ReLU()
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    pytest.param(_rg_no_out_bias, "linear_out has no bias", id="linear-without-bias"),
+    pytest.param(_rg_grouped_conv, r"not depthwise \(in_channels=48, out_channels=48, groups=12\)", id="grouped"),
+    pytest.param(_rg_strided_conv, r"stride=\(2,\)", id="strided"),
+    pytest.param(_rg_reflect_conv, "pads with 'reflect'", id="reflect"),
+    pytest.param(_rg_centred_conv, r"padding is \(1,\) for kernel_size 4", id="not-causal"),
+    pytest.param(_rg_conv_without_bias, "the conv has no bias", id="conv-without-bias"),
+    pytest.param(_rg_relu, "activation ReLU is neither the tanh nor the exact GeLU", id="activation"),
+])
+def test_recurrent_gemma_options_our_mixer_cannot_represent_are_refused(monkeypatch, edit, match):
+    with pytest.raises(ValueError, match=f"RecurrentGemmaRecurrentBlock: .*{match}.*nothing was converted"):
+        from_module(_recurrent_gemma_with(monkeypatch, edit))
+
+
+def test_recurrent_gemma_reads_its_exact_gelu(monkeypatch):
+    from tests.mixers.checkpoints.upstream import hf_recurrent_gemma
+    assert from_module(hf_recurrent_gemma(monkeypatch, hidden_activation="gelu")).config.activation == "gelu"
+    assert from_module(hf_recurrent_gemma(monkeypatch)).config.activation == "gelu_pytorch_tanh"
+
+
+def test_recurrent_gemma_fixes_the_decay_exponent_going_back():
+    from mixers import RGLRUMixer
+    with pytest.raises(ValueError, match="scale=4.0.*fixes the decay exponent at 8.0"):
+        to_state_dict(RGLRUMixer(config=RGLRUConfig(32, scale=4.0)), "hf_recurrent_gemma")
