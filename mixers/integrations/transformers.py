@@ -3,14 +3,15 @@
     B = rows, T = tokens, D = hidden
 
 Transformers' own torch paths cannot keep the documents of a ``DataCollatorWithFlattening`` batch
-apart (the state of one document flows into the next). ``enable_packing`` swaps every
-SSM / linear-attention layer that :mod:`mixers.checkpoints` reads (Mamba2 and the Mamba2 blocks of
-Bamba / NemotronH / GraniteMoeHybrid / FalconH1 / Zamba2, Qwen3-Next's and Qwen3.5's gated delta nets,
-Kimi-Linear's KDA, LFM2's gated short conv)
-for our mixer holding the same weights, and reads the boundaries the collator passes to the
-model (``cu_seq_lens_q`` / ``cu_seq_lens_k``, ``seq_idx``, ``position_ids`` restarts) once per
-forward, so every document starts from a zero state. Attention layers stay Hugging Face's, and the
-model's ``attn_implementation`` is wrapped (:mod:`.hf_attention`): a packed call attends within each
+apart (the state of one document flows into the next). ``enable_packing`` swaps every SSM /
+linear-attention layer that :mod:`mixers.checkpoints` reads (Mamba2 and the Mamba2 blocks of Bamba
+/ NemotronH / GraniteMoeHybrid / FalconH1 / Zamba2, Qwen3-Next's and Qwen3.5's gated delta nets,
+Kimi-Linear's KDA, LFM2's gated short conv, RecurrentGemma's recurrent block, whose forward
+returns ``(hidden_states, None)``: the swapped layer answers in kind) for our mixer holding the
+same weights, and reads the boundaries the collator passes to the model (``cu_seq_lens_q`` /
+``cu_seq_lens_k``, ``seq_idx``, ``position_ids`` restarts) once per forward, so every document
+starts from a zero state. Attention layers stay Hugging Face's, and the model's
+``attn_implementation`` is wrapped (:mod:`.hf_attention`): a packed call attends within each
 document whatever ``use_cache`` is; ``eager``, ``sdpa`` and ``flex_attention`` are wrapped, other
 implementations are refused with the fix. A packed batch must not also carry an ``attention_mask``
 with padding (refused before any layer runs); an unpacked padded batch runs as packed rows.
@@ -39,6 +40,8 @@ from .hf_state_dict import check_whole_load, load_upstream, save_upstream
 _BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
 _LENGTH_KEYS = ("input_ids", "inputs_embeds", "labels")
 _CACHE_KEYS = ("cache", "cache_params", "past_key_values")
+# the upstream layers whose forward returns (hidden_states, None) rather than hidden_states
+_RETURNS_PAIR = frozenset({"hf_recurrent_gemma"})
 
 
 def _hf_classes() -> set[str]:
@@ -138,8 +141,10 @@ class PackedMixer(nn.Module):
         params = self._batch.params
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)   # (cache, mask) positionally
         if params is None and _has_padding(mask):       # packed + padding: refused by the model's hook
-            return self._padded(hidden_states, mask.bool())
-        return self.mixer(hidden_states, packed_seq_params=params)
+            out = self._padded(hidden_states, mask.bool())
+        else:
+            out = self.mixer(hidden_states, packed_seq_params=params)
+        return (out, None) if self.source in _RETURNS_PAIR else out
 
     def _padded(self, hidden_states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         params = PackedSeqParams.from_lengths(keep.sum(1))
