@@ -15,8 +15,9 @@ from .layers import (
     KDAMixer,
     Mamba1Mixer,
     Mamba2Mixer,
+    RGLRUMixer,
 )
 from .model import HybridLM
 
 __all__ = ["AttentionMixer", "GatedDeltaNetMixer", "GatedDeltaProductMixer", "GatedShortConvMixer", "HybridLM",
-           "KDAMixer", "Mamba1Mixer", "Mamba2Mixer"]
+           "KDAMixer", "Mamba1Mixer", "Mamba2Mixer", "RGLRUMixer"]

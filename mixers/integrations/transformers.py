@@ -7,8 +7,9 @@ apart (the state of one document flows into the next). ``enable_packing`` swaps 
 SSM / linear-attention layer that :mod:`mixers.checkpoints` reads (Mamba2 and the Mamba2 blocks
 of Bamba / NemotronH / GraniteMoeHybrid / FalconH1 / Zamba2, the gated delta nets of Qwen3-Next /
 Qwen3.5 / OLMo-hybrid, Kimi-Linear's KDA, the gated short conv of LFM2 / LFM3 / LFM2-MoE, the
-Mamba-1 layers of Mamba / Falcon-Mamba / Jamba) for our mixer holding the same weights, and reads
-the boundaries the collator passes to the model (``cu_seq_lens_q`` / ``cu_seq_lens_k``,
+Mamba-1 layers of Mamba / Falcon-Mamba / Jamba, RecurrentGemma's recurrent block, whose
+forward returns ``(hidden_states, None)``: the swapped layer answers in kind) for our mixer holding
+the same weights, and reads the boundaries the collator passes to the model (``cu_seq_lens_q`` / ``cu_seq_lens_k``,
 ``seq_idx``, ``position_ids`` restarts) once per forward, so every document starts from a zero
 state. Attention layers stay Hugging Face's, and the model's ``attn_implementation`` is wrapped
 (:mod:`.hf_attention`): a packed call attends within each
@@ -41,6 +42,8 @@ from .hf_state_dict import check_whole_load, load_upstream, save_upstream
 _BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
 _LENGTH_KEYS = ("input_ids", "inputs_embeds", "labels")
 _CACHE_KEYS = ("cache", "cache_params", "past_key_values")
+# the upstream layers whose forward returns (hidden_states, None) rather than hidden_states
+_RETURNS_PAIR = frozenset({"hf_recurrent_gemma"})
 
 
 def _hf_classes() -> set[str]:
@@ -140,8 +143,10 @@ class PackedMixer(nn.Module):
         params = self._batch.params
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)   # (cache, mask) positionally
         if params is None and _has_padding(mask):       # packed + padding: refused by the model's hook
-            return self._padded(hidden_states, mask.bool())
-        return self.mixer(hidden_states, packed_seq_params=params)
+            out = self._padded(hidden_states, mask.bool())
+        else:
+            out = self.mixer(hidden_states, packed_seq_params=params)
+        return (out, None) if self.source in _RETURNS_PAIR else out
 
     def _padded(self, hidden_states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         params = PackedSeqParams.from_lengths(keep.sum(1))

@@ -14,6 +14,7 @@ from .gated_short_conv import GatedShortConvConfig
 from .kda import KDAConfig
 from .mamba1 import Mamba1Config
 from .mamba2 import Mamba2Config
+from .rg_lru import RGLRUConfig
 
 __all__ = ["AttentionConfig", "DeltaConfig", "GatedDeltaNetConfig", "GatedDeltaProductConfig",
-           "GatedShortConvConfig", "KDAConfig", "Mamba1Config", "Mamba2Config"]
+           "GatedShortConvConfig", "KDAConfig", "Mamba1Config", "Mamba2Config", "RGLRUConfig"]

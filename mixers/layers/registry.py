@@ -28,6 +28,7 @@ from .gated_short_conv import GatedShortConvMixer
 from .kda import KDAMixer
 from .mamba1 import Mamba1Mixer
 from .mamba2 import Mamba2Mixer
+from .rg_lru import RGLRUMixer
 
 CACHES = {
     "state": "fixed-size states per slot (short-conv windows and a recurrent state), whatever the length",
@@ -85,7 +86,7 @@ def register(kind: MixerKind) -> MixerKind:
 
 
 def letters() -> str:
-    """Every registered letter, in registration order (``"MGKPACS"``)."""
+    """Every registered letter, in registration order (``"MGKPACSR"``)."""
     return "".join(MIXERS)
 
 
@@ -108,3 +109,4 @@ register(MixerKind("P", "Gated DeltaProduct", GatedDeltaProductMixer, "state", (
 register(MixerKind("A", "attention", AttentionMixer, "kv", small={"head_dim": 16}))
 register(MixerKind("C", "gated short conv", GatedShortConvMixer, "state", ("lfm2",)))
 register(MixerKind("S", "Mamba-1 selective scan", Mamba1Mixer, "state", ("mamba1",), small={"state_size": 8}))
+register(MixerKind("R", "RG-LRU", RGLRUMixer, "state", ("recurrent_gemma",), small={"num_heads": 2}))

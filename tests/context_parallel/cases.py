@@ -24,12 +24,13 @@ SMALL = {"M": {"head_dim": 4, "state_size": 4, "chunk_size": 8, "expand": 1},
          "G": {"head_dim": 4, "chunk_size": 8, "num_heads": 2, "num_v_heads": 4},
          "K": {"head_dim": 4, "chunk_size": 8, "num_heads": 2}, "P": {"head_dim": 4, "chunk_size": 8, "num_heads": 2},
          "A": {"head_dim": 4, "num_heads": 4, "num_kv_heads": 2}, "C": {"conv_size": 4, "conv_bias": True},
-         "S": {"state_size": 4, "chunk_size": 8, "expand": 1, "dt_bc_norm": "weighted"}}
-OPS = ("conv", "ssd", "selective_scan", "gdn", "kda", "gdp", "attention", "attention_window", "attention_varlen_attn",
-       "attention_flash_window")
+         "S": {"state_size": 4, "chunk_size": 8, "expand": 1, "dt_bc_norm": "weighted"},
+         "R": {"conv_size": 4, "num_heads": 2}}
+OPS = ("conv", "ssd", "selective_scan", "gdn", "kda", "gdp", "rg_lru", "attention", "attention_window",
+       "attention_varlen_attn", "attention_flash_window")
 # attention under the CUDA device policy on fakes (tests/support/fakes.py), fp16: (the installed kernel, window)
 KERNEL_ATTENTION = {"attention_varlen_attn": ("torch_varlen", None), "attention_flash_window": ("flash_attn", (5, 0))}
-MIXERS = ("M", "G", "K", "P", "A", "C", "S")
+MIXERS = ("M", "G", "K", "P", "A", "C", "S", "R")
 HIDDEN, CONV_DIM, WIDTH = 16, 6, 4
 
 
@@ -161,6 +162,10 @@ def op_inputs(subject: str, total: int, docs: int, seed: int) -> dict:
         if subject != "gdp":     # Gated DeltaProduct without a gate (the mixer case runs one)
             row["g"] = -F.softplus(_rand(g, *gate)) * 0.5
         shared.update(h0=_rand(g, docs, hv, kd, vd) * 0.5, w_final=_rand(g, docs, hv, kd, vd))
+    elif subject == "rg_lru":
+        row.update(x=_rand(g, 1, total, CONV_DIM), gate_x=_rand(g, 1, total, CONV_DIM),
+                   gate_a=_rand(g, 1, total, CONV_DIM), w_out=_rand(g, 1, total, CONV_DIM))
+        shared.update(recurrent_param=_rand(g, CONV_DIM), h0=_rand(g, docs, CONV_DIM), w_final=_rand(g, docs, CONV_DIM))
     else:
         d = 8 if subject in KERNEL_ATTENTION else 4         # varlen_attn: head dims a multiple of 8
         row.update(q=_rand(g, total, 4, d), k=_rand(g, total, 2, d), v=_rand(g, total, 2, d),
@@ -212,6 +217,7 @@ def run_op(subject, inputs, varlen, lo, hi) -> dict:
         chunk_gated_delta_rule,
         chunk_kda,
         mamba_chunk_scan_combined,
+        rg_lru,
         selective_scan_fn,
         varlen_attention,
     )
@@ -239,6 +245,11 @@ def run_op(subject, inputs, varlen, lo, hi) -> dict:
             out, states = chunk_gated_delta_product(*args, 2, **kw)
         else:
             out, states = (chunk_gated_delta_rule if subject == "gdn" else chunk_kda)(*args, **kw)
+    elif subject == "rg_lru":     # documents 1, 4, ... start fresh, the others continue their initial state
+        continues = torch.arange(shared["h0"].shape[0]) % 3 != 1
+        out, states = rg_lru(row["x"], row["gate_x"], row["gate_a"], shared["recurrent_param"],
+                             initial_state=shared["h0"], continues=continues, output_final_state=True,
+                             cu_seqlens=varlen)
     else:
         window = (5, 0) if subject == "attention_window" else KERNEL_ATTENTION.get(subject, (None, None))[1]
         with cuda_policy(subject, varlen) as calls:
@@ -306,7 +317,7 @@ def run_module(subject, module, inputs, params, lo, hi) -> dict:
 
 def poison(subject: str, inputs: dict, token: int) -> dict:
     """A NaN in one input of one token (x for the conv and SSD, k for the delta rule, q for attention)."""
-    key = {"conv": "x", "ssd": "x", "selective_scan": "u"}.get(subject) or (
+    key = {"conv": "x", "ssd": "x", "selective_scan": "u", "rg_lru": "x"}.get(subject) or (
         "q" if subject.startswith("attention") else "k")
     t = inputs["row"][key].clone()
     if subject in ("conv", "selective_scan"):

@@ -38,7 +38,7 @@ DECAY_PARAMS, DECAY_REL = ("A_log", "dt_bias", "D"), 2e-4
 FP16_REL = 1e-3
 ROW_KEYS = ("out", "grad_x", "grad_u", "grad_delta",
             "grad_q", "grad_k", "grad_v", "grad_g", "grad_beta", "grad_dt", "grad_B", "grad_C",
-            "grad_z")
+            "grad_z", "grad_gate_x", "grad_gate_a")
 CASES = [(world, *c) for world in WORLDS for c in all_cases(world)]
 
 
@@ -106,7 +106,8 @@ def test_cp_equals_single_process(ranks, world, case_id, subject, kind, seed):
     fp32, fp16 = subject == "model32", subject in KERNEL_ATTENTION
     ref = run_subject("model" if fp32 else subject, lay, lay.params(), 0, lay.total, seed)     # fp64
     errors = _compare(subject, per_rank, ref, _rel_rms if fp32 or fp16 else _max_err)
-    expected = {"out"} | ({"states", "grad_h0"} if subject in ("conv", "ssd", "gdn", "kda", "gdp") else set()) | \
+    with_states = ("conv", "ssd", "gdn", "kda", "gdp", "rg_lru")
+    expected = {"out"} | ({"states", "grad_h0"} if subject in with_states else set()) | \
         ({"loss", "grad_x"} if subject.startswith("model") else set())
     assert expected <= set(errors), f"missing comparisons: {expected - set(errors)}"
     limits = dict.fromkeys(errors, FP16_REL if fp16 else TOL)
@@ -211,4 +212,4 @@ def test_bytes_follow_the_plan(ranks, subject):
 
 def test_every_op_and_mixer_is_covered():
     subjects = {c[2] for c in CASES}
-    assert set(OPS) | {"M", "G", "K", "P", "A", "C", "S", "model", "model32"} <= subjects
+    assert set(OPS) | {"M", "G", "K", "P", "A", "C", "S", "R", "model", "model32"} <= subjects

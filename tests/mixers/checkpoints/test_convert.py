@@ -24,6 +24,7 @@ from mixers.layers import (
     KDAConfig,
     Mamba1Config,
     Mamba2Config,
+    RGLRUConfig,
 )
 from tests.mixers.checkpoints.upstream import BUILDERS, falcon_h1_config
 
@@ -39,6 +40,7 @@ CONFIGS = {
     "hf_mamba": Mamba1Config(32, state_size=8, dt_rank=3, proj_bias=True),
     "hf_falcon_mamba": Mamba1Config(32, state_size=8, conv_bias=False, dt_bc_norm="weightless"),
     "hf_jamba": Mamba1Config(32, d_inner=48, state_size=4, dt_bc_norm="weighted", norm_eps=1e-5),
+    "hf_recurrent_gemma": RGLRUConfig(32, lru_width=48, num_heads=4),
 }
 
 
@@ -471,3 +473,64 @@ def test_mamba1_norm_option_must_match_the_family_going_back(source, norm):
     from mixers import Mamba1Mixer
     with pytest.raises(ValueError, match=f"our config has dt_bc_norm={norm!r}"):
         to_state_dict(Mamba1Mixer(config=Mamba1Config(32, dt_bc_norm=norm)), source)
+
+
+def _recurrent_gemma_with(monkeypatch, edit):
+    from tests.mixers.checkpoints.upstream import hf_recurrent_gemma
+    module = hf_recurrent_gemma(monkeypatch)
+    edit(module)
+    return module
+
+
+def _rg_no_out_bias(m):
+    m.linear_out.bias = None
+
+
+def _rg_grouped_conv(m):
+    m.conv_1d = torch.nn.Conv1d(48, 48, 4, groups=12, padding=3)
+
+
+def _rg_strided_conv(m):
+    m.conv_1d = torch.nn.Conv1d(48, 48, 4, groups=48, padding=3, stride=2)
+
+
+def _rg_reflect_conv(m):
+    m.conv_1d = torch.nn.Conv1d(48, 48, 4, groups=48, padding=3, padding_mode="reflect")
+
+
+def _rg_centred_conv(m):
+    m.conv_1d = torch.nn.Conv1d(48, 48, 4, groups=48, padding=1)
+
+
+def _rg_conv_without_bias(m):
+    m.conv_1d = torch.nn.Conv1d(48, 48, 4, groups=48, padding=3, bias=False)
+
+
+def _rg_relu(m):
+    m.act_fn = torch.nn.ReLU()
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    pytest.param(_rg_no_out_bias, "linear_out has no bias", id="linear-without-bias"),
+    pytest.param(_rg_grouped_conv, r"not depthwise \(in_channels=48, out_channels=48, groups=12\)", id="grouped"),
+    pytest.param(_rg_strided_conv, r"stride=\(2,\)", id="strided"),
+    pytest.param(_rg_reflect_conv, "pads with 'reflect'", id="reflect"),
+    pytest.param(_rg_centred_conv, r"padding is \(1,\) for kernel_size 4", id="not-causal"),
+    pytest.param(_rg_conv_without_bias, "the conv has no bias", id="conv-without-bias"),
+    pytest.param(_rg_relu, "activation ReLU is neither the tanh nor the exact GeLU", id="activation"),
+])
+def test_recurrent_gemma_options_our_mixer_cannot_represent_are_refused(monkeypatch, edit, match):
+    with pytest.raises(ValueError, match=f"RecurrentGemmaRecurrentBlock: .*{match}.*nothing was converted"):
+        from_module(_recurrent_gemma_with(monkeypatch, edit))
+
+
+def test_recurrent_gemma_reads_its_exact_gelu(monkeypatch):
+    from tests.mixers.checkpoints.upstream import hf_recurrent_gemma
+    assert from_module(hf_recurrent_gemma(monkeypatch, hidden_activation="gelu")).config.activation == "gelu"
+    assert from_module(hf_recurrent_gemma(monkeypatch)).config.activation == "gelu_pytorch_tanh"
+
+
+def test_recurrent_gemma_fixes_the_decay_exponent_going_back():
+    from mixers import RGLRUMixer
+    with pytest.raises(ValueError, match="scale=4.0.*fixes the decay exponent at 8.0"):
+        to_state_dict(RGLRUMixer(config=RGLRUConfig(32, scale=4.0)), "hf_recurrent_gemma")

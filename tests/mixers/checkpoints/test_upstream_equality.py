@@ -35,12 +35,13 @@ TOLERANCES_FP32 = {
     "hf_lfm3": (1e-6, 1e-5, 0.0),
     "hf_olmo_hybrid": (1e-6, 1e-5, 2e-4),
     "hf_lfm2_moe": (1e-6, 1e-5, 0.0),
+    "hf_recurrent_gemma": (1e-6, 1e-5, 1e-5),      # measured 1.3e-7, 2.7e-7, 2.0e-7
     "hf_zamba2": (1e-6, 1e-5, 2e-4),
     "hf_mamba": (1e-6, 1e-5, 2e-4),
     "hf_falcon_mamba": (1e-6, 1e-5, 2e-4),
     "hf_jamba": (1e-6, 1e-5, 2e-4),
 }
-DECAY = ("A_log", "dt_bias")
+DECAY = ("A_log", "dt_bias", "recurrent_param")
 
 
 def _length(name):
@@ -89,11 +90,14 @@ def test_converted_mixer_equals_upstream(monkeypatch, name):
 @pytest.mark.parametrize("name", CASES)
 def test_a_misplaced_head_is_caught(monkeypatch, name):
     """Negative control: the plausible converter bug (one head's rows of the first projection in
-    the wrong place; LFM2: its B, C and x chunks in another order) must break the comparison above."""
+    the wrong place; LFM2: its B, C and x chunks in another order; RecurrentGemma: one gate block of
+    linear_x) must break the comparison above."""
     upstream = BUILDERS[name](monkeypatch)
     ours = from_module(upstream, backend="reference")
-    weight = (ours.in_proj if hasattr(ours, "in_proj") else ours.q_proj).weight
-    head = getattr(ours.config, "head_dim", ours.config.hidden_size)   # LFM2: in_proj's [B | C | x] rotated
+    first = next(getattr(ours, n) for n in ("in_proj", "q_proj", "linear_x") if hasattr(ours, n))
+    weight = first.weight
+    head = getattr(ours.config, "head_dim", None) or getattr(ours.config, "block_width", None) \
+        or ours.config.hidden_size               # LFM2: in_proj's [B | C | x] rotated; RG-LRU: a gate block
     with torch.no_grad():
         weight.copy_(torch.roll(weight, head, dims=0))
     forward, _, _ = measure(upstream, ours, _length(name))

@@ -194,13 +194,25 @@ def _mamba1_map(m) -> dict[str, torch.Tensor]:
     return out
 
 
+def _recurrent_gemma_map(m) -> dict[str, torch.Tensor]:
+    lru = m.rg_lru
+    return {"linear_y.weight": m.linear_y.weight, "linear_y.bias": m.linear_y.bias,
+            "linear_x.weight": m.linear_x.weight, "linear_x.bias": m.linear_x.bias,
+            "conv.weight": m.conv_1d.weight, "conv.bias": m.conv_1d.bias,
+            "input_gate_weight": lru.input_gate_weight, "input_gate_bias": lru.input_gate_bias,
+            "recurrent_gate_weight": lru.recurrent_gate_weight, "recurrent_gate_bias": lru.recurrent_gate_bias,
+            "recurrent_param": lru.recurrent_param,
+            "linear_out.weight": m.linear_out.weight, "linear_out.bias": m.linear_out.bias}
+
+
 HAND_MAPS = {"hf_mamba2": _hf_mamba2_map, "hf_bamba": _hf_mamba2_map, "hf_nemotron_h": _hf_mamba2_map,
              "hf_granite": _hf_mamba2_map, "hf_falcon_h1": _hf_mamba2_map, "hf_qwen3_next": _qwen3_next_map,
              "hf_qwen3_5": _qwen3_5_map, "hf_qwen3_5_moe": _qwen3_5_map,
              "hf_kimi_linear": _kimi_map, "fla_gdn": _fla_map, "fla_gdn_neg": _fla_map, "fla_kda": _fla_map,
              "fla_gdp": _fla_map, "hf_lfm2": _lfm2_map, "hf_lfm3": _lfm2_map, "hf_olmo_hybrid": _olmo_hybrid_map,
              "hf_lfm2_moe": _lfm2_map, "hf_zamba2": _hf_mamba2_map,
-             "hf_mamba": _mamba1_map, "hf_falcon_mamba": _mamba1_map, "hf_jamba": _mamba1_map}
+             "hf_mamba": _mamba1_map, "hf_falcon_mamba": _mamba1_map, "hf_jamba": _mamba1_map,
+             "hf_recurrent_gemma": _recurrent_gemma_map}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, id=n) for n in BUILDERS])

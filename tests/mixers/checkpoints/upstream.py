@@ -354,6 +354,39 @@ def hf_jamba(monkeypatch):
     return _hf_mamba1("jamba", "JambaMambaMixer")
 
 
+def recurrent_gemma_config(**overrides):
+    t = _quiet_transformers()
+    kwargs = dict(hidden_size=HIDDEN, lru_width=48, num_attention_heads=4, num_key_value_heads=1, conv1d_width=4,
+                  num_hidden_layers=2, block_types=["recurrent", "attention"], vocab_size=64, head_dim=8,
+                  intermediate_size=64)
+    return t.RecurrentGemmaConfig(**{**kwargs, **overrides})
+
+
+def hf_recurrent_gemma(monkeypatch, **overrides):
+    """RecurrentGemma's recurrent block (lru_width 48 > hidden 32, 4 gate blocks of 12), called as its
+    decoder layer calls it on one unpacked sequence per row: positions 0.., no cache."""
+    _quiet_transformers()
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRecurrentBlock
+    module = RecurrentGemmaRecurrentBlock(recurrent_gemma_config(**overrides), 0)
+    lru = module.rg_lru                         # its parameters are torch.empty until a model initialises them
+    with torch.no_grad():
+        for name in ("input_gate_weight", "recurrent_gate_weight"):
+            getattr(lru, name).normal_(0.0, lru.block_width ** -0.5)
+        for name in ("input_gate_bias", "recurrent_gate_bias"):
+            getattr(lru, name).zero_()
+        a = torch.empty_like(lru.recurrent_param).uniform_(0.9 ** 2, 0.999 ** 2).sqrt()
+        lru.recurrent_param.copy_(torch.log(1 / a - 1))     # a = sigmoid(-recurrent_param) in [0.9, 0.999]
+    module = _perturb(module)
+    block = type(module)
+
+    def forward(x):
+        positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
+        return block.forward(module, x, positions, None, use_cache=False)
+
+    module.forward = forward
+    return module
+
+
 def _fla(monkeypatch, name, **kwargs):
     fla_on_cpu(monkeypatch)
     import fla.layers
@@ -382,4 +415,5 @@ BUILDERS = {"hf_mamba2": hf_mamba2, "hf_bamba": hf_bamba, "hf_nemotron_h": hf_ne
             "hf_qwen3_5_moe": hf_qwen3_5_moe, "hf_kimi_linear": hf_kimi_linear,
             "fla_gdn": fla_gdn, "fla_gdn_neg": fla_gdn_neg, "fla_kda": fla_kda, "fla_gdp": fla_gdp, "hf_lfm2": hf_lfm2,
             "hf_lfm3": hf_lfm3, "hf_olmo_hybrid": hf_olmo_hybrid, "hf_lfm2_moe": hf_lfm2_moe, "hf_zamba2": hf_zamba2,
-            "hf_mamba": hf_mamba, "hf_falcon_mamba": hf_falcon_mamba, "hf_jamba": hf_jamba}
+            "hf_mamba": hf_mamba, "hf_falcon_mamba": hf_falcon_mamba, "hf_jamba": hf_jamba,
+            "hf_recurrent_gemma": hf_recurrent_gemma}

@@ -156,8 +156,20 @@ def jamba(monkeypatch, impl):
         num_experts=2, num_experts_per_tok=1, attn_implementation=impl, **SMALL))
 
 
+def recurrent_gemma(monkeypatch, impl):
+    """Griffin's pattern (two recurrent blocks, one local attention block) with a sliding window of
+    4 tokens, shorter than the test documents; 4 gate blocks. lru_width stays hidden_size: with another
+    width the unpatched model's one-token (decode-branch) call fails, its conv state being sized for
+    hidden_size (the converter tests cover lru_width 48)."""
+    return transformers.RecurrentGemmaForCausalLM(transformers.RecurrentGemmaConfig(
+        hidden_size=32, lru_width=32, intermediate_size=64, num_hidden_layers=3, head_dim=8, conv1d_width=4,
+        block_types=["recurrent", "recurrent", "attention"], attention_window_size=4, attn_implementation=impl,
+        **{**SMALL, "num_attention_heads": 4}))
+
+
 FACTORIES = {f.__name__: f for f in (mamba2, bamba, nemotron_h, granite, falcon_h1, qwen3_next, qwen3_5, kimi_linear,
-                                     lfm2, zamba2, lfm3, lfm2_moe, olmo_hybrid, mamba, falcon_mamba, jamba)}
+                                     lfm2, zamba2, lfm3, lfm2_moe, olmo_hybrid, mamba, falcon_mamba, jamba,
+                                     recurrent_gemma)}
 
 
 def build(name: str, monkeypatch, impl: str = "sdpa") -> torch.nn.Module:

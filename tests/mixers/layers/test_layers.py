@@ -12,6 +12,7 @@ from mixers import (
     KDAMixer,
     Mamba1Mixer,
     Mamba2Mixer,
+    RGLRUMixer,
 )
 from mixers.layers import AttentionConfig, GatedDeltaNetConfig, KDAConfig, Mamba2Config
 from ssm_pack import PackedSeqParams
@@ -32,6 +33,7 @@ LAYERS = {
     "gated_short_conv": lambda backend="auto": GatedShortConvMixer(HIDDEN, conv_bias=True, backend=backend),
     "mamba1": lambda backend="auto": Mamba1Mixer(HIDDEN, state_size=4, chunk_size=8, dt_bc_norm="weighted",
                                                  backend=backend),
+    "rg_lru": lambda backend="auto": RGLRUMixer(HIDDEN, num_heads=4, backend=backend),
 }
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 

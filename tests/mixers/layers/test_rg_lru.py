@@ -1,0 +1,156 @@
+"""RGLRUMixer (Griffin's recurrent block, RecurrentGemma's RecurrentGemmaRecurrentBlock): a packed row
+equals the five steps of its spec run on each document alone, outputs and every gradient; dropping
+the packing metadata leaks (the negative control); decoding with a cache equals recomputing the
+whole sequence, fresh slots included."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixers import HybridLM, RGLRUMixer
+from mixers.layers import RGLRUConfig
+from ssm_pack import PackedSeqParams, get_cu_seqlens
+from tests.support.oracles import check_grads
+
+HIDDEN = 16
+
+
+def naive_rg_lru_block(module: RGLRUMixer, h: torch.Tensor) -> torch.Tensor:
+    """The spec on ONE document ``h [T, D]``, token by token and block by block (no shared code)."""
+    c = module.config
+    y = F.gelu(h @ module.linear_y.weight.T + module.linear_y.bias, approximate="tanh")
+    u = h @ module.linear_x.weight.T + module.linear_x.bias
+    w = module.conv.weight[:, 0]
+    state = torch.zeros(c.lru_width, dtype=h.dtype)
+    rows = []
+    for t in range(h.shape[0]):
+        x = module.conv.bias.clone()
+        for j in range(c.conv_size):
+            if t - (c.conv_size - 1) + j >= 0:
+                x = x + w[:, j] * u[t - (c.conv_size - 1) + j]
+        gx, ga = [], []
+        for k in range(c.num_heads):
+            block = x[k * c.block_width:(k + 1) * c.block_width]
+            gx.append(block @ module.input_gate_weight[k] + module.input_gate_bias[k])
+            ga.append(block @ module.recurrent_gate_weight[k] + module.recurrent_gate_bias[k])
+        i, r = torch.sigmoid(torch.cat(gx)), torch.sigmoid(torch.cat(ga))
+        log_a = -c.scale * r * F.softplus(module.recurrent_param)
+        if t == 0:
+            state = x * i
+        else:
+            state = torch.exp(log_a) * state + torch.sqrt(1 - torch.exp(2 * log_a)) * (x * i)
+        rows.append(state)
+    v = torch.stack(rows) if rows else u[:0]
+    return (v * y) @ module.linear_out.weight.T + module.linear_out.bias
+
+
+def _mixer(seed=0, **overrides):
+    torch.manual_seed(seed)
+    mixer = RGLRUMixer(HIDDEN, backend="reference", **{"num_heads": 4, **overrides}).double()
+    with torch.no_grad():                            # biases away from their zero inits
+        for p in mixer.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return mixer
+
+
+CASES = [
+    pytest.param([1, 2, 3, 4, 7, 40], 1, 0, {}, id="grid-1-2-W-1-W"),
+    pytest.param([5, 0, 1, 33, 0, 9], 4, 3, {}, id="empty-docs-padded-to-4-tail"),
+    pytest.param([3, 17, 1, 2], 1, 2, {"lru_width": 24, "num_heads": 3, "conv_size": 3}, id="wider-lru-width3"),
+    pytest.param([1, 2, 1, 3] * 15, 2, 1, {}, id="many-tiny-documents"),
+]
+
+
+@pytest.mark.parametrize(("lengths", "pad", "tail", "overrides"), CASES)
+def test_packed_equals_the_spec_per_document(lengths, pad, tail, overrides):
+    mixer = _mixer(**overrides)
+    params = PackedSeqParams.from_lengths(lengths, pad_to_multiple_of=pad)
+    starts = get_cu_seqlens(params).tolist()                       # the physical layout
+    total = starts[-1] + tail
+    params = PackedSeqParams.from_lengths(lengths, pad_to_multiple_of=pad, total_tokens=total)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, total, HIDDEN, generator=g, dtype=torch.float64, requires_grad=True)
+    w_out = torch.randn(1, total, HIDDEN, generator=g, dtype=torch.float64)
+    out = mixer(x, params)
+    keep = torch.zeros(total, dtype=torch.bool)
+    for s, n in zip(starts, lengths):
+        keep[s:s + n] = True
+    loss = (out[0, keep] * w_out[0, keep]).sum()
+
+    ref_x = x.detach().clone().requires_grad_(True)
+    want = torch.cat([naive_rg_lru_block(mixer, ref_x[0, s:s + n]) for s, n in zip(starts, lengths)])
+    assert float((out[0, keep] - want).abs().max().detach()) <= 1e-12
+    ref_loss = (want * w_out[0, keep]).sum()
+    named = dict(mixer.named_parameters())
+    check_grads(loss, ref_loss, {"x": x, **named}, {"x": ref_x, **named}, torch.float64, what="rg_lru block")
+
+
+def test_without_the_metadata_the_documents_leak():
+    """Negative control of the test above: the same row as one sequence is not the per-document result."""
+    mixer = _mixer()
+    x = torch.randn(1, 14, HIDDEN, dtype=torch.float64)
+    with torch.no_grad():
+        want = torch.cat([naive_rg_lru_block(mixer, x[0, :5]), naive_rg_lru_block(mixer, x[0, 5:])])
+        assert float((mixer(x, PackedSeqParams.from_lengths([5, 9]))[0] - want).abs().max()) <= 1e-12
+        assert float((mixer(x)[0] - want).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("lengths", [pytest.param([1, 6, 2], id="short"), pytest.param([9, 4, 13], id="uneven")])
+def test_decoding_with_a_cache_equals_recomputing(lengths):
+    """A packed prefill of every sequence but its last 3 tokens, then 3 decode steps == the mixer on
+    each whole sequence (fp64); then a fresh slot decoding its first token == the mixer on it."""
+    mixer = _mixer()
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randn(n + 3, HIDDEN, generator=g, dtype=torch.float64) for n in lengths]
+    cache = mixer.allocate_inference_cache(len(seqs) + 1, max(lengths) + 3)
+    slots = torch.arange(len(seqs))
+    prompt = torch.cat([s[:-3] for s in seqs])[None]
+    with torch.no_grad():
+        got = list(mixer(prompt, PackedSeqParams.from_lengths(lengths), cache=cache, cache_slots=slots)[0]
+                   .split(lengths))
+        steps = [mixer(torch.stack([s[n + k] for s, n in zip(seqs, lengths)])[:, None], cache=cache,
+                       cache_slots=slots)[:, 0] for k in range(3)]
+        for i, s in enumerate(seqs):
+            mine = torch.cat([got[i]] + [step[i:i + 1] for step in steps])
+            assert float((mine - mixer(s[None])[0]).abs().max()) <= 1e-12, i
+        first = seqs[0][:1, None]
+        fresh = mixer(first, cache=cache, cache_slots=[len(seqs)])
+        assert float((fresh - mixer(first)).abs().max()) <= 1e-12
+
+
+def test_a_continuing_chunk_equals_the_whole():
+    """A packed call of two prompts' first halves, then a packed call of their second halves."""
+    mixer = _mixer()
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randn(n, HIDDEN, generator=g, dtype=torch.float64) for n in (7, 4)]
+    cache = mixer.allocate_inference_cache(2, 16)
+    with torch.no_grad():
+        a = mixer(torch.cat([seqs[0][:3], seqs[1][:2]])[None], PackedSeqParams.from_lengths([3, 2]), cache=cache,
+                  cache_slots=[0, 1])[0]
+        b = mixer(torch.cat([seqs[0][3:], seqs[1][2:]])[None], PackedSeqParams.from_lengths([4, 2]), cache=cache,
+                  cache_slots=[0, 1])[0]
+        whole = [mixer(s[None])[0] for s in seqs]
+    assert float((torch.cat([a[:3], b[:4]]) - whole[0]).abs().max()) <= 1e-12
+    assert float((torch.cat([a[3:], b[4:]]) - whole[1]).abs().max()) <= 1e-12
+
+
+def test_hybrid_lm_takes_the_letter():
+    torch.manual_seed(0)
+    model = HybridLM(32, HIDDEN, "RAR", mixer_overrides={"A": {"head_dim": 8}}).double()
+    assert isinstance(model.blocks[0].mixer, RGLRUMixer)
+    ids = torch.randint(0, 32, (1, 14))
+    out = model(ids, PackedSeqParams.from_lengths([6, 8]), labels=ids)
+    out["loss"].backward()
+    assert torch.isfinite(out["loss"]) and model.blocks[2].mixer.recurrent_param.grad is not None
+
+
+@pytest.mark.parametrize(("overrides", "error", "match"), [
+    pytest.param({"conv_size": 0}, ValueError, "conv_size", id="width-0"),
+    pytest.param({"num_heads": 3}, ValueError, "num_heads=3 must divide lru_width=16", id="heads"),
+    pytest.param({"scale": 0.0}, ValueError, "scale must be a positive number", id="scale"),
+    pytest.param({"activation": "relu"}, ValueError, "activation must be one of", id="activation"),
+    pytest.param({"lru_width": -2}, ValueError, "lru_width must be >= 1", id="width"),
+])
+def test_bad_config_is_refused(overrides, error, match):
+    with pytest.raises(error, match=match):
+        RGLRUConfig(hidden_size=HIDDEN, **overrides)
