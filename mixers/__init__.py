@@ -13,9 +13,10 @@ from .layers import (
     GatedDeltaProductMixer,
     GatedShortConvMixer,
     KDAMixer,
+    LightningMixer,
     Mamba2Mixer,
 )
 from .model import HybridLM
 
 __all__ = ["AttentionMixer", "GatedDeltaNetMixer", "GatedDeltaProductMixer", "GatedShortConvMixer", "HybridLM",
-           "KDAMixer", "Mamba2Mixer"]
+           "KDAMixer", "LightningMixer", "Mamba2Mixer"]

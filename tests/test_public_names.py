@@ -39,14 +39,14 @@ PUBLIC = {
     "ssm_pack.__main__": ("main", "support_matrix"),
     "mixers": (
         "AttentionMixer", "GatedDeltaNetMixer", "GatedDeltaProductMixer", "GatedShortConvMixer", "HybridLM", "KDAMixer",
-        "Mamba2Mixer",
+        "LightningMixer", "Mamba2Mixer",
     ),
     "mixers.ops": (
         "attention_with_kvcache", "causal_conv1d_fn", "causal_conv1d_update", "chunk_gated_delta_product",
-        "chunk_gated_delta_rule", "chunk_kda", "fused_recurrent_gated_delta_product",
-        "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "gated_delta_product_step",
-        "gated_delta_rule_step", "kda_step", "mamba_chunk_scan_combined", "segment_attention",
-        "selective_state_update", "varlen_attention",
+        "chunk_gated_delta_rule", "chunk_kda", "chunk_simple_gla", "fused_recurrent_gated_delta_product",
+        "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "fused_recurrent_simple_gla",
+        "gated_delta_product_step", "gated_delta_rule_step", "kda_step", "mamba_chunk_scan_combined",
+        "segment_attention", "selective_state_update", "varlen_attention",
     ),
     "mixers.ops.device_policy": (
         "ENV_VAR", "POLICIES", "branch_free_isolation", "device_policy", "forced_policy", "policy_for",
@@ -55,11 +55,11 @@ PUBLIC = {
     "mixers.layers": (
         "AttentionConfig", "AttentionMixer", "GatedDeltaNetConfig", "GatedDeltaNetMixer", "GatedDeltaProductConfig",
         "GatedDeltaProductMixer", "GatedRMSNorm", "GatedShortConvConfig", "GatedShortConvMixer", "KDAConfig",
-        "KDAMixer", "Mamba2Config", "Mamba2Mixer", "RMSNorm",
+        "KDAMixer", "LightningConfig", "LightningMixer", "Mamba2Config", "Mamba2Mixer", "RMSNorm",
     ),
     "mixers.layers.config": (
         "AttentionConfig", "GatedDeltaNetConfig", "GatedDeltaProductConfig", "GatedShortConvConfig", "KDAConfig",
-        "Mamba2Config",
+        "LightningConfig", "Mamba2Config",
     ),
     "mixers.model": ("HybridLM",),
     "mixers.carry": ("CarriedStates",),

@@ -1,7 +1,8 @@
 """Mixer layers for hybrid models, packed: ``forward(hidden_states [B, T, D], packed_seq_params=None)``.
 
 One file per mixer, holding its config and its layer (:mod:`.mamba2`, :mod:`.gated_deltanet`,
-:mod:`.kda`, :mod:`.gated_deltaproduct`, :mod:`.attention`, :mod:`.gated_short_conv`; the three delta-rule mixers share
+:mod:`.kda`, :mod:`.gated_deltaproduct`, :mod:`.attention`, :mod:`.gated_short_conv`,
+:mod:`.lightning`; the three delta-rule mixers share
 :mod:`.delta_base`); what every mixer shares in :mod:`.base` (constructor, kernel plan, metadata)
 and :mod:`.cached` (the cached forward); the building blocks in :mod:`.blocks`; the mixer
 registry (letters, Hugging Face layers, caches, converters) in :mod:`.registry`.
@@ -13,9 +14,9 @@ from .gated_deltanet import GatedDeltaNetConfig, GatedDeltaNetMixer
 from .gated_deltaproduct import GatedDeltaProductConfig, GatedDeltaProductMixer
 from .gated_short_conv import GatedShortConvConfig, GatedShortConvMixer
 from .kda import KDAConfig, KDAMixer
+from .lightning import LightningConfig, LightningMixer
 from .mamba2 import Mamba2Config, Mamba2Mixer
 
 __all__ = ["AttentionConfig", "AttentionMixer", "GatedDeltaNetConfig", "GatedDeltaNetMixer", "GatedDeltaProductConfig",
-           "GatedDeltaProductMixer", "GatedRMSNorm", "GatedShortConvConfig",
-           "GatedShortConvMixer", "KDAConfig", "KDAMixer", "Mamba2Config", "Mamba2Mixer",
-           "RMSNorm"]
+           "GatedDeltaProductMixer", "GatedRMSNorm", "GatedShortConvConfig", "GatedShortConvMixer", "KDAConfig",
+           "KDAMixer", "LightningConfig", "LightningMixer", "Mamba2Config", "Mamba2Mixer", "RMSNorm"]

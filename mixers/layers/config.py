@@ -12,7 +12,8 @@ from .gated_deltanet import GatedDeltaNetConfig
 from .gated_deltaproduct import GatedDeltaProductConfig
 from .gated_short_conv import GatedShortConvConfig
 from .kda import KDAConfig
+from .lightning import LightningConfig
 from .mamba2 import Mamba2Config
 
 __all__ = ["AttentionConfig", "DeltaConfig", "GatedDeltaNetConfig", "GatedDeltaProductConfig",
-           "GatedShortConvConfig", "KDAConfig", "Mamba2Config"]
+           "GatedShortConvConfig", "KDAConfig", "LightningConfig", "Mamba2Config"]

@@ -26,6 +26,7 @@ from .gated_deltanet import GatedDeltaNetMixer
 from .gated_deltaproduct import GatedDeltaProductMixer
 from .gated_short_conv import GatedShortConvMixer
 from .kda import KDAMixer
+from .lightning import LightningMixer
 from .mamba2 import Mamba2Mixer
 
 CACHES = {
@@ -84,7 +85,7 @@ def register(kind: MixerKind) -> MixerKind:
 
 
 def letters() -> str:
-    """Every registered letter, in registration order (``"MGKPAC"``)."""
+    """Every registered letter, in registration order (``"MGKPACL"``)."""
     return "".join(MIXERS)
 
 
@@ -106,3 +107,4 @@ register(MixerKind("K", "KDA", KDAMixer, "state", ("fla", "kimi_linear"), small=
 register(MixerKind("P", "Gated DeltaProduct", GatedDeltaProductMixer, "state", ("fla",), small={"head_dim": 16}))
 register(MixerKind("A", "attention", AttentionMixer, "kv", small={"head_dim": 16}))
 register(MixerKind("C", "gated short conv", GatedShortConvMixer, "state", ("lfm2",)))
+register(MixerKind("L", "lightning attention", LightningMixer, "state", small={"head_dim": 16}))

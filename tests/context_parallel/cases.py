@@ -23,12 +23,13 @@ from ssm_pack import PackedSeqParams, VarlenBatch
 SMALL = {"M": {"head_dim": 4, "state_size": 4, "chunk_size": 8, "expand": 1},
          "G": {"head_dim": 4, "chunk_size": 8, "num_heads": 2, "num_v_heads": 4},
          "K": {"head_dim": 4, "chunk_size": 8, "num_heads": 2}, "P": {"head_dim": 4, "chunk_size": 8, "num_heads": 2},
-         "A": {"head_dim": 4, "num_heads": 4, "num_kv_heads": 2}, "C": {"conv_size": 4, "conv_bias": True}}
+         "A": {"head_dim": 4, "num_heads": 4, "num_kv_heads": 2}, "C": {"conv_size": 4, "conv_bias": True},
+         "L": {"head_dim": 4, "chunk_size": 8}}
 OPS = ("conv", "ssd", "gdn", "kda", "gdp", "attention", "attention_window", "attention_varlen_attn",
        "attention_flash_window")
 # attention under the CUDA device policy on fakes (tests/support/fakes.py), fp16: (the installed kernel, window)
 KERNEL_ATTENTION = {"attention_varlen_attn": ("torch_varlen", None), "attention_flash_window": ("flash_attn", (5, 0))}
-MIXERS = ("M", "G", "K", "P", "A", "C")
+MIXERS = ("M", "G", "K", "P", "A", "C", "L")
 HIDDEN, CONV_DIM, WIDTH = 16, 6, 4
 
 

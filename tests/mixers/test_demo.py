@@ -99,8 +99,9 @@ def test_progress_shows_the_recent_rate_not_the_average_since_step_one():
 
 @pytest.mark.parametrize("argv,message", [
     pytest.param(["--steps", "0"], "need --steps >= 1", id="steps"),
-    pytest.param(["--pattern", "MXZ"], "--pattern must be letters of MGKPAC (M Mamba2, G Gated DeltaNet, K KDA, "
-                                       "P Gated DeltaProduct, A attention, C gated short conv; any case), got 'MXZ'",
+    pytest.param(["--pattern", "MXZ"], "--pattern must be letters of MGKPACL (M Mamba2, G Gated DeltaNet, K KDA, "
+                                       "P Gated DeltaProduct, A attention, C gated short conv, L lightning attention; "
+                                       "any case), got 'MXZ'",
                  id="pattern"),
     pytest.param(["--hidden", "30"], "--hidden 30: block 0 ('M', Mamba2Mixer) cannot be built: head_dim=16 must "
                                      "divide expand * hidden_size=60; sizes that work for pattern 'MGKPA' with these "

@@ -14,9 +14,10 @@ SMALL = {"M": {"head_dim": 8, "state_size": 4, "chunk_size": CHUNK},
          "K": {"head_dim": 8, "chunk_size": CHUNK},
          "P": {"head_dim": 8, "chunk_size": CHUNK},
          "A": {"head_dim": 8},
-         "C": {"conv_size": WIDTH, "conv_bias": True}}
+         "C": {"conv_size": WIDTH, "conv_bias": True},
+         "L": {"head_dim": 8, "chunk_size": CHUNK}}
 HIDDEN = 32
-LETTERS = [pytest.param(letter, id=MIXERS[letter].mixer.__name__) for letter in "MGKPAC"]
+LETTERS = [pytest.param(letter, id=MIXERS[letter].mixer.__name__) for letter in "MGKPACL"]
 
 
 def make_mixer(letter: str, dtype=torch.float64, seed: int = 0, backend: str = "auto"):

@@ -10,6 +10,7 @@ from mixers import (
     GatedDeltaProductMixer,
     GatedShortConvMixer,
     KDAMixer,
+    LightningMixer,
     Mamba2Mixer,
 )
 from mixers.layers import AttentionConfig, GatedDeltaNetConfig, KDAConfig, Mamba2Config
@@ -29,6 +30,7 @@ LAYERS = {
     "attention": lambda backend="auto": AttentionMixer(HIDDEN, head_dim=8, num_heads=4, num_kv_heads=2,
                                                        backend=backend),
     "gated_short_conv": lambda backend="auto": GatedShortConvMixer(HIDDEN, conv_bias=True, backend=backend),
+    "lightning": lambda backend="auto": LightningMixer(HIDDEN, head_dim=8, chunk_size=8, backend=backend),
 }
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
