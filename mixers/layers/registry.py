@@ -107,4 +107,4 @@ register(MixerKind("K", "KDA", KDAMixer, "state", ("fla", "kimi_linear"), small=
 register(MixerKind("P", "Gated DeltaProduct", GatedDeltaProductMixer, "state", ("fla",), small={"head_dim": 16}))
 register(MixerKind("A", "attention", AttentionMixer, "kv", small={"head_dim": 16}))
 register(MixerKind("C", "gated short conv", GatedShortConvMixer, "state", ("lfm2",)))
-register(MixerKind("L", "lightning attention", LightningMixer, "state", small={"head_dim": 16}))
+register(MixerKind("L", "lightning attention", LightningMixer, "state", ("minimax",), small={"head_dim": 16}))

@@ -17,7 +17,14 @@ from mixers.checkpoints import (
     to_module,
     to_state_dict,
 )
-from mixers.layers import GatedDeltaNetConfig, GatedDeltaProductConfig, GatedShortConvConfig, KDAConfig, Mamba2Config
+from mixers.layers import (
+    GatedDeltaNetConfig,
+    GatedDeltaProductConfig,
+    GatedShortConvConfig,
+    KDAConfig,
+    LightningConfig,
+    Mamba2Config,
+)
 from tests.mixers.checkpoints.upstream import BUILDERS, falcon_h1_config
 
 MAMBA = Mamba2Config(32, num_heads=3, head_dim=16, state_size=8, num_groups=3)
@@ -29,6 +36,7 @@ CONFIGS = {
     "hf_kimi_linear": KDAConfig(32, head_dim=16, num_heads=2, output_gate_bias=False),
     "fla_gdp": GatedDeltaProductConfig(32, head_dim=16, num_heads=2, num_householder=3),
     "hf_lfm2": GatedShortConvConfig(32, conv_size=3, proj_bias=True, conv_bias=True),
+    "hf_minimax": LightningConfig(32, head_dim=8, num_heads=4, layer_idx=1, num_layers=3),
 }
 
 
@@ -359,3 +367,56 @@ def test_zamba2_options_our_mixer_cannot_represent_are_refused(overrides, match)
 def test_zamba2_layer_is_read_by_its_own_source():
     pytest.importorskip("transformers")
     assert source_of(_zamba2_mixer()).name == "hf_zamba2"
+
+
+def _minimax_with(monkeypatch, edit):
+    from tests.mixers.checkpoints.upstream import hf_minimax
+    module = hf_minimax(monkeypatch)
+    edit(module)
+    return module
+
+
+def _gelu(m):
+    from transformers.activations import ACT2FN
+    m.act_fn = ACT2FN["gelu"]
+
+
+def _qkv_bias(m):
+    m.qkv_proj.bias = torch.nn.Parameter(torch.zeros(m.qkv_proj.out_features))
+
+
+def _edited_slopes(m):
+    with torch.no_grad():
+        m.slope_rate.mul_(2)
+
+
+def _layer_past_the_end(m):
+    m.layer_idx = 3
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    pytest.param(_gelu, "its activation is GELUActivation", id="not-silu"),
+    pytest.param(_qkv_bias, "qkv_proj has a bias", id="projection-bias"),
+    pytest.param(_edited_slopes, "slope_rate is not MiniMax's slopes for layer_idx=1 of num_hidden_layers=3",
+                 id="edited-slopes"),
+    pytest.param(_layer_past_the_end, "layer_idx=3 is not an index of num_hidden_layers=3", id="layer-index"),
+])
+def test_minimax_options_our_mixer_cannot_represent_are_refused(monkeypatch, edit, match):
+    with pytest.raises(ValueError, match=f"MiniMaxLightningAttention: {match}.*nothing was converted"):
+        from_module(_minimax_with(monkeypatch, edit))
+
+
+def test_minimax_round_trip_through_the_module_keeps_its_buffers(monkeypatch):
+    """from_module then to_module: the weights come back bitwise, the derived buffers (slope_rate, decay
+    tables) stay what the layer holds, and the layer's state dict is whole (every buffer key present)."""
+    from tests.mixers.checkpoints.upstream import hf_minimax
+    upstream = hf_minimax(monkeypatch)
+    before = {k: v.clone() for k, v in upstream.state_dict().items()}
+    ours = from_module(upstream, backend="reference")
+    with torch.no_grad():
+        for p in upstream.parameters():
+            p.zero_()
+    to_module(ours, upstream)
+    _assert_identical(before, upstream.state_dict())
+    assert {"slope_rate", "query_decay", "key_decay", "diagonal_decay"} <= set(before)
+

@@ -33,6 +33,7 @@ TOLERANCES_FP32 = {
     "fla_gdp": (1e-5, 1e-5, 2e-4),
     "hf_lfm2": (1e-6, 1e-5, 0.0),            # no decay parameter
     "hf_zamba2": (1e-6, 1e-5, 2e-4),
+    "hf_minimax": (1e-6, 1e-5, 0.0),         # its decay is a buffer, not a parameter
 }
 DECAY = ("A_log", "dt_bias")
 
@@ -86,7 +87,7 @@ def test_a_misplaced_head_is_caught(monkeypatch, name):
     the wrong place; LFM2: its B, C and x chunks in another order) must break the comparison above."""
     upstream = BUILDERS[name](monkeypatch)
     ours = from_module(upstream, backend="reference")
-    weight = (ours.in_proj if hasattr(ours, "in_proj") else ours.q_proj).weight
+    weight = next(getattr(ours, n) for n in ("in_proj", "q_proj", "qkv_proj") if hasattr(ours, n)).weight
     head = getattr(ours.config, "head_dim", ours.config.hidden_size)   # LFM2: in_proj's [B | C | x] rotated
     with torch.no_grad():
         weight.copy_(torch.roll(weight, head, dims=0))

@@ -177,11 +177,17 @@ def _lfm2_map(m) -> dict[str, torch.Tensor]:
             "conv.bias": m.conv.bias, "out_proj.weight": m.out_proj.weight, "out_proj.bias": m.out_proj.bias}
 
 
+def _minimax_map(m) -> dict[str, torch.Tensor]:
+    return {"qkv_proj.weight": m.qkv_proj.weight, "output_gate.weight": m.output_gate.weight,
+            "norm.weight": m.norm.weight, "out_proj.weight": m.out_proj.weight, "slope": m.slope_rate.reshape(-1)}
+
+
 HAND_MAPS = {"hf_mamba2": _hf_mamba2_map, "hf_bamba": _hf_mamba2_map, "hf_nemotron_h": _hf_mamba2_map,
              "hf_granite": _hf_mamba2_map, "hf_falcon_h1": _hf_mamba2_map, "hf_qwen3_next": _qwen3_next_map,
              "hf_qwen3_5": _qwen3_5_map, "hf_qwen3_5_moe": _qwen3_5_map,
              "hf_kimi_linear": _kimi_map, "fla_gdn": _fla_map, "fla_gdn_neg": _fla_map, "fla_kda": _fla_map,
-             "fla_gdp": _fla_map, "hf_lfm2": _lfm2_map, "hf_zamba2": _hf_mamba2_map}
+             "fla_gdp": _fla_map, "hf_lfm2": _lfm2_map, "hf_zamba2": _hf_mamba2_map,
+             "hf_minimax": _minimax_map}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, id=n) for n in BUILDERS])
