@@ -88,6 +88,7 @@ def to_upstream(sd, c: LightningConfig):
 
 HF_MINIMAX = Source(name="hf_minimax", description="transformers MiniMaxLightningAttention", mixer=LightningMixer,
                     config_type=LightningConfig, to_ours=to_ours, to_upstream=to_upstream, read_config=read_config,
-                    classes=("transformers:MiniMaxLightningAttention",), ignorable=_derived)
+                    classes=("transformers:MiniMaxLightningAttention",), ignorable=_derived,
+                    returns_pair=True)
 
 SOURCES = (HF_MINIMAX,)

@@ -6,7 +6,7 @@ Transformers' own torch paths cannot keep the documents of a ``DataCollatorWithF
 apart (the state of one document flows into the next). ``enable_packing`` swaps every
 SSM / linear-attention layer that :mod:`mixers.checkpoints` reads (Mamba2 and the Mamba2 blocks of
 Bamba / NemotronH / GraniteMoeHybrid / FalconH1 / Zamba2, Qwen3-Next's and Qwen3.5's gated delta nets,
-Kimi-Linear's KDA, LFM2's gated short conv)
+Kimi-Linear's KDA, LFM2's gated short conv, MiniMax's lightning attention)
 for our mixer holding the same weights, and reads the boundaries the collator passes to the
 model (``cu_seq_lens_q`` / ``cu_seq_lens_k``, ``seq_idx``, ``position_ids`` restarts) once per
 forward, so every document starts from a zero state. Attention layers stay Hugging Face's, and the
@@ -111,6 +111,7 @@ class PackedMixer(nn.Module):
         super().__init__()
         self.mixer = mixer
         self.source = source_of(original).name
+        self._pair = source_of(original).returns_pair     # MiniMax's layer returns (output, weights)
         self.layer_idx = getattr(original, "layer_idx", None)
         buffers = {name: b.detach().clone() for name, b in original.named_buffers()}
         self._original = (original.to("meta"), buffers)   # the HF layer without its weights' storage
@@ -138,8 +139,10 @@ class PackedMixer(nn.Module):
         params = self._batch.params
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)   # (cache, mask) positionally
         if params is None and _has_padding(mask):       # packed + padding: refused by the model's hook
-            return self._padded(hidden_states, mask.bool())
-        return self.mixer(hidden_states, packed_seq_params=params)
+            out = self._padded(hidden_states, mask.bool())
+        else:
+            out = self.mixer(hidden_states, packed_seq_params=params)
+        return (out, None) if self._pair else out
 
     def _padded(self, hidden_states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         params = PackedSeqParams.from_lengths(keep.sum(1))

@@ -101,8 +101,17 @@ def zamba2(monkeypatch, impl):
         **{**SMALL, "num_key_value_heads": 2}))
 
 
+def minimax(monkeypatch, impl):
+    """A lightning-attention layer (layer 0 of 2: full slopes), then a full-attention layer; MoE of three
+    experts, top two (so the router has gradients); MiniMax's own algorithm in blocks of 8."""
+    return transformers.MiniMaxForCausalLM(transformers.MiniMaxConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        head_dim=16, block_size=8, num_local_experts=3, num_experts_per_tok=2, sliding_window=None,
+        attn_implementation=impl, **SMALL))
+
+
 FACTORIES = {f.__name__: f for f in (mamba2, bamba, nemotron_h, granite, falcon_h1, qwen3_next, qwen3_5, kimi_linear,
-                                     lfm2, zamba2)}
+                                     lfm2, zamba2, minimax)}
 
 
 def build(name: str, monkeypatch, impl: str = "sdpa") -> torch.nn.Module:

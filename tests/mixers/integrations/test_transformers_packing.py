@@ -23,13 +23,13 @@ def _sdpa(name):
     return factory
 
 
-mamba2, qwen3_next, bamba, kimi_linear, lfm2, qwen3_5, zamba2 = (_sdpa(n) for n in (
-    "mamba2", "qwen3_next", "bamba", "kimi_linear", "lfm2", "qwen3_5", "zamba2"))
+mamba2, qwen3_next, bamba, kimi_linear, lfm2, qwen3_5, zamba2, minimax = (_sdpa(n) for n in (
+    "mamba2", "qwen3_next", "bamba", "kimi_linear", "lfm2", "qwen3_5", "zamba2", "minimax"))
 
 
 MODELS = [pytest.param(mamba2, id="mamba2"), pytest.param(qwen3_next, id="qwen3_next"),
           pytest.param(bamba, id="bamba"), pytest.param(kimi_linear, id="kimi_linear"), pytest.param(lfm2, id="lfm2"),
-          pytest.param(qwen3_5, id="qwen3_5"), pytest.param(zamba2, id="zamba2")]
+          pytest.param(qwen3_5, id="qwen3_5"), pytest.param(zamba2, id="zamba2"), pytest.param(minimax, id="minimax")]
 
 # The boundary forms each matter once per code path (they meet in one helper); every model gets
 # the collator's default (position_ids), the first two models the other forms too.
