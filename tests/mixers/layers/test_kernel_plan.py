@@ -34,7 +34,7 @@ ENVIRONMENTS = {
 CALL_OF = {"causal_conv1d": "conv", "fla_conv": "fla_conv", "mamba_ssd": "ssd", "flash_attn": "flash",
            "torch_varlen": "torch_varlen"}
 CLASS_OF = {"mamba2": "Mamba2Mixer", "gdn": "GatedDeltaNetMixer", "kda": "KDAMixer", "gdp": "GatedDeltaProductMixer",
-            "attention": "AttentionMixer", "gated_short_conv": "GatedShortConvMixer"}
+            "attention": "AttentionMixer", "gated_short_conv": "GatedShortConvMixer", "lightning": "LightningMixer"}
 
 
 class Probe(installed.Probe):
