@@ -13,6 +13,7 @@ from .layers import (
     GatedDeltaProductMixer,
     GatedShortConvMixer,
     KDAMixer,
+    LightningMixer,
     Mamba1Mixer,
     Mamba2Mixer,
     RGLRUMixer,
@@ -20,4 +21,4 @@ from .layers import (
 from .model import HybridLM
 
 __all__ = ["AttentionMixer", "GatedDeltaNetMixer", "GatedDeltaProductMixer", "GatedShortConvMixer", "HybridLM",
-           "KDAMixer", "Mamba1Mixer", "Mamba2Mixer", "RGLRUMixer"]
+           "KDAMixer", "LightningMixer", "Mamba1Mixer", "Mamba2Mixer", "RGLRUMixer"]

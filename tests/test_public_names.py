@@ -39,14 +39,15 @@ PUBLIC = {
     "ssm_pack.__main__": ("main", "support_matrix"),
     "mixers": (
         "AttentionMixer", "GatedDeltaNetMixer", "GatedDeltaProductMixer", "GatedShortConvMixer", "HybridLM", "KDAMixer",
-        "Mamba1Mixer", "Mamba2Mixer", "RGLRUMixer",
+        "LightningMixer", "Mamba1Mixer", "Mamba2Mixer", "RGLRUMixer",
     ),
     "mixers.ops": (
         "attention_with_kvcache", "causal_conv1d_fn", "causal_conv1d_update", "chunk_gated_delta_product",
-        "chunk_gated_delta_rule", "chunk_kda", "fused_recurrent_gated_delta_product",
-        "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "gated_delta_product_step",
-        "gated_delta_rule_step", "kda_step", "mamba_chunk_scan_combined", "rg_lru", "rg_lru_update",
-        "segment_attention", "selective_scan_fn", "selective_scan_update", "selective_state_update", "varlen_attention",
+        "chunk_gated_delta_rule", "chunk_kda", "chunk_simple_gla", "fused_recurrent_gated_delta_product",
+        "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "fused_recurrent_simple_gla",
+        "gated_delta_product_step", "gated_delta_rule_step", "kda_step", "mamba_chunk_scan_combined", "rg_lru",
+        "rg_lru_update", "segment_attention", "selective_scan_fn", "selective_scan_update", "selective_state_update",
+        "varlen_attention",
     ),
     "mixers.ops.device_policy": (
         "ENV_VAR", "POLICIES", "branch_free_isolation", "device_policy", "forced_policy", "policy_for",
@@ -55,12 +56,12 @@ PUBLIC = {
     "mixers.layers": (
         "AttentionConfig", "AttentionMixer", "GatedDeltaNetConfig", "GatedDeltaNetMixer", "GatedDeltaProductConfig",
         "GatedDeltaProductMixer", "GatedRMSNorm", "GatedShortConvConfig", "GatedShortConvMixer", "KDAConfig",
-        "KDAMixer", "Mamba1Config", "Mamba1Mixer", "Mamba2Config", "Mamba2Mixer", "RGLRUConfig", "RGLRUMixer",
-        "RMSNorm",
+        "KDAMixer", "LightningConfig", "LightningMixer", "Mamba1Config", "Mamba1Mixer", "Mamba2Config", "Mamba2Mixer",
+        "RGLRUConfig", "RGLRUMixer", "RMSNorm",
     ),
     "mixers.layers.config": (
         "AttentionConfig", "GatedDeltaNetConfig", "GatedDeltaProductConfig", "GatedShortConvConfig", "KDAConfig",
-        "Mamba1Config", "Mamba2Config", "RGLRUConfig",
+        "LightningConfig", "Mamba1Config", "Mamba2Config", "RGLRUConfig",
     ),
     "mixers.model": ("HybridLM",),
     "mixers.carry": ("CarriedStates",),

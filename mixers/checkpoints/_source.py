@@ -33,7 +33,10 @@ class Source:
     the package being the top-level module the class is defined in);
     ``config_type`` is our config class for ``mixer``;
     ``ignorable(key, value)`` says whether an extra upstream entry carries no weight (Transformer
-    Engine's ``_extra_state``), so it can be passed over.
+    Engine's ``_extra_state``, MiniMax's decay tables), so it can be passed over;
+    ``returns_pair``: the upstream layer's forward returns a pair, ``(output, attention weights)``
+    (MiniMax's lightning attention) or ``(output, None)`` (RecurrentGemma's recurrent block), so a
+    layer standing in for it in the upstream model returns ``(output, None)``.
     """
 
     name: str
@@ -45,6 +48,7 @@ class Source:
     read_config: Callable[[nn.Module], object] | None = None
     classes: tuple[str, ...] = ()
     ignorable: Callable[[str, object], bool] | None = None
+    returns_pair: bool = False
 
 
 def renaming(ours_to_upstream: Mapping[str, str]):

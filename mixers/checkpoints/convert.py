@@ -155,11 +155,15 @@ def to_state_dict(mixer: nn.Module, source) -> StateDict:
 
 def to_module(mixer: nn.Module, module: nn.Module) -> nn.Module:
     """Load ``mixer``'s weights into the upstream layer ``module`` (built by the caller with the
-    upstream config); refuses a layer whose sizes, eps or gates differ from the mixer's config."""
+    upstream config); refuses a layer whose sizes, eps or gates differ from the mixer's config.
+    The layer's buffers that carry no weight (MiniMax's decay tables) keep their values."""
     src = source_of(module)
     differences = config_differences(mixer.config, src.read_config(module))
     if differences:
         raise ValueError(f"{type(module).__name__} does not match the mixer's config: {'; '.join(differences)}. "
                          "Build the upstream layer with the mixer's sizes and eps")
-    module.load_state_dict(to_state_dict(mixer, src), strict=True)
+    state = to_state_dict(mixer, src)
+    buffers = dict(module.named_buffers())
+    own = {k: v for k, v in module.state_dict().items() if k not in state and k in buffers}   # derived, kept
+    module.load_state_dict({**state, **own}, strict=True)
     return module

@@ -90,6 +90,7 @@ def _to_upstream(sd, c: RGLRUConfig):
 
 HF_RECURRENT_GEMMA = Source(name="hf_recurrent_gemma", description="transformers RecurrentGemmaRecurrentBlock",
                             mixer=RGLRUMixer, config_type=RGLRUConfig, to_ours=_to_ours, to_upstream=_to_upstream,
-                            read_config=read_config, classes=("transformers:RecurrentGemmaRecurrentBlock",))
+                            read_config=read_config, classes=("transformers:RecurrentGemmaRecurrentBlock",),
+                            returns_pair=True)
 
 SOURCES = (HF_RECURRENT_GEMMA,)

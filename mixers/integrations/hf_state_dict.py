@@ -11,7 +11,11 @@ A swapped layer (:class:`~mixers.integrations.transformers.PackedMixer`) holds o
 - a mis-shaped tensor of a swapped layer is refused before anything is written: the model-level
   pre-hook (:func:`check_whole_load`) checks every swapped layer first and raises torch's own
   ``RuntimeError`` ("size mismatch for <key>: ..."), where torch alone would load the other
-  tensors first.
+  tensors first;
+- the Hugging Face layer's saved buffers that the converter does not produce (values derived from
+  the config, e.g. MiniMax's decay tables) are saved and loaded as the swapped layer keeps them
+  (its copy of the layer's buffers, which ``disable_packing`` puts back), so the key set is the
+  unpatched model's.
 """
 
 from __future__ import annotations
@@ -31,11 +35,34 @@ def _upstream_now(module) -> dict[str, torch.Tensor]:
     return {k: current[k] for k in order + [k for k in current if k not in order]}
 
 
+def _kept_buffers(module, produced) -> dict[str, torch.Tensor]:
+    """The Hugging Face layer's saved buffers not in ``produced`` (the converter's keys): the swapped
+    layer's copies, by key."""
+    original, buffers = module._original
+    return {k: buffers[k] for k in original.state_dict(keep_vars=True) if k in buffers and k not in produced}
+
+
 def save_upstream(module, state_dict, prefix, local_metadata):
     inner = prefix + "mixer."
     ours = {k[len(inner):]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(inner)]}
     upstream = SOURCES[module.source].to_upstream(ours, module.mixer.config)
     state_dict.update({prefix + k: v for k, v in upstream.items()})
+    state_dict.update({prefix + k: v for k, v in _kept_buffers(module, upstream).items()})
+
+
+def _load_kept(module, state_dict, prefix, produced, missing, errors) -> None:
+    """Pop the layer's kept buffers (:func:`_kept_buffers`) from ``state_dict`` into its copies."""
+    for key, now in _kept_buffers(module, produced).items():
+        given = state_dict.pop(prefix + key, None)
+        if given is None:
+            missing.append(prefix + key)
+        elif not isinstance(given, torch.Tensor) or given.shape != now.shape:
+            errors.append(f"size mismatch for {prefix + key}: copying a param with shape "
+                          f"{getattr(given, 'shape', type(given))} from checkpoint, the shape in current model is "
+                          f"{now.shape}.")
+        else:
+            with torch.no_grad():
+                now.copy_(given)
 
 
 def size_errors(module, state_dict, prefix: str) -> list[str]:
@@ -61,6 +88,7 @@ def load_upstream(module, state_dict, prefix, local_metadata, strict, missing, u
     inner = prefix + "mixer."
     if not given and any(k.startswith(inner) for k in state_dict):
         return                                            # our own layout (mixer.*): torch loads it as is
+    _load_kept(module, state_dict, prefix, current, missing, errors)
     problems = size_errors(module, state_dict, prefix)
     missing.extend(prefix + k for k in current if k not in given)
     if problems:                                          # reported as torch reports them; ours stay as they are

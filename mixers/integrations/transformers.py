@@ -7,11 +7,11 @@ apart (the state of one document flows into the next). ``enable_packing`` swaps 
 SSM / linear-attention layer that :mod:`mixers.checkpoints` reads (Mamba2 and the Mamba2 blocks
 of Bamba / NemotronH / GraniteMoeHybrid / FalconH1 / Zamba2, the gated delta nets of Qwen3-Next /
 Qwen3.5 / OLMo-hybrid, Kimi-Linear's KDA, the gated short conv of LFM2 / LFM3 / LFM2-MoE, the
-Mamba-1 layers of Mamba / Falcon-Mamba / Jamba, RecurrentGemma's recurrent block, whose
-forward returns ``(hidden_states, None)``: the swapped layer answers in kind) for our mixer holding
-the same weights, and reads the boundaries the collator passes to the model (``cu_seq_lens_q`` / ``cu_seq_lens_k``,
-``seq_idx``, ``position_ids`` restarts) once per forward, so every document starts from a zero
-state. Attention layers stay Hugging Face's, and the model's ``attn_implementation`` is wrapped
+Mamba-1 layers of Mamba / Falcon-Mamba / Jamba, RecurrentGemma's recurrent block, MiniMax's
+lightning attention; the last two return a pair, and the swapped layer answers in kind) for our mixer holding
+the same weights, and reads the boundaries the collator passes to the model (``cu_seq_lens_q`` /
+``cu_seq_lens_k``, ``seq_idx``, ``position_ids`` restarts) once per forward, so every document
+starts from a zero state. Attention layers stay Hugging Face's, and the model's ``attn_implementation`` is wrapped
 (:mod:`.hf_attention`): a packed call attends within each
 document whatever ``use_cache`` is; ``eager``, ``sdpa`` and ``flex_attention`` are wrapped, other
 implementations are refused with the fix (models without attention, Mamba and Falcon-Mamba, have
@@ -42,8 +42,6 @@ from .hf_state_dict import check_whole_load, load_upstream, save_upstream
 _BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
 _LENGTH_KEYS = ("input_ids", "inputs_embeds", "labels")
 _CACHE_KEYS = ("cache", "cache_params", "past_key_values")
-# the upstream layers whose forward returns (hidden_states, None) rather than hidden_states
-_RETURNS_PAIR = frozenset({"hf_recurrent_gemma"})
 
 
 def _hf_classes() -> set[str]:
@@ -116,6 +114,7 @@ class PackedMixer(nn.Module):
         super().__init__()
         self.mixer = mixer
         self.source = source_of(original).name
+        self._pair = source_of(original).returns_pair     # MiniMax's and RecurrentGemma's layers return pairs
         self.layer_idx = getattr(original, "layer_idx", None)
         buffers = {name: b.detach().clone() for name, b in original.named_buffers()}
         self._original = (original.to("meta"), buffers)   # the HF layer without its weights' storage
@@ -146,7 +145,7 @@ class PackedMixer(nn.Module):
             out = self._padded(hidden_states, mask.bool())
         else:
             out = self.mixer(hidden_states, packed_seq_params=params)
-        return (out, None) if self.source in _RETURNS_PAIR else out
+        return (out, None) if self._pair else out
 
     def _padded(self, hidden_states: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         params = PackedSeqParams.from_lengths(keep.sum(1))

@@ -12,9 +12,10 @@ from .gated_deltanet import GatedDeltaNetConfig
 from .gated_deltaproduct import GatedDeltaProductConfig
 from .gated_short_conv import GatedShortConvConfig
 from .kda import KDAConfig
+from .lightning import LightningConfig
 from .mamba1 import Mamba1Config
 from .mamba2 import Mamba2Config
 from .rg_lru import RGLRUConfig
 
-__all__ = ["AttentionConfig", "DeltaConfig", "GatedDeltaNetConfig", "GatedDeltaProductConfig",
-           "GatedShortConvConfig", "KDAConfig", "Mamba1Config", "Mamba2Config", "RGLRUConfig"]
+__all__ = ["AttentionConfig", "DeltaConfig", "GatedDeltaNetConfig", "GatedDeltaProductConfig", "GatedShortConvConfig",
+           "KDAConfig", "LightningConfig", "Mamba1Config", "Mamba2Config", "RGLRUConfig"]

@@ -26,6 +26,7 @@ from .gated_deltanet import GatedDeltaNetMixer
 from .gated_deltaproduct import GatedDeltaProductMixer
 from .gated_short_conv import GatedShortConvMixer
 from .kda import KDAMixer
+from .lightning import LightningMixer
 from .mamba1 import Mamba1Mixer
 from .mamba2 import Mamba2Mixer
 from .rg_lru import RGLRUMixer
@@ -86,7 +87,7 @@ def register(kind: MixerKind) -> MixerKind:
 
 
 def letters() -> str:
-    """Every registered letter, in registration order (``"MGKPACSR"``)."""
+    """Every registered letter, in registration order (``"MGKPACSRL"``)."""
     return "".join(MIXERS)
 
 
@@ -110,3 +111,4 @@ register(MixerKind("A", "attention", AttentionMixer, "kv", small={"head_dim": 16
 register(MixerKind("C", "gated short conv", GatedShortConvMixer, "state", ("lfm2",)))
 register(MixerKind("S", "Mamba-1 selective scan", Mamba1Mixer, "state", ("mamba1",), small={"state_size": 8}))
 register(MixerKind("R", "RG-LRU", RGLRUMixer, "state", ("recurrent_gemma",), small={"num_heads": 2}))
+register(MixerKind("L", "lightning attention", LightningMixer, "state", ("minimax",), small={"head_dim": 16}))

@@ -6,7 +6,8 @@ token embedding -> blocks (pre-norm RMSNorm -> mixer -> residual; pre-norm RMSNo
 MLP -> residual) -> final RMSNorm -> output head tied to the embedding. The stack is a pattern
 string, one letter per block, read from the mixer registry (:mod:`mixers.layers.registry`): ``M``
 Mamba2, ``G`` Gated DeltaNet, ``K`` KDA, ``P`` Gated DeltaProduct, ``A`` attention, ``C`` LFM2's
-gated short convolution, and any mixer registered there.
+gated short convolution, ``L`` MiniMax's lightning attention (its slopes from the block's place in
+the pattern), and any mixer registered there.
 """
 
 from __future__ import annotations
@@ -27,11 +28,21 @@ from .loss import IGNORE_INDEX, next_token_loss
 from .sizes import size_problem
 
 
+def depth_fields(letter: str, index: int, count: int, overrides: dict) -> dict:
+    """``layer_idx`` / ``num_layers`` for a mixer whose config has them (its behaviour depends on its depth,
+    e.g. MiniMax's lightning-attention slopes): the block's place in the pattern, unless overridden."""
+    fields = registry.MIXERS[letter].config.__dataclass_fields__
+    depth = {"layer_idx": index, "num_layers": count}
+    return {name: value for name, value in depth.items() if name in fields and name not in overrides}
+
+
 class Block(nn.Module):
-    def __init__(self, letter: str, hidden: int, backend: str, overrides: dict):
+    def __init__(self, letter: str, hidden: int, backend: str, overrides: dict, index: int = 0, count: int = 1):
         super().__init__()
         self.mixer_norm, self.mlp_norm = RMSNorm(hidden), RMSNorm(hidden)
-        self.mixer = registry.MIXERS[letter].mixer(hidden, backend=backend, **overrides.get(letter, {}))
+        own = overrides.get(letter, {})
+        self.mixer = registry.MIXERS[letter].mixer(hidden, backend=backend, **own,
+                                                   **depth_fields(letter, index, count, own))
         self.mlp = SwiGLU(hidden)
 
     def forward(self, x, packed_seq_params=None, *, cache=None, cache_slots=None):
@@ -77,7 +88,8 @@ class HybridLM(CachedLM, nn.Module):
             raise ValueError(f"HybridLM: {problem.message(pattern=pattern)}")
         self.pattern = pattern
         self.embed = nn.Embedding(vocab_size, hidden_size)
-        self.blocks = nn.ModuleList(Block(letter, hidden_size, backend, mixer_overrides or {}) for letter in pattern)
+        self.blocks = nn.ModuleList(Block(letter, hidden_size, backend, mixer_overrides or {}, i, len(pattern))
+                                    for i, letter in enumerate(pattern))
         self.norm = RMSNorm(hidden_size)
         nn.init.normal_(self.embed.weight, std=hidden_size ** -0.5)
 

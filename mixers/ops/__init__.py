@@ -28,6 +28,8 @@ from .delta_rule.update import (
     fused_recurrent_gated_delta_rule,
     fused_recurrent_kda,
 )
+from .lightning import chunk_simple_gla
+from .lightning.update import fused_recurrent_simple_gla
 from .rg_lru import rg_lru
 from .rg_lru.update import rg_lru_update
 from .selective_scan import selective_scan_fn
@@ -36,8 +38,8 @@ from .ssd import mamba_chunk_scan_combined
 from .ssd.update import selective_state_update
 
 __all__ = ["attention_with_kvcache", "causal_conv1d_fn", "causal_conv1d_update", "chunk_gated_delta_product",
-           "chunk_gated_delta_rule", "chunk_kda", "fused_recurrent_gated_delta_product",
-           "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "gated_delta_product_step",
-           "gated_delta_rule_step", "kda_step", "mamba_chunk_scan_combined", "rg_lru", "rg_lru_update",
-           "segment_attention", "selective_scan_fn", "selective_scan_update", "selective_state_update",
-           "varlen_attention"]
+           "chunk_gated_delta_rule", "chunk_kda", "chunk_simple_gla", "fused_recurrent_gated_delta_product",
+           "fused_recurrent_gated_delta_rule", "fused_recurrent_kda", "fused_recurrent_simple_gla",
+           "gated_delta_product_step", "gated_delta_rule_step", "kda_step", "mamba_chunk_scan_combined", "rg_lru",
+           "rg_lru_update", "segment_attention", "selective_scan_fn", "selective_scan_update",
+           "selective_state_update", "varlen_attention"]

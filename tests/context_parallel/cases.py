@@ -25,12 +25,13 @@ SMALL = {"M": {"head_dim": 4, "state_size": 4, "chunk_size": 8, "expand": 1},
          "K": {"head_dim": 4, "chunk_size": 8, "num_heads": 2}, "P": {"head_dim": 4, "chunk_size": 8, "num_heads": 2},
          "A": {"head_dim": 4, "num_heads": 4, "num_kv_heads": 2}, "C": {"conv_size": 4, "conv_bias": True},
          "S": {"state_size": 4, "chunk_size": 8, "expand": 1, "dt_bc_norm": "weighted"},
-         "R": {"conv_size": 4, "num_heads": 2}}
+         "R": {"conv_size": 4, "num_heads": 2},
+         "L": {"head_dim": 4, "chunk_size": 8}}
 OPS = ("conv", "ssd", "selective_scan", "gdn", "kda", "gdp", "rg_lru", "attention", "attention_window",
        "attention_varlen_attn", "attention_flash_window")
 # attention under the CUDA device policy on fakes (tests/support/fakes.py), fp16: (the installed kernel, window)
 KERNEL_ATTENTION = {"attention_varlen_attn": ("torch_varlen", None), "attention_flash_window": ("flash_attn", (5, 0))}
-MIXERS = ("M", "G", "K", "P", "A", "C", "S", "R")
+MIXERS = ("M", "G", "K", "P", "A", "C", "S", "R", "L")
 HIDDEN, CONV_DIM, WIDTH = 16, 6, 4
 
 

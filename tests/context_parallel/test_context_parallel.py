@@ -212,4 +212,4 @@ def test_bytes_follow_the_plan(ranks, subject):
 
 def test_every_op_and_mixer_is_covered():
     subjects = {c[2] for c in CASES}
-    assert set(OPS) | {"M", "G", "K", "P", "A", "C", "S", "R", "model", "model32"} <= subjects
+    assert set(OPS) | {"M", "G", "K", "P", "A", "C", "S", "R", "L", "model", "model32"} <= subjects

@@ -99,9 +99,10 @@ def test_progress_shows_the_recent_rate_not_the_average_since_step_one():
 
 @pytest.mark.parametrize("argv,message", [
     pytest.param(["--steps", "0"], "need --steps >= 1", id="steps"),
-    pytest.param(["--pattern", "MXZ"], "--pattern must be letters of MGKPACSR (M Mamba2, G Gated DeltaNet, K KDA, "
+    pytest.param(["--pattern", "MXZ"], "--pattern must be letters of MGKPACSRL (M Mamba2, G Gated DeltaNet, K KDA, "
                                        "P Gated DeltaProduct, A attention, C gated short conv, "
-                                       "S Mamba-1 selective scan, R RG-LRU; any case), got 'MXZ'",
+                                       "S Mamba-1 selective scan, R RG-LRU, L lightning attention; any case), "
+                                       "got 'MXZ'",
                  id="pattern"),
     pytest.param(["--hidden", "30"], "--hidden 30: block 0 ('M', Mamba2Mixer) cannot be built: head_dim=16 must "
                                      "divide expand * hidden_size=60; sizes that work for pattern 'MGKPA' with these "

@@ -22,6 +22,7 @@ from mixers.layers import (
     GatedDeltaProductConfig,
     GatedShortConvConfig,
     KDAConfig,
+    LightningConfig,
     Mamba1Config,
     Mamba2Config,
     RGLRUConfig,
@@ -41,6 +42,7 @@ CONFIGS = {
     "hf_falcon_mamba": Mamba1Config(32, state_size=8, conv_bias=False, dt_bc_norm="weightless"),
     "hf_jamba": Mamba1Config(32, d_inner=48, state_size=4, dt_bc_norm="weighted", norm_eps=1e-5),
     "hf_recurrent_gemma": RGLRUConfig(32, lru_width=48, num_heads=4),
+    "hf_minimax": LightningConfig(32, head_dim=8, num_heads=4, layer_idx=1, num_layers=3),
 }
 
 
@@ -534,3 +536,56 @@ def test_recurrent_gemma_fixes_the_decay_exponent_going_back():
     from mixers import RGLRUMixer
     with pytest.raises(ValueError, match="scale=4.0.*fixes the decay exponent at 8.0"):
         to_state_dict(RGLRUMixer(config=RGLRUConfig(32, scale=4.0)), "hf_recurrent_gemma")
+
+
+def _minimax_with(monkeypatch, edit):
+    from tests.mixers.checkpoints.upstream import hf_minimax
+    module = hf_minimax(monkeypatch)
+    edit(module)
+    return module
+
+
+def _gelu(m):
+    from transformers.activations import ACT2FN
+    m.act_fn = ACT2FN["gelu"]
+
+
+def _qkv_bias(m):
+    m.qkv_proj.bias = torch.nn.Parameter(torch.zeros(m.qkv_proj.out_features))
+
+
+def _edited_slopes(m):
+    with torch.no_grad():
+        m.slope_rate.mul_(2)
+
+
+def _layer_past_the_end(m):
+    m.layer_idx = 3
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    pytest.param(_gelu, "its activation is GELUActivation", id="not-silu"),
+    pytest.param(_qkv_bias, "qkv_proj has a bias", id="projection-bias"),
+    pytest.param(_edited_slopes, "slope_rate is not MiniMax's slopes for layer_idx=1 of num_hidden_layers=3",
+                 id="edited-slopes"),
+    pytest.param(_layer_past_the_end, "layer_idx=3 is not an index of num_hidden_layers=3", id="layer-index"),
+])
+def test_minimax_options_our_mixer_cannot_represent_are_refused(monkeypatch, edit, match):
+    with pytest.raises(ValueError, match=f"MiniMaxLightningAttention: {match}.*nothing was converted"):
+        from_module(_minimax_with(monkeypatch, edit))
+
+
+def test_minimax_round_trip_through_the_module_keeps_its_buffers(monkeypatch):
+    """from_module then to_module: the weights come back bitwise, the derived buffers (slope_rate, decay
+    tables) stay what the layer holds, and the layer's state dict is whole (every buffer key present)."""
+    from tests.mixers.checkpoints.upstream import hf_minimax
+    upstream = hf_minimax(monkeypatch)
+    before = {k: v.clone() for k, v in upstream.state_dict().items()}
+    ours = from_module(upstream, backend="reference")
+    with torch.no_grad():
+        for p in upstream.parameters():
+            p.zero_()
+    to_module(ours, upstream)
+    _assert_identical(before, upstream.state_dict())
+    assert {"slope_rate", "query_decay", "key_decay", "diagonal_decay"} <= set(before)
+

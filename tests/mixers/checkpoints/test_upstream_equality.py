@@ -40,6 +40,7 @@ TOLERANCES_FP32 = {
     "hf_mamba": (1e-6, 1e-5, 2e-4),
     "hf_falcon_mamba": (1e-6, 1e-5, 2e-4),
     "hf_jamba": (1e-6, 1e-5, 2e-4),
+    "hf_minimax": (1e-6, 1e-5, 0.0),         # its decay is a buffer, not a parameter
 }
 DECAY = ("A_log", "dt_bias", "recurrent_param")
 
@@ -94,7 +95,7 @@ def test_a_misplaced_head_is_caught(monkeypatch, name):
     linear_x) must break the comparison above."""
     upstream = BUILDERS[name](monkeypatch)
     ours = from_module(upstream, backend="reference")
-    first = next(getattr(ours, n) for n in ("in_proj", "q_proj", "linear_x") if hasattr(ours, n))
+    first = next(getattr(ours, n) for n in ("in_proj", "q_proj", "qkv_proj", "linear_x") if hasattr(ours, n))
     weight = first.weight
     head = getattr(ours.config, "head_dim", None) or getattr(ours.config, "block_width", None) \
         or ours.config.hidden_size               # LFM2: in_proj's [B | C | x] rotated; RG-LRU: a gate block

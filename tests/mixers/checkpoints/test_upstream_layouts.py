@@ -205,6 +205,11 @@ def _recurrent_gemma_map(m) -> dict[str, torch.Tensor]:
             "linear_out.weight": m.linear_out.weight, "linear_out.bias": m.linear_out.bias}
 
 
+def _minimax_map(m) -> dict[str, torch.Tensor]:
+    return {"qkv_proj.weight": m.qkv_proj.weight, "output_gate.weight": m.output_gate.weight,
+            "norm.weight": m.norm.weight, "out_proj.weight": m.out_proj.weight, "slope": m.slope_rate.reshape(-1)}
+
+
 HAND_MAPS = {"hf_mamba2": _hf_mamba2_map, "hf_bamba": _hf_mamba2_map, "hf_nemotron_h": _hf_mamba2_map,
              "hf_granite": _hf_mamba2_map, "hf_falcon_h1": _hf_mamba2_map, "hf_qwen3_next": _qwen3_next_map,
              "hf_qwen3_5": _qwen3_5_map, "hf_qwen3_5_moe": _qwen3_5_map,
@@ -212,7 +217,7 @@ HAND_MAPS = {"hf_mamba2": _hf_mamba2_map, "hf_bamba": _hf_mamba2_map, "hf_nemotr
              "fla_gdp": _fla_map, "hf_lfm2": _lfm2_map, "hf_lfm3": _lfm2_map, "hf_olmo_hybrid": _olmo_hybrid_map,
              "hf_lfm2_moe": _lfm2_map, "hf_zamba2": _hf_mamba2_map,
              "hf_mamba": _mamba1_map, "hf_falcon_mamba": _mamba1_map, "hf_jamba": _mamba1_map,
-             "hf_recurrent_gemma": _recurrent_gemma_map}
+             "hf_recurrent_gemma": _recurrent_gemma_map, "hf_minimax": _minimax_map}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, id=n) for n in BUILDERS])

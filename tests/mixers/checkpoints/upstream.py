@@ -294,6 +294,27 @@ def hf_lfm2_moe(monkeypatch):
     return _perturb(Lfm2MoeShortConv(config, 0))
 
 
+def minimax_config(**overrides):
+    t = _quiet_transformers()
+    kwargs = dict(hidden_size=HIDDEN, num_attention_heads=4, head_dim=8, num_key_value_heads=2, num_hidden_layers=3,
+                  layer_types=["linear_attention", "linear_attention", "full_attention"], block_size=16,
+                  vocab_size=64, intermediate_size=16, num_local_experts=2, num_experts_per_tok=1)
+    return t.MiniMaxConfig(**{**kwargs, **overrides})
+
+
+def hf_minimax(monkeypatch, layer_idx=1):
+    """MiniMax's lightning attention: layer 1 of 3 (slopes scaled by ~0.5), 4 heads of 8, blocks of 16 (so
+    a 70-token row crosses its block algorithm's boundaries). Its forward takes the rotary tables and the
+    mask positionally; this layer gets neither (it reads neither), so the plain ``module(x)`` call works."""
+    _quiet_transformers()
+    import functools
+
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+    module = _perturb(MiniMaxLightningAttention(minimax_config(), layer_idx))
+    module.forward = functools.partial(module.forward, position_embeddings=None, attention_mask=None)
+    return module
+
+
 def zamba2_config(**overrides):
     t = _quiet_transformers()
     kwargs = dict(hidden_size=HIDDEN, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2,
@@ -416,4 +437,4 @@ BUILDERS = {"hf_mamba2": hf_mamba2, "hf_bamba": hf_bamba, "hf_nemotron_h": hf_ne
             "fla_gdn": fla_gdn, "fla_gdn_neg": fla_gdn_neg, "fla_kda": fla_kda, "fla_gdp": fla_gdp, "hf_lfm2": hf_lfm2,
             "hf_lfm3": hf_lfm3, "hf_olmo_hybrid": hf_olmo_hybrid, "hf_lfm2_moe": hf_lfm2_moe, "hf_zamba2": hf_zamba2,
             "hf_mamba": hf_mamba, "hf_falcon_mamba": hf_falcon_mamba, "hf_jamba": hf_jamba,
-            "hf_recurrent_gemma": hf_recurrent_gemma}
+            "hf_recurrent_gemma": hf_recurrent_gemma, "hf_minimax": hf_minimax}

@@ -16,9 +16,10 @@ SMALL = {"M": {"head_dim": 8, "state_size": 4, "chunk_size": CHUNK},
          "A": {"head_dim": 8},
          "C": {"conv_size": WIDTH, "conv_bias": True},
          "S": {"state_size": 4, "chunk_size": CHUNK, "conv_size": WIDTH, "dt_bc_norm": "weighted"},
-         "R": {"conv_size": WIDTH, "num_heads": 4}}
+         "R": {"conv_size": WIDTH, "num_heads": 4},
+         "L": {"head_dim": 8, "chunk_size": CHUNK}}
 HIDDEN = 32
-LETTERS = [pytest.param(letter, id=MIXERS[letter].mixer.__name__) for letter in "MGKPACSR"]
+LETTERS = [pytest.param(letter, id=MIXERS[letter].mixer.__name__) for letter in "MGKPACSRL"]
 
 
 def make_mixer(letter: str, dtype=torch.float64, seed: int = 0, backend: str = "auto"):

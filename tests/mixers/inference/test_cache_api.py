@@ -83,7 +83,8 @@ def test_mixer_allocate_defaults_dtypes_and_table(letter):
     if shapes is not None:
         assert {k: tuple(v.shape) for k, v in cache.states.items()} == shapes
     half = layer.allocate_inference_cache(3, 9, dtype=BF16)
-    recurrent = {"M": "ssm", "G": "recurrent", "K": "recurrent", "P": "recurrent", "S": "ssm", "R": "lru"}.get(letter)
+    recurrent = {"M": "ssm", "G": "recurrent", "K": "recurrent", "P": "recurrent", "S": "ssm", "R": "lru",
+                 "L": "recurrent"}.get(letter)
     for name, t in half.states.items():        # recurrent states in the compute dtype, the rest as asked
         assert t.dtype == (F32 if name == recurrent else BF16), name
     table = SlotTable(3, 9)

@@ -2,8 +2,9 @@
 SSM / linear-attention layer and one full-attention layer (FalconH1: both in each layer; Mamba2:
 no attention; Zamba2: a Mamba2 layer, then its shared attention block before a second Mamba2
 layer; LFM3: sliding-window attention; Mamba and Falcon-Mamba: two selective-scan layers, no
-attention; Jamba: a selective-scan layer, then an attention layer with a mixture of experts),
-hidden 32, vocabulary 64."""
+attention; Jamba: a selective-scan layer, then an attention layer with a mixture of experts;
+RecurrentGemma: two recurrent blocks, then local attention; MiniMax: a lightning-attention layer, then
+full attention, each with a mixture of experts), hidden 32, vocabulary 64."""
 
 import pytest
 import torch
@@ -167,9 +168,18 @@ def recurrent_gemma(monkeypatch, impl):
         **{**SMALL, "num_attention_heads": 4}))
 
 
+def minimax(monkeypatch, impl):
+    """A lightning-attention layer (layer 0 of 2: full slopes), then a full-attention layer; MoE of three
+    experts, top two (so the router has gradients); MiniMax's own algorithm in blocks of 8."""
+    return transformers.MiniMaxForCausalLM(transformers.MiniMaxConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        head_dim=16, block_size=8, num_local_experts=3, num_experts_per_tok=2, sliding_window=None,
+        attn_implementation=impl, **SMALL))
+
+
 FACTORIES = {f.__name__: f for f in (mamba2, bamba, nemotron_h, granite, falcon_h1, qwen3_next, qwen3_5, kimi_linear,
                                      lfm2, zamba2, lfm3, lfm2_moe, olmo_hybrid, mamba, falcon_mamba, jamba,
-                                     recurrent_gemma)}
+                                     recurrent_gemma, minimax)}
 
 
 def build(name: str, monkeypatch, impl: str = "sdpa") -> torch.nn.Module:

@@ -35,7 +35,7 @@ CALL_OF = {"causal_conv1d": "conv", "fla_conv": "fla_conv", "mamba_ssd": "ssd", 
            "torch_varlen": "torch_varlen"}
 CLASS_OF = {"mamba2": "Mamba2Mixer", "gdn": "GatedDeltaNetMixer", "kda": "KDAMixer", "gdp": "GatedDeltaProductMixer",
             "attention": "AttentionMixer", "gated_short_conv": "GatedShortConvMixer", "mamba1": "Mamba1Mixer",
-            "rg_lru": "RGLRUMixer"}
+            "rg_lru": "RGLRUMixer", "lightning": "LightningMixer"}
 
 
 class Probe(installed.Probe):

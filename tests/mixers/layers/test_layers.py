@@ -10,6 +10,7 @@ from mixers import (
     GatedDeltaProductMixer,
     GatedShortConvMixer,
     KDAMixer,
+    LightningMixer,
     Mamba1Mixer,
     Mamba2Mixer,
     RGLRUMixer,
@@ -34,6 +35,7 @@ LAYERS = {
     "mamba1": lambda backend="auto": Mamba1Mixer(HIDDEN, state_size=4, chunk_size=8, dt_bc_norm="weighted",
                                                  backend=backend),
     "rg_lru": lambda backend="auto": RGLRUMixer(HIDDEN, num_heads=4, backend=backend),
+    "lightning": lambda backend="auto": LightningMixer(HIDDEN, head_dim=8, chunk_size=8, backend=backend),
 }
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -122,7 +124,9 @@ def test_hybrid_stack_end_to_end():
     model = Hybrid().double()
     x, params = layout([0, 15, 100, 37, 1], hidden=HIDDEN, dtype=torch.float64, pad_to_multiple_of=4)
     assert_packed_equals_unpacked(model, x, params)
-    assert_no_cross_document_leakage(model.float(), x.float(), params)
+    # scale 10, not 1e3: products of three activations (the gated conv's B * x * C, lightning's
+    # unscaled q k^T v) stacked residually overflow fp32 at +-1e3, and the check refuses to judge
+    assert_no_cross_document_leakage(model.float(), x.float(), params, scale=10.0)
 
 
 @pytest.mark.parametrize("name", list(LAYERS))

@@ -26,9 +26,9 @@ def toy(monkeypatch):
 
 
 def test_the_mixers_are_registered_in_pattern_order():
-    assert registry.letters() == "MGKPACSR"
+    assert registry.letters() == "MGKPACSRL"
     assert registry.legend() == ("M Mamba2, G Gated DeltaNet, K KDA, P Gated DeltaProduct, A attention, "
-                                 "C gated short conv, S Mamba-1 selective scan, R RG-LRU")
+                                 "C gated short conv, S Mamba-1 selective scan, R RG-LRU, L lightning attention")
     assert all(kind.config is kind.mixer.CONFIG for kind in registry.MIXERS.values())
 
 
@@ -42,14 +42,15 @@ def test_a_registered_mixer_builds_and_trains_in_hybridlm(toy):
 
 
 def test_pattern_errors_list_the_registered_letters(toy):
-    with pytest.raises(ValueError, match=r"pattern must be letters of MGKPACSRZ \(M Mamba2, .*, A attention, "
-                                         r"C gated short conv, S Mamba-1 selective scan, R RG-LRU, Z toy\), got 'MX'"):
+    with pytest.raises(ValueError, match=r"pattern must be letters of MGKPACSRLZ \(M Mamba2, .*, A attention, "
+                                         r"C gated short conv, S Mamba-1 selective scan, R RG-LRU, "
+                                         r"L lightning attention, Z toy\), got 'MX'"):
         HybridLM(32, 16, "MX")
 
 
 def test_without_the_entry_the_letter_is_refused():
     """Negative control: the same pattern before registering."""
-    with pytest.raises(ValueError, match="pattern must be letters of MGKPACSR "):
+    with pytest.raises(ValueError, match="pattern must be letters of MGKPACSRL "):
         HybridLM(32, 16, "GZ")
 
 
@@ -77,7 +78,7 @@ def test_the_demo_flags_accept_the_registered_letter(toy):
     assert mixer_overrides()["Z"] == {"head_dim": 4}
     args = argparse.Namespace(**{**DEFAULTS, "pattern": "mz", "device": "cpu", "out": "unused"})
     assert check_args(args).pattern == "MZ"
-    with pytest.raises(ValueError, match=r"--pattern must be letters of MGKPACSRZ \(.*, Z toy; any case\)"):
+    with pytest.raises(ValueError, match=r"--pattern must be letters of MGKPACSRLZ \(.*, Z toy; any case\)"):
         check_args(argparse.Namespace(**{**vars(args), "pattern": "MY"}))
 
 
@@ -108,7 +109,7 @@ def test_without_the_entry_no_converter_reads_the_toy_layer():
         enable_packing(torch.nn.Sequential(ToyLayer(16)))
 
 
-@pytest.mark.parametrize("letter", list("MGKPACSR"))
+@pytest.mark.parametrize("letter", list("MGKPACSRL"))
 def test_the_cache_kind_says_how_a_slot_grows(letter):
     """``state``: a slot's states do not depend on ``max_seqlen``; ``kv``: they grow with it."""
     kind = registry.MIXERS[letter]
@@ -130,4 +131,4 @@ def test_register_refuses_a_bad_entry(monkeypatch, entry, error):
     fields = {"letter": "Z", "name": "toy", "mixer": ToyMixer, "cache": "state", **entry}
     with pytest.raises((ValueError, TypeError), match=error):
         registry.register(MixerKind(**fields))
-    assert registry.letters() == "MGKPACSR"
+    assert registry.letters() == "MGKPACSRL"
