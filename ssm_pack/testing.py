@@ -28,8 +28,9 @@ _BIT_VIEWS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 class LeakageCheckInconclusive(AssertionError):
-    """The module does not depend on other tokens even without the packing metadata, so a
-    leakage check on it cannot fail and proves nothing."""
+    """A leakage check that proves nothing: the module does not depend on other tokens even
+    without the packing metadata (the check cannot fail), or a perturbation overflowed to inf /
+    NaN (which crosses documents through any masked product, ``0 * inf``, whatever the state)."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ class _Prober:
             self.g_out[:, d.start:d.end] = g[:, d.start:d.end]
         self.g_out = self.g_out.to(self.out.device, self.out.dtype)
         self.grad = self._grads(self.x, self.out, self.g_out, params=False)[0]
+        self._finite("output or input gradient", None, self.out, self.grad)
 
     def _noise(self, shape, like: torch.Tensor) -> torch.Tensor:
         noise = (torch.rand(shape, generator=self.noise, dtype=torch.float64) * 2 - 1) * self.scale
@@ -209,6 +211,17 @@ class _Prober:
     def _forward(self, hidden):
         x = hidden.detach().clone().requires_grad_(True)
         return x, self.module(x, packed_seq_params=self.meta)
+
+    def _finite(self, what: str, victim, *tensors) -> None:
+        """Refuse to judge bits once a probe overflowed: ``0 * inf`` is NaN, so an overflow in one
+        document reaches the others through any masked product, state or not."""
+        if all(bool(torch.isfinite(t).all()) for t in tensors):
+            return
+        at = "the unperturbed row" if victim is None else f"{victim.name} perturbed up to +-{self.scale:g}"
+        raise LeakageCheckInconclusive(
+            f"the module's {what} is not finite (inf / NaN) with {at}, so the bitwise comparison means "
+            f"nothing; pass a smaller scale= (perturbations are uniform in [-scale, scale], got "
+            f"{self.scale:g}) or normalise the module's activations")
 
     def _grads(self, x, out, g, params=True):
         """``(input gradient [1, T, D], parameter gradients)`` of a backward pass of ``g``."""
@@ -227,6 +240,7 @@ class _Prober:
         hidden[:, victim.start:victim.end] = self._noise(hidden[:, victim.start:victim.end].shape, hidden)
         x, out = self._forward(hidden)
         grad1, params1 = self._grads(x, out, g)
+        self._finite("output or a gradient", victim, out, grad1, *params1)
         leaks = []
         for d in self.docs:
             if d.name == victim.name:
@@ -245,6 +259,7 @@ class _Prober:
         g = self.g_out.clone()
         g[:, victim.start:victim.end] = self._noise(g[:, victim.start:victim.end].shape, g)
         grad = self._grads(self.x, self.out, g, params=False)[0]
+        self._finite("input gradient (its output gradient perturbed)", victim, grad)
         return [Leak("output gradient", victim.name, d.name, (INPUT_GRAD,)) for d in self.docs
                 if d.name not in (victim.name, victim.owner)
                 and not bitwise_equal(self.grad[:, d.start:d.end], grad[:, d.start:d.end])]

@@ -238,6 +238,28 @@ def test_negative_control_refuses_a_module_that_cannot_leak():
     assert "input changes another's output" in str(caught.value)
 
 
+class MaskedExpSum(DocCumsum):
+    """Exact, but in the shape of a chunked kernel: ``exp`` of the input summed through a
+    block-diagonal 0 / 1 mask, so an overflow in one document (``0 * inf``) turns the others NaN."""
+
+    def forward(self, hidden_states, packed_seq_params=None):
+        t = hidden_states.shape[1]
+        _, segments = structure(packed_seq_params, t)
+        mask = torch.zeros(t, t, dtype=hidden_states.dtype)
+        for a, b in segments:
+            mask[a:b, a:b] = torch.ones(b - a, b - a).tril()
+        return torch.einsum("ts,bsd->btd", mask, self.proj(hidden_states).exp()) * self.scale
+
+
+def test_an_overflowing_perturbation_is_inconclusive_not_a_leak():
+    x, params = row(torch.float32)
+    module = MaskedExpSum().float()
+    with pytest.raises(LeakageCheckInconclusive, match=r"not finite .* document 0 perturbed up to \+-1000.*"
+                                                       r"pass a smaller scale="):
+        assert_no_cross_document_leakage(module, x, params)
+    assert assert_no_cross_document_leakage(module, x, params, scale=1.0) > 0     # exact at a sane scale
+
+
 def test_negative_control_requires_the_gradient_probes_to_be_able_to_fail():
     """A forward that mixes is not enough: the output-gradient and parameter probes must each
     see a dependence without the metadata."""
