@@ -59,8 +59,14 @@ def check_boundary_sources(total_tokens: int, cu_seqlens: torch.Tensor, *, sourc
             at the first token of every non-empty document and, unless ``mrope`` (whose temporal
             plane repeats positions inside a document), nowhere else.
         seq_idx: ``[1, T]`` or ``[T]``: must cover the ``T`` tokens and give each token its document.
+
+    Tokens after ``cu_seqlens[-1]`` (a tail) are one more segment, as the mixers run them: a
+    ``seq_idx`` or ``position_ids`` that carries the last document on into the tail describes
+    other documents and is refused too.
     """
     cu = cu_seqlens.to(torch.int64)
+    if int(cu[-1]) < total_tokens:                                       # the tail: one more segment
+        cu = torch.cat([cu, cu.new_tensor([total_tokens])])
     last = int(cu[-1])
     for name, value in (("position_ids", position_ids), ("seq_idx", seq_idx)):
         if value is not None and value.shape[-1] != total_tokens:
@@ -82,7 +88,7 @@ def check_boundary_sources(total_tokens: int, cu_seqlens: torch.Tensor, *, sourc
     if seq_idx is not None and source != "seq_idx":
         want = seq_idx_from_cu_seqlens(cu_seqlens, total_tokens)[0].to(seq_idx.device)
         got = seq_idx.reshape(-1).to(torch.int64)
-        covered = got[:last] != want[:last].to(torch.int64)
+        covered = got != want.to(torch.int64)
         if bool(covered.any()):
             bad = int(torch.nonzero(covered)[0, 0])
             raise ValueError(f"batch['seq_idx'] and batch['{source}'] describe different documents: token {bad} "

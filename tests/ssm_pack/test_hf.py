@@ -43,6 +43,24 @@ def test_boundary_sources_that_disagree_are_refused():
     assert sp.packed_seq_params_from_hf_batch(batch).cu_seqlens_q.tolist() == [0, 5]
 
 
+@pytest.mark.parametrize("key,value,agrees", [
+    pytest.param("seq_idx", [0, 0, 0, 1, 1], False, id="seq-idx-carries-document-1-into-the-tail"),
+    pytest.param("seq_idx", [0, 0, 0, 1, 2], True, id="seq-idx-tail-its-own-segment"),
+    pytest.param("position_ids", [0, 1, 2, 0, 1], False, id="positions-carry-document-1-into-the-tail"),
+    pytest.param("position_ids", [0, 1, 2, 0, 0], True, id="positions-restart-at-the-tail"),
+])
+def test_a_tail_after_the_last_boundary_is_one_more_segment_for_every_source(key, value, agrees):
+    """cu_seq_lens_q [0, 3, 4] over 5 tokens: the mixers run token 4 as a segment of its own, so a
+    second source saying it continues document 1 describes other documents."""
+    batch = {"input_ids": torch.zeros(1, 5, dtype=torch.long),
+             "cu_seq_lens_q": torch.tensor([0, 3, 4], dtype=torch.int32), key: torch.tensor([value])}
+    if agrees:
+        assert sp.packed_seq_params_from_hf_batch(batch).cu_seqlens_q.tolist() == [0, 3, 4]
+    else:
+        with pytest.raises(ValueError, match=rf"{key}'\] and batch\['cu_seq_lens_q'\] describe different documents"):
+            sp.packed_seq_params_from_hf_batch(batch)
+
+
 def test_hf_batch_with_empty_documents_through_cu_seq_lens():
     batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "cu_seq_lens_q": torch.tensor([0, 2, 2, 4])}
     assert sp.packed_seq_params_from_hf_batch(batch).lengths().tolist() == [2, 0, 2]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
@@ -136,6 +136,11 @@ def packing_verdict(case) -> str:
 
 @settings(max_examples=20)                                    # each example runs the model per document
 @given(packing_case())
+# a second source carrying the last document on into the tokens after cu_seq_lens_q[-1]
+@example(([2], [1], {"cu_seq_lens_q": "other", "position_ids": "absent", "seq_idx": "row", "attention_mask": "absent",
+                     "cu_seq_lens_k": "absent", "max_length_q": "absent", "max_length_k": "absent"}, 0, 0))
+@example(([2], [1], {"cu_seq_lens_q": "other", "position_ids": "row", "seq_idx": "absent", "attention_mask": "absent",
+                     "cu_seq_lens_k": "absent", "max_length_q": "absent", "max_length_k": "absent"}, 0, 0))
 def test_packing_keywords_are_refused_by_name_or_give_each_document_alone(case):
     assert packing_verdict(case) in ("clear", "ok")
 
