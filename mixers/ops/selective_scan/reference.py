@@ -73,7 +73,9 @@ def _chunk(u, dt, A, B, C, h_in, reset, h0, picks):
         flag = torch.cat([flag[:, :step], flag[:, step:] | flag[:, :-step]], 1)
         step *= 2
     y = torch.einsum("rlen,rln->rle", b, C)
-    return y, b[:, -1], None if picks is None else b[picks[0], picks[1]]
+    # a copy, not a view: the next chunk keeps this state for its backward, and a view would keep
+    # this chunk's whole [R, L, E, Ns] storage alive with it
+    return y, b[:, -1].clone(), None if picks is None else b[picks[0], picks[1]]
 
 
 def _resets(call: ScanCall, rows: int, total: int, device) -> torch.Tensor:

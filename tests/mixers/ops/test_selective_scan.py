@@ -186,3 +186,31 @@ def test_no_token_passes_the_states_through():
                                           initial_states=h0, cu_seqlens=torch.tensor([0, 0, 0], dtype=torch.int32),
                                           return_varlen_states=True)
     assert out.shape == (1, E, 0) and torch.equal(states, h0) and last.abs().max() == 0
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the storages autograd keeps for the backward of ``fn()`` (each storage once)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def test_training_keeps_one_state_per_chunk_not_per_token():
+    """Counted, not timed: the states kept between chunks must not hold their chunk's
+    ``[L, E, Ns]`` storage (a view would keep every token's state alive)."""
+    total, channels, state = 256, 16, 32
+    g = torch.Generator().manual_seed(0)
+    u, delta, z = (torch.randn(1, channels, total, generator=g, requires_grad=True) for _ in range(3))
+    B, C = (torch.randn(1, state, total, generator=g, requires_grad=True) for _ in range(2))
+    A = (-torch.rand(channels, state, generator=g) - 0.5).requires_grad_()
+    cu = torch.tensor([0, 100, 101, 256], dtype=torch.int32)
+    kept = _saved_bytes(lambda: selective_scan_fn(u, delta, A, B, C, None, z, None, True, cu_seqlens=cu,
+                                                  chunk_size=64))
+    every_state = total * channels * state * 4
+    assert kept < every_state / 2, (kept, every_state)       # inputs (5 / Ns of it) and 4 chunk states
