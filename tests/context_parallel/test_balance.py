@@ -19,7 +19,6 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ssm_pack import PackedSeqParams, balanced_bounds, shard_for_context_parallel
 from ssm_pack.parallel.balance import mixer_weights, token_costs, work_imbalance
@@ -267,21 +266,8 @@ def _rank_main(rank, world, port, out_dir):
 
 @pytest.fixture(scope="module")
 def balanced_runs(tmp_path_factory):
-    from tests.context_parallel.worker import free_port
-    done = {}
-
-    def get(world):
-        if world not in done:
-            path = tmp_path_factory.mktemp(f"balanced{world}")
-            try:
-                mp.start_processes(_rank_main, args=(world, free_port(), str(path)), nprocs=world, join=True,
-                                   start_method="spawn")
-            except Exception:
-                errors = sorted(path.glob("*.err"))
-                pytest.fail(errors[0].read_text() if errors else "a spawned rank failed")
-            done[world] = path
-        return done[world]
-    return get
+    from tests.context_parallel.worker import runs_per_world
+    return runs_per_world(tmp_path_factory, _rank_main, "balanced")
 
 
 @pytest.mark.parametrize("world", [pytest.param(w, id=f"p{w}") for w in (2, 4)])

@@ -26,7 +26,6 @@ from functools import lru_cache
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ssm_pack import PackedSeqParams, balanced_bounds, shard_for_context_parallel
 
@@ -245,21 +244,8 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def prefill_runs(tmp_path_factory):
-    from tests.context_parallel.worker import free_port
-    done = {}
-
-    def get(world):
-        if world not in done:
-            path = tmp_path_factory.mktemp(f"cp_prefill{world}")
-            try:
-                mp.start_processes(_rank_main, args=(world, free_port(), str(path)), nprocs=world, join=True,
-                                   start_method="spawn")
-            except Exception:
-                errors = sorted(path.glob("*.err"))
-                pytest.fail(errors[0].read_text() if errors else "a spawned rank failed")
-            done[world] = path
-        return done[world]
-    return get
+    from tests.context_parallel.worker import runs_per_world
+    return runs_per_world(tmp_path_factory, _rank_main, "cp_prefill")
 
 
 def _worst(got: dict, want: dict) -> dict:

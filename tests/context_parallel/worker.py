@@ -66,6 +66,27 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, wanted: tuple) ->
         dist.destroy_process_group()
 
 
+def runs_per_world(tmp_path_factory, rank_main, prefix: str):
+    """``get(world)``: the folder where ``rank_main(rank, world, port, folder)`` wrote its results on
+    ``world`` spawned gloo ranks, started once per world size. A failed rank fails the test with
+    the first ``*.err`` traceback the ranks wrote (``rank_main`` writes ``{rank}.err``)."""
+    import pytest
+    done = {}
+
+    def get(world: int):
+        if world not in done:
+            path = tmp_path_factory.mktemp(f"{prefix}{world}")
+            try:
+                mp.start_processes(rank_main, args=(world, free_port(), str(path)), nprocs=world, join=True,
+                                   start_method="spawn")
+            except Exception:
+                errors = sorted(path.glob("*.err"))
+                pytest.fail(errors[0].read_text() if errors else "a spawned rank failed")
+            done[world] = path
+        return done[world]
+    return get
+
+
 def launch(world: int, out_dir: str, case_ids) -> float:
     """Run the cases on ``world`` spawned ranks; returns the wall time in seconds."""
     t0 = time.perf_counter()
