@@ -204,3 +204,12 @@ def test_cpu_auto_reads_no_package_and_kernel_needs_cuda(monkeypatch):
     assert torch.equal(o, chunk_simple_gla(*args, g_gamma=g_gamma, cu_seqlens=cu, backend="reference")[0])
     with pytest.raises(ValueError, match="backend='kernel' needs CUDA tensors"):
         chunk_simple_gla(*args, g_gamma=g_gamma, cu_seqlens=cu, backend="kernel")
+
+
+def test_the_fake_has_the_installed_fla_signature():
+    """The fake's parameters (names, order, defaults) are those of the installed fla's chunk_simple_gla, so a
+    positional argument the wrapper passed would land where fla puts it."""
+    import inspect
+    simple_gla = pytest.importorskip("fla.ops.simple_gla", reason="flash-linear-attention is not installed")
+    shape = lambda f: [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]  # noqa: E731
+    assert shape(fakes.fake_simple_gla([])) == shape(simple_gla.chunk_simple_gla)
