@@ -18,8 +18,9 @@ even ones for 16-bit inputs, fla/ops/common/chunk_o.py); a gradient for ``g_gamm
 fla chunks by its own 64 tokens (``chunk_size`` is the SSD route's knob).
 
 States: fla accumulates them in fp32 and returns ``final_state`` in fp32; ``initial_state`` goes in
-as fp32 (the cast is differentiable) and the final state comes back in the SSD route's state dtype
-(:func:`mixers.ops.common.chunks.compute_dtype` of ``v``).
+as fp32 (the cast is differentiable) and the final state comes back as fla returns it, in the compute
+dtype (:func:`mixers.ops.common.chunks.compute_dtype` of ``v``: fp32 for every dtype fla takes), the
+decode step's state dtype. (The SSD route returns it in ``v``'s dtype.)
 """
 
 from __future__ import annotations

@@ -109,12 +109,13 @@ def test_fla_route_packed_equals_each_document_alone(fake_fla, lengths, tail):
 def test_fla_is_handed_its_contract(fake_fla, dtype):
     """int64 boundaries (a tensor on q's device) covering T, every empty document after the others and the
     tail a segment of its own; one fp32 initial state per segment in that order (the tail's zeros); the
-    decay as fp32 ``[H]``; the resolved scale."""
+    decay as fp32 ``[H]``; the resolved scale. The output comes back in the inputs' dtype, the states in fp32."""
     lengths, tail = [0, 4, 0, 3, 0], 2
     cu, leaves, g_gamma = make(lengths, tail, dtype=dtype)
     s0 = leaves["initial_state"]
-    chunk_simple_gla(leaves["q"], leaves["k"], leaves["v"], g_gamma=g_gamma.to(dtype), initial_state=s0,
-                     output_final_state=True, cu_seqlens=cu)
+    o, final = chunk_simple_gla(leaves["q"], leaves["k"], leaves["v"], g_gamma=g_gamma.to(dtype), initial_state=s0,
+                                output_final_state=True, cu_seqlens=cu)
+    assert o.dtype == dtype and final.dtype == torch.float32        # fla's fp32 states, the decode step's dtype
     given, = of_kind(fake_fla, "simple_gla")
     bounds = given["cu_seqlens"]
     assert isinstance(bounds, torch.Tensor) and bounds.dtype == torch.int64 and bounds.device == leaves["q"].device
