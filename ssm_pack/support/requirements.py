@@ -131,6 +131,10 @@ FEATURES = {(f.kernel, f.name): f for f in (
     Feature("fla", "fused_recurrent", "fla", "0.4.0",
             "decode steps (fused_recurrent_gated_delta_rule / fused_recurrent_kda with initial states)",
             forward_only=True, why="fused_recurrent_* with initial_state= and cu_seqlens= from v0.4.0"),
+    Feature("fla_simple_gla", "varlen", "fla", "0.6.0",
+            "packed documents in chunk_simple_gla (cu_seqlens, per-document initial and final states)",
+            why="as the interpreter lane checked v0.6.0, empty documents included; ssm-pack passes cu_seqlens= "
+                "by keyword (v0.6.0 puts state_v_first before it)"),
     Feature("flash_attn", "varlen", "flash_attn", "2.3.0", "varlen attention with window_size",
             why="window_size= in flash_attn_varlen_func, forward and backward, from v2.3.0"),
     Feature("flash_attn", "kvcache", "flash_attn", "2.3.1",
