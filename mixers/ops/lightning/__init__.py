@@ -43,13 +43,15 @@ def _route(call: SimpleGLACall) -> str:
     """
     if (call.varlen is not None and call.varlen.cp is not None) or no_tokens(call.q.shape[1]):
         return "ssd"
+    on_cuda = dispatch.is_cuda(call.q)
+    if call.backend == "reference" or (call.backend == "auto" and not on_cuda):
+        return "ssd"                    # nothing more to decide: the CPU default costs one device test
     backward = dispatch.backward_of(call.q, call.k, call.v, call.g_gamma, call.initial_state)
     packed = ("varlen",) if call.varlen is not None else ()
     candidates = (("fla_simple_gla", FLA_LABEL, unsupported(call),
                    lambda: dispatch.cached_support("fla_simple_gla", packed + backward)),
                   ("mamba_ssd", SSD_LABEL, None, lambda: dispatch.cached_support("mamba_ssd", ("seq_idx",) + backward)))
-    choice = dispatch.choose_kernel("chunk_simple_gla", call.backend, on_cuda=dispatch.is_cuda(call.q),
-                                    candidates=candidates)
+    choice = dispatch.choose_kernel("chunk_simple_gla", call.backend, on_cuda=on_cuda, candidates=candidates)
     return "fla" if choice == "fla_simple_gla" else "ssd"
 
 
