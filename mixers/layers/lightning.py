@@ -97,7 +97,7 @@ class LightningMixer(CachedMixin, MixerBase):
     """
 
     CONFIG = LightningConfig
-    PLAN = (("linear attention scan", (("mamba_ssd", ("seq_idx",)),)),)
+    PLAN = (("linear attention scan", (("fla_simple_gla", ("varlen",)), ("mamba_ssd", ("seq_idx",)))),)
     INFERENCE_PLAN = ()
 
     def __init__(self, hidden_size: int | None = None, *, config: LightningConfig | None = None,

@@ -83,6 +83,11 @@ KERNELS = {k.name: k for k in (
            triton=True, backward=(("fla", "0.5.0"),),
            why="chunk_gated_delta_rule / chunk_kda / chunk_gated_delta_product with cu_seqlens= from v0.4.0; "
                "v0.5.0 fixes an illegal memory access in KDA's backward on Hopper (fla/ops/kda/chunk_bwd.py)"),
+    Kernel("fla_simple_gla", "flash-linear-attention's Triton chunk_simple_gla (lightning attention)",
+           (("fla", "0.6.0"), ("triton", "3.3.0")), triton=True,
+           why="chunk_simple_gla(q, k, v, g_gamma=, scale=, initial_state=, output_final_state=, cu_seqlens=): "
+               "the release the interpreter lane checked, forward and backward, with empty documents and "
+               "per-document states (fla/ops/simple_gla/chunk.py)"),
     Kernel("torch_varlen", "PyTorch's varlen_attn (FlashAttention-2 inside PyTorch, from 2.10)", (),
            why="torch.nn.attention.varlen: v2.10 is_causal= only; v2.11 keyword-only scale= and window_size=; "
                "v2.12 enable_gqa= (GQA then needs it); the signature is read once at import; the backward at "
@@ -126,6 +131,10 @@ FEATURES = {(f.kernel, f.name): f for f in (
     Feature("fla", "fused_recurrent", "fla", "0.4.0",
             "decode steps (fused_recurrent_gated_delta_rule / fused_recurrent_kda with initial states)",
             forward_only=True, why="fused_recurrent_* with initial_state= and cu_seqlens= from v0.4.0"),
+    Feature("fla_simple_gla", "varlen", "fla", "0.6.0",
+            "packed documents in chunk_simple_gla (cu_seqlens, per-document initial and final states)",
+            why="as the interpreter lane checked v0.6.0, empty documents included; ssm-pack passes cu_seqlens= "
+                "by keyword (v0.6.0 puts state_v_first before it)"),
     Feature("flash_attn", "varlen", "flash_attn", "2.3.0", "varlen attention with window_size",
             why="window_size= in flash_attn_varlen_func, forward and backward, from v2.3.0"),
     Feature("flash_attn", "kvcache", "flash_attn", "2.3.1",

@@ -36,8 +36,9 @@ def upstream_calls(monkeypatch):
     import mixers.ops.causal_conv1d.kernel as cuda_conv
     import mixers.ops.causal_conv1d.kernel_fla as fla_conv
     import mixers.ops.delta_rule.kernel as delta
+    import mixers.ops.lightning.kernel as simple_gla
     import mixers.ops.ssd.kernel as ssd
-    counts = {"fla_conv": 0, "causal_conv1d": 0, "ssd": 0, "gdn": 0, "kda": 0, "gdp": 0}
+    counts = {"fla_conv": 0, "causal_conv1d": 0, "ssd": 0, "gdn": 0, "kda": 0, "gdp": 0, "simple_gla": 0}
 
     def counted(kind, function):
         def run(*args, **kwargs):
@@ -46,6 +47,8 @@ def upstream_calls(monkeypatch):
         return run
 
     load_fla_conv, load_ssd, load_delta = fla_conv.load_upstream, ssd.load_upstream, delta.load_upstream
+    load_simple_gla = simple_gla.load_upstream
+    monkeypatch.setattr(simple_gla, "load_upstream", lambda: counted("simple_gla", load_simple_gla()))
     monkeypatch.setattr(fla_conv, "load_upstream", lambda: counted("fla_conv", load_fla_conv()))
     monkeypatch.setattr(ssd, "load_upstream", lambda: counted("ssd", load_ssd()))
     monkeypatch.setattr(delta, "load_upstream", lambda kind: counted(kind, load_delta(kind)))

@@ -12,6 +12,7 @@ import mixers.ops.attention.kernel as attn_kernel
 import mixers.ops.causal_conv1d.kernel as conv_kernel
 import mixers.ops.causal_conv1d.kernel_fla as fla_conv_kernel
 import mixers.ops.delta_rule.kernel as fla_kernel
+import mixers.ops.lightning.kernel as simple_gla_kernel
 import mixers.ops.ssd.kernel as ssd_kernel
 from mixers.ops import (
     causal_conv1d_fn,
@@ -23,6 +24,7 @@ from mixers.ops import (
     mamba_chunk_scan_combined,
     varlen_attention,
 )
+from mixers.ops.lightning.naive import simple_gla_naive
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -330,6 +332,53 @@ def fake_fla(calls):
     return make
 
 
+def fake_simple_gla(calls):
+    """fla's ``chunk_simple_gla`` (fla/ops/simple_gla/chunk.py, 0.6.0): its signature (``state_v_first``
+    between ``output_final_state`` and ``cu_seqlens``), ``[B, T, H, ...]`` inputs (``head_first`` is
+    refused), fp32 / fp16 / bf16 (Triton's dots), even K and V for 16-bit inputs (``chunk_bwd_dv``), one
+    row with int64 ``cu_seqlens`` ending at T (tokens after the last boundary stay uncomputed), one
+    initial state per document, ``chunk_size`` a power of two; fp32 final states and ``dh0``; no gradient
+    for ``g_gamma`` (``ChunkSimpleGLAFunction.backward`` returns ``None`` for it).
+
+    Computed by ssm-pack's spec (:func:`mixers.ops.lightning.naive.simple_gla_naive`) in fp64, rounded to
+    the dtypes fla returns. Records ``("simple_gla", {cu_seqlens, initial_state, g_gamma, scale})``."""
+    def op(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
+           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        assert "head_first" not in kwargs, "head_first has been removed. Inputs must be in `[B, T, H, ...]` format."
+        chunk_size = kwargs.pop("chunk_size", None)
+        assert not kwargs, f"unexpected arguments {sorted(kwargs)}"
+        assert chunk_size is None or chunk_size == 2 ** (chunk_size.bit_length() - 1), "chunk_size: a power of 2"
+        b, t, h, kd = q.shape
+        vd = v.shape[-1]
+        assert_tokens(t, "fla's chunk_simple_gla")
+        assert q.dtype in KERNEL_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+        assert tuple(k.shape) == (b, t, h, kd) and tuple(v.shape[:3]) == (b, t, h)
+        if q.dtype != torch.float32:            # fla/ops/common/chunk_o.py chunk_bwd_dv
+            assert kd % 2 == 0 and vd % 2 == 0, f"chunk_bwd_dv requires even K and V for {q.dtype}"
+        assert g is None and g_gamma is not None, "ssm-pack passes the per-head decay g_gamma only"
+        assert tuple(g_gamma.shape) == (h,) and g_gamma.dtype == torch.float32 and g_gamma.device == q.device
+        assert state_v_first is False and cu_seqlens_cpu is None
+        assert isinstance(scale, float), "ssm-pack passes the scale it resolved"
+        docs = b
+        if cu_seqlens is not None:
+            assert b == 1, f"The batch size is expected to be 1 rather than {b} when using `cu_seqlens`."
+            assert isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype == torch.int64
+            assert cu_seqlens.device == q.device and cu_seqlens.dim() == 1 and int(cu_seqlens[0]) == 0
+            assert int(cu_seqlens[-1]) == t, "fla leaves tokens after cu_seqlens[-1] uncomputed"
+            docs = cu_seqlens.numel() - 1
+        if initial_state is not None:
+            assert tuple(initial_state.shape) == (docs, h, kd, vd), \
+                f"initial_state must be [N, H, K, V] = {[docs, h, kd, vd]}, got {list(initial_state.shape)}"
+        calls.append(("simple_gla", dict(cu_seqlens=cu_seqlens, initial_state=initial_state, g_gamma=g_gamma,
+                                         scale=scale)))
+        init = None if initial_state is None else initial_state.double()
+        o, final = simple_gla_naive(q.double(), k.double(), v.double(), g_gamma.detach().double(), scale=scale,
+                                    initial_state=init, output_final_state=output_final_state,
+                                    cu_seqlens=cu_seqlens)
+        return o.to(q.dtype), (final.float() if final is not None else None)
+    return op
+
+
 def _assert_ampere(t):
     """flash-attn csrc/flash_attn/flash_api.cpp (2.x, and aten's copy behind ``varlen_attn``): sm80+ only.
     The device's capability as :func:`mixers.ops.device_policy.read_capability` reports it (tests pretend)."""
@@ -425,5 +474,6 @@ def install(monkeypatch, supported=True, calls=None):
     monkeypatch.setattr(fla_conv_kernel, "load_upstream", lambda: fake_fla_conv(calls))
     monkeypatch.setattr(ssd_kernel, "load_upstream", lambda: fake_ssd(calls))
     monkeypatch.setattr(fla_kernel, "load_upstream", fake_fla(calls))
+    monkeypatch.setattr(simple_gla_kernel, "load_upstream", lambda: fake_simple_gla(calls))
     monkeypatch.setattr(attn_kernel, "load_upstream", lambda: fake_flash(calls))
     return calls

@@ -12,7 +12,7 @@ from tests.support.oracles import rel_rms
 
 EXPECTED = {"mamba2": {"conv", "ssd"}, "gdn": {"conv", "gdn"}, "kda": {"conv", "kda"}, "gdp": {"conv", "gdp"},
             "attention": {"flash"}, "gated_short_conv": {"conv"}, "mamba1": {"conv"}, "rg_lru": {"conv"},
-            "lightning": {"ssd"}}
+            "lightning": {"simple_gla"}}
 
 
 @pytest.mark.parametrize("name", list(LAYERS))

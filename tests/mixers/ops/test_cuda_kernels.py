@@ -115,7 +115,7 @@ def test_flash_attention_matches_reference(window):
     assert rel_rms(outs[0].float(), outs[1].float()) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("name", ["mamba2", "gdn", "kda", "gdp", "attention"])
+@pytest.mark.parametrize("name", ["mamba2", "gdn", "kda", "gdp", "attention", "lightning"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_layer_kernel_matches_layer_reference(name, dtype):
     from ssm_pack.pytest_plugin import layout
@@ -124,9 +124,10 @@ def test_layer_kernel_matches_layer_reference(name, dtype):
         pytest.skip("flash-attn takes fp16 / bf16 only")
     if name == "gdp" and dtype == torch.float32:
         pytest.skip("fla's Gated DeltaProduct kernel takes fp16 / bf16 only (backend='kernel' refuses fp32)")
-    for k in {"mamba2": ("mamba_ssd",), "attention": ("flash_attn",)}.get(name, ("fla",)):
+    for k in {"mamba2": ("mamba_ssd",), "attention": ("flash_attn",), "lightning": ("fla_simple_gla",)}.get(name,
+                                                                                                         ("fla",)):
         need(k)
-    if name != "attention":
+    if name not in ("attention", "lightning"):
         need_conv()
     torch.manual_seed(0)
     kernel = LAYERS[name](backend="kernel").to(DEVICE, dtype)
@@ -140,6 +141,35 @@ def test_layer_kernel_matches_layer_reference(name, dtype):
     for packed in (params, None):
         a, b = kernel(x, packed_seq_params=packed), reference(x, packed_seq_params=packed)
         assert rel_rms(a.float(), b.float()) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_simple_gla_kernel_matches_spec(dtype):
+    """fla's chunk_simple_gla through the op vs the spec in fp64: packed documents (empty and one-token ones,
+    one across fla's 64-token chunk, a tail), per-document states; output, final states, every gradient."""
+    from mixers.ops import chunk_simple_gla
+    from mixers.ops.lightning.naive import simple_gla_naive
+    need("fla_simple_gla", (requirements.BACKWARD,))
+    lengths, h, kd = [0, 15, 100, 300, 1], 4, 64
+    cu = lengths_to_cu_seqlens(lengths, device=DEVICE)
+    total = int(cu[-1]) + 5
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, total, h, kd, generator=g) * kd ** -0.5 for _ in range(2))
+    v, h0 = torch.randn(1, total, h, kd, generator=g), torch.randn(len(lengths), h, kd, kd, generator=g)
+    gamma = -torch.linspace(0.01, 0.5, h)
+    leaves = [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)] + [h0.to(DEVICE).requires_grad_()]
+    o, final = chunk_simple_gla(*leaves[:3], g_gamma=gamma.to(DEVICE), scale=1.0, initial_state=leaves[3],
+                                output_final_state=True, cu_seqlens=cu, backend="kernel")
+    spec_leaves = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    o_ref, f_ref = simple_gla_naive(*spec_leaves[:3], gamma.double(), scale=1.0, initial_state=spec_leaves[3],
+                                    output_final_state=True, cu_seqlens=cu.cpu())
+    _close_to_spec(o.float(), o_ref.detach(), dtype, "output")
+    _close_to_spec(final, f_ref.detach(), dtype, "final states")
+    w_o, w_f = torch.randn(o.shape, generator=g), torch.randn(final.shape, generator=g)
+    got = torch.autograd.grad((o.float() * w_o.to(DEVICE)).sum() + (final * w_f.to(DEVICE)).sum(), leaves)
+    want = torch.autograd.grad((o_ref * w_o.double()).sum() + (f_ref * w_f.double()).sum(), spec_leaves)
+    for name, a, b in zip(("q", "k", "v", "initial_state"), got, want):
+        _close_to_spec(a.float(), b, dtype, f"grad {name}")
 
 
 def _naive_inputs(*tensors):
