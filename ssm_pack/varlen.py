@@ -242,6 +242,18 @@ class VarlenBatch:
         return torch.cat([cu[:1], torch.cumsum(lengths[order], 0)]), order
 
     @cached_property
+    def host_nonempty_cu(self) -> torch.Tensor:
+        """``nonempty_layout``'s ``cu`` ``[N+2]`` int64 on the host, for fla's ``cu_seqlens_cpu`` (its
+        chunk grid then needs no device read): from the host boundaries when there are (no read),
+        else one read of the device's, once per forward."""
+        if self.host_cu_seqlens is None:
+            return self.nonempty_layout[0].cpu()
+        cu = torch.cat([self.host_cu_seqlens.to(torch.int64), torch.tensor([self.total_tokens])])
+        lengths = cu[1:] - cu[:-1]
+        order = torch.argsort((lengths == 0).to(torch.int8), stable=True)
+        return torch.cat([cu[:1], torch.cumsum(lengths[order], 0)])
+
+    @cached_property
     def fla_conv_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cu [S+1] int64, chunk_indices [NT, 2] int64)`` for fla's Triton conv: the segments'
         starts then T (no empty sequence, the padding tail its own), and the kernel's grid, one

@@ -357,7 +357,7 @@ def fake_simple_gla(calls):
             assert kd % 2 == 0 and vd % 2 == 0, f"chunk_bwd_dv requires even K and V for {q.dtype}"
         assert g is None and g_gamma is not None, "ssm-pack passes the per-head decay g_gamma only"
         assert tuple(g_gamma.shape) == (h,) and g_gamma.dtype == torch.float32 and g_gamma.device == q.device
-        assert state_v_first is False and cu_seqlens_cpu is None
+        assert state_v_first is False
         assert isinstance(scale, float), "ssm-pack passes the scale it resolved"
         docs = b
         if cu_seqlens is not None:
@@ -366,6 +366,10 @@ def fake_simple_gla(calls):
             assert cu_seqlens.device == q.device and cu_seqlens.dim() == 1 and int(cu_seqlens[0]) == 0
             assert int(cu_seqlens[-1]) == t, "fla leaves tokens after cu_seqlens[-1] uncomputed"
             docs = cu_seqlens.numel() - 1
+            if cu_seqlens_cpu is None:              # fla/ops/utils/index.py prepare_chunk_indices: host reads
+                upstream_host_work(fla_chunk_indices, cu_seqlens, 64)
+            else:
+                assert cu_seqlens_cpu.device.type == "cpu" and torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
         if initial_state is not None:
             assert tuple(initial_state.shape) == (docs, h, kd, vd), \
                 f"initial_state must be [N, H, K, V] = {[docs, h, kd, vd]}, got {list(initial_state.shape)}"

@@ -70,7 +70,8 @@ def fla_simple_gla(call: SimpleGLACall):
     init = None
     if initial_state is not None:
         init = torch.cat([initial_state, initial_state.new_zeros(1, *initial_state.shape[1:])]).index_select(0, order)
-    o, final = op(q, k, v, initial_state=init, cu_seqlens=bounds, **options)
+    # the host copy spares fla's prepare_chunk_indices a device read in every layer
+    o, final = op(q, k, v, initial_state=init, cu_seqlens=bounds, cu_seqlens_cpu=varlen.host_nonempty_cu, **options)
     if not call.output_final_state:
         return o, None
     restored = torch.empty_like(final).index_copy(0, order, final)
