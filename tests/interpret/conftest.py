@@ -37,7 +37,8 @@ def upstream_calls(monkeypatch):
     import mixers.ops.causal_conv1d.kernel_fla as fla_conv
     import mixers.ops.delta_rule.kernel as delta
     import mixers.ops.ssd.kernel as ssd
-    counts = {"fla_conv": 0, "causal_conv1d": 0, "ssd": 0, "gdn": 0, "kda": 0, "gdp": 0}
+    from mixers.ops.rg_lru import kernel as hgrn
+    counts = {"fla_conv": 0, "causal_conv1d": 0, "ssd": 0, "gdn": 0, "kda": 0, "gdp": 0, "hgrn": 0}
 
     def counted(kind, function):
         def run(*args, **kwargs):
@@ -49,5 +50,7 @@ def upstream_calls(monkeypatch):
     monkeypatch.setattr(fla_conv, "load_upstream", lambda: counted("fla_conv", load_fla_conv()))
     monkeypatch.setattr(ssd, "load_upstream", lambda: counted("ssd", load_ssd()))
     monkeypatch.setattr(delta, "load_upstream", lambda kind: counted(kind, load_delta(kind)))
+    load_hgrn = hgrn.load_upstream
+    monkeypatch.setattr(hgrn, "load_upstream", lambda: counted("hgrn", load_hgrn()))
     monkeypatch.setattr(cuda_conv, "load_upstream", lambda: pytest.fail("causal-conv1d's CUDA kernel was chosen"))
     return counts
