@@ -187,3 +187,38 @@ def test_kernel_layer_needs_the_scan_kernel(monkeypatch):
         (False, "flash-linear-attention is not installed") if kernel == "fla_hgrn" else (True, None)))
     with pytest.raises(RuntimeError, match="RG-LRU scan cannot run on fla_hgrn: flash-linear-attention is not"):
         RGLRUMixer(16, backend="kernel")
+
+
+def test_layer_on_the_kernel_route_matches_its_spec_and_caches(fake_cuda):
+    """RGLRUMixer in auto on the (fake) kernel: a packed row == its spec per document (fp64), every
+    parameter's gradient == the torch backend's; a cached prefill then a continuing chunk == the whole."""
+    from ssm_pack import PackedSeqParams
+    from tests.mixers.layers.test_rg_lru import HIDDEN, _mixer, naive_rg_lru_block
+    mixer, reference = _mixer(), _mixer()
+    mixer.backend = "auto"
+    lengths = [5, 0, 1, 9]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, sum(lengths), HIDDEN, generator=g, dtype=torch.float64)
+    params = PackedSeqParams.from_lengths(lengths)
+    out = mixer(x, params)
+    assert len(fakes.of_kind(fake_cuda, "hgrn")) == 1
+    with torch.no_grad():
+        bounds = lengths_to_cu_seqlens(lengths).tolist()
+        for (s, e) in zip(bounds[:-1], bounds[1:]):
+            check_close(out[0, s:e], naive_rg_lru_block(mixer, x[0, s:e]), torch.float64, what=f"tokens {s}:{e}")
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out * w).sum(), list(mixer.parameters()))
+    want = torch.autograd.grad((reference(x, params) * w).sum(), list(reference.parameters()))
+    for (name, _), a, b in zip(mixer.named_parameters(), got, want):
+        check_close(a, b, torch.float64, grad=True, what=f"d{name}")
+    seqs = [torch.randn(n, HIDDEN, generator=g, dtype=torch.float64) for n in (7, 4)]
+    cache = mixer.allocate_inference_cache(2, 16)
+    with torch.no_grad():
+        a = mixer(torch.cat([seqs[0][:3], seqs[1][:2]])[None], PackedSeqParams.from_lengths([3, 2]), cache=cache,
+                  cache_slots=[0, 1])[0]
+        b = mixer(torch.cat([seqs[0][3:], seqs[1][2:]])[None], PackedSeqParams.from_lengths([4, 2]), cache=cache,
+                  cache_slots=[0, 1])[0]
+        whole = [reference(s[None])[0] for s in seqs]
+    assert len(fakes.of_kind(fake_cuda, "hgrn")) >= 3
+    check_close(torch.cat([a[:3], b[:4]]), whole[0], torch.float64, what="continuing chunk, sequence 0")
+    check_close(torch.cat([a[3:], b[4:]]), whole[1], torch.float64, what="continuing chunk, sequence 1")
