@@ -64,6 +64,7 @@ def install_fakes(stack: contextlib.ExitStack, census: SyncCensus, conv: str) ->
     import mixers.ops.ssd.kernel as ssd_kernel
     from mixers.ops import dispatch
     from mixers.ops.attention import kernel_torch
+    from mixers.ops.rg_lru import kernel as hgrn_kernel
     from tests.support import fakes
 
     if conv not in CONV_KERNELS:
@@ -75,7 +76,8 @@ def install_fakes(stack: contextlib.ExitStack, census: SyncCensus, conv: str) ->
     if conv == "fla_conv":
         patch.setattr(dispatch, "cached_support", lambda name, features=(): (
             (False, "causal-conv1d is not installed") if name == "causal_conv1d" else (True, None)))
-    for module in (conv_kernel, fla_conv_kernel, ssd_kernel, fla_kernel, lightning_kernel, attn_kernel, kernel_torch):
+    for module in (conv_kernel, fla_conv_kernel, ssd_kernel, fla_kernel, lightning_kernel, hgrn_kernel, attn_kernel,
+                   kernel_torch):
         load = module.load_upstream
         patch.setattr(module, "load_upstream", lambda *a, _load=load: _opaque_result(_load(*a), census))
     host_work = fakes.upstream_host_work

@@ -148,6 +148,22 @@ def case_delta(setup: Setup, dtype, kind: str):
     return compare(op, tensors, dtype, setup, kernels=("fla",))
 
 
+def case_rg_lru(setup: Setup, dtype):
+    """The RG-LRU's recurrence on fla's ``fused_recurrent_hgrn``: packed, per-document initial states that
+    every other document continues (the others reset), per-document final states."""
+    from mixers.ops import rg_lru
+    T, D, N = setup.T, setup.heads * setup.dim, len(setup.lengths)
+    tensors = {"x": _randn(1, T, D), "gate_x": _randn(1, T, D, seed=1), "gate_a": _randn(1, T, D, seed=2),
+               "recurrent_param": _randn(D, seed=3), "initial_state": _randn(N, D, seed=4)}
+    cu = setup.cu()
+    continues = (torch.arange(N) % 2 == 0).to(setup.device)
+
+    def op(backend, a):
+        return rg_lru(a["x"], a["gate_x"], a["gate_a"], a["recurrent_param"], initial_state=a["initial_state"],
+                      continues=continues, output_final_state=True, cu_seqlens=cu, backend=backend)
+    return compare(op, tensors, dtype, setup, kernels=("fla_hgrn",))
+
+
 def _decode_inputs(setup: Setup, kind: str):
     rows, H, K = 3, setup.heads, setup.dim
     nh, HV = (2, H) if kind == "gdp" else (1, 2 * H)
@@ -280,6 +296,7 @@ def all_cases(setup: Setup) -> list[Case]:
             out += [Case(f"{kind} packed, per-document states [{tag}]", case_delta, (setup, dtype, kind), ("fla",)),
                     Case(f"{kind} decode step (fused_recurrent) [{tag}]", case_recurrent_step, (setup, dtype, kind),
                          ("fla",))]
+        out += [Case(f"rg_lru packed, per-document states [{tag}]", case_rg_lru, (setup, dtype), ("fla_hgrn",))]
         out += [Case(f"attention packed, GQA [{tag}] on {kernel}", case_attention, (setup, dtype, kernel), (kernel,))
                 for kernel in ATTENTION]
         out += [Case(f"torch varlen_attn direct [{tag}]", case_torch_varlen_attn, (setup, dtype), ("torch_varlen",))]

@@ -18,8 +18,10 @@ convolution restarts at every document (:func:`mixers.ops.causal_conv1d_fn`), th
 resets at every document start (:func:`mixers.ops.rg_lru`), both with per-document states and
 context parallelism by state passing; steps 1, 3 and 5 act on each token alone.
 
-``backend`` picks the convolution's kernel; the RG-LRU has one route, its torch backend (no
-upstream kernel: see ``docs/ops.md``).
+``backend`` picks the kernels of both token-mixing steps, as ``PLAN`` lists them: the
+convolution's (causal-conv1d, else fla's Triton conv) and the recurrence's (fla's
+``fused_recurrent_hgrn``, :mod:`mixers.ops.rg_lru.kernel`); the decode step has no kernel (one
+elementwise update per token), so it runs the torch backend whatever ``backend`` says.
 
 Inference: the cache holds ``conv [S, W, Wc-1]`` (the last Wc-1 values of ``linear_x(h)`` per
 slot, in the activations' dtype) and ``lru [S, W]`` (the recurrent state, fp32 for half
@@ -85,11 +87,11 @@ class RGLRUMixer(CachedMixin, MixerBase):
 
     Build it from ``hidden_size`` alone (``RGLRUMixer(512)``), with overrides
     (``RGLRUMixer(512, num_heads=8)``) or from an :class:`RGLRUConfig`. ``backend``: ``"auto"``,
-    ``"kernel"`` (the convolution's kernel; checked now) or ``"reference"``.
+    ``"kernel"`` (the convolution's and the recurrence's kernels; checked now) or ``"reference"``.
     """
 
     CONFIG = RGLRUConfig
-    PLAN = (("short conv", SHORT_CONV),)
+    PLAN = (("short conv", SHORT_CONV), ("RG-LRU scan", (("fla_hgrn", ()),)))
     INFERENCE_PLAN = (("conv decode", (("causal_conv1d", ("update_indices",)), ("fla_conv", ("update",)))),)
 
     def __init__(self, hidden_size: int | None = None, *, config: RGLRUConfig | None = None, backend: str = "auto",
@@ -114,7 +116,8 @@ class RGLRUMixer(CachedMixin, MixerBase):
         return torch.log(1.0 / a - 1.0)
 
     @property
-    def _lru_backend(self) -> str:
+    def _step_backend(self) -> str:
+        """The decode step's: it has no kernel, so ``"kernel"`` asks for none there."""
         return "reference" if self.backend == "reference" else "auto"
 
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +139,7 @@ class RGLRUMixer(CachedMixin, MixerBase):
         y = self._branch_y(hidden_states)
         x = self.conv(self.linear_x(hidden_states), varlen)
         x, _ = rg_lru(x, *self._gates(x), self.recurrent_param, scale=self.config.scale, cu_seqlens=varlen,
-                      backend=self._lru_backend)
+                      backend=self.backend)
         return self.linear_out(x * y)
 
     def _cache_states(self, slots, max_seqlen, dtype, device):
@@ -153,17 +156,17 @@ class RGLRUMixer(CachedMixin, MixerBase):
         if batch.decode:
             out = rg_lru_update(cache["lru"], x[:, 0], gate_x[:, 0], gate_a[:, 0], self.recurrent_param,
                                 scale=c.scale, state_indices=batch.slots, continues=continues,
-                                backend=self._lru_backend)
+                                backend=self._step_backend)
             return self.linear_out(out.unsqueeze(1) * y)
         initial = None if batch.all_fresh else cache.gather("lru", batch)
         if batch.packed:
             spread = batch.spread(continues)
             out, final = rg_lru(x, gate_x, gate_a, self.recurrent_param, scale=c.scale,
                                 initial_state=batch.spread(initial), continues=spread, output_final_state=True,
-                                cu_seqlens=batch.state_varlen, backend=self._lru_backend)
+                                cu_seqlens=batch.state_varlen, backend=self.backend)
             final = batch.pick(final)
         else:
             out, final = rg_lru(x, gate_x, gate_a, self.recurrent_param, scale=c.scale, initial_state=initial,
-                                continues=continues, output_final_state=True, backend=self._lru_backend)
+                                continues=continues, output_final_state=True, backend=self.backend)
         cache.write("lru", batch, final)
         return self.linear_out(out * y)

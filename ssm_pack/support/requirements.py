@@ -88,6 +88,10 @@ KERNELS = {k.name: k for k in (
            why="chunk_simple_gla(q, k, v, g_gamma=, scale=, initial_state=, output_final_state=, cu_seqlens=): "
                "the release the interpreter lane checked, forward and backward, with empty documents and "
                "per-document states (fla/ops/simple_gla/chunk.py)"),
+    Kernel("fla_hgrn", "flash-linear-attention's Triton HGRN recurrence (the RG-LRU's scan)",
+           (("fla", "0.6.0"), ("triton", "3.3.0")), triton=True,
+           why="fused_recurrent_hgrn(x, g, initial_state, output_final_state, cu_seqlens): the release whose "
+               "per-document states and empty documents the interpreter lane checked, forward and backward"),
     Kernel("torch_varlen", "PyTorch's varlen_attn (FlashAttention-2 inside PyTorch, from 2.10)", (),
            why="torch.nn.attention.varlen: v2.10 is_causal= only; v2.11 keyword-only scale= and window_size=; "
                "v2.12 enable_gqa= (GQA then needs it); the signature is read once at import; the backward at "

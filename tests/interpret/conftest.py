@@ -38,7 +38,9 @@ def upstream_calls(monkeypatch):
     import mixers.ops.delta_rule.kernel as delta
     import mixers.ops.lightning.kernel as simple_gla
     import mixers.ops.ssd.kernel as ssd
-    counts = {"fla_conv": 0, "causal_conv1d": 0, "ssd": 0, "gdn": 0, "kda": 0, "gdp": 0, "simple_gla": 0}
+    from mixers.ops.rg_lru import kernel as hgrn
+    counts = {"fla_conv": 0, "causal_conv1d": 0, "ssd": 0, "gdn": 0, "kda": 0, "gdp": 0, "simple_gla": 0,
+              "hgrn": 0}
 
     def counted(kind, function):
         def run(*args, **kwargs):
@@ -52,5 +54,7 @@ def upstream_calls(monkeypatch):
     monkeypatch.setattr(fla_conv, "load_upstream", lambda: counted("fla_conv", load_fla_conv()))
     monkeypatch.setattr(ssd, "load_upstream", lambda: counted("ssd", load_ssd()))
     monkeypatch.setattr(delta, "load_upstream", lambda kind: counted(kind, load_delta(kind)))
+    load_hgrn = hgrn.load_upstream
+    monkeypatch.setattr(hgrn, "load_upstream", lambda: counted("hgrn", load_hgrn()))
     monkeypatch.setattr(cuda_conv, "load_upstream", lambda: pytest.fail("causal-conv1d's CUDA kernel was chosen"))
     return counts

@@ -22,6 +22,7 @@ CASES = [
     pytest.param("gdn", torch.float32, {"fla_conv": 3, "gdn": 1}, id="gdn-grouped-values"),
     pytest.param("kda", torch.float32, {"fla_conv": 3, "kda": 1}, id="kda"),
     pytest.param("gdp", torch.float16, {"fla_conv": 3, "gdp": 1}, id="gdp-fp16"),
+    pytest.param("rg_lru", torch.float32, {"fla_conv": 1, "hgrn": 1}, id="rg_lru"),
 ]
 
 

@@ -25,6 +25,7 @@ from mixers.ops import (
     varlen_attention,
 )
 from mixers.ops.lightning.naive import simple_gla_naive
+from mixers.ops.rg_lru import kernel as hgrn_kernel
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -383,6 +384,57 @@ def fake_simple_gla(calls):
     return op
 
 
+def _hgrn_by_definition(x, g, h0, bounds):
+    """``h_t = exp(g_t) * h_{t-1} + x_t`` over each ``(row, start, end)`` of ``bounds`` from its row of
+    ``h0`` (zero without one), token by token: ``(out [B, T, D], finals [len(bounds), D])`` in the working
+    dtype (fp32, as fla accumulates; fp64 for fp64, so tests of the wrapper can be exact)."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xs, gs = x.to(work), g.to(work)
+    rows = [[] for _ in range(x.shape[0])]
+    finals = []
+    for n, (row, start, end) in enumerate(bounds):
+        h = h0[n].to(work) if h0 is not None else xs.new_zeros(x.shape[-1])
+        for t in range(start, end):
+            h = torch.exp(gs[row, t]) * h + xs[row, t]
+            rows[row].append(h)
+        finals.append(h)
+    out = torch.stack([torch.stack(r) for r in rows])
+    return out, torch.stack(finals)
+
+
+def fake_fla_hgrn(calls):
+    """fla's ``fused_recurrent_hgrn`` (fla/ops/hgrn/fused_recurrent.py, 0.6.0): ``ValueError`` for ``B != 1``
+    with ``cu_seqlens`` and for ``initial_state`` rows other than the documents'; its varlen grid runs one
+    program per document over ``cu_seqlens`` alone (the tokens after ``cu_seqlens[-1]`` would stay
+    ``torch.empty``); the output and the final state in ``x``'s dtype."""
+    def fused_recurrent_hgrn(x, g, initial_state=None, output_final_state=False, cu_seqlens=None):
+        if cu_seqlens is not None:
+            if x.shape[0] != 1:
+                raise ValueError(f"The batch size is expected to be 1 rather than {x.shape[0]} when using "
+                                 "`cu_seqlens`.")
+            if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
+                raise ValueError(f"The number of initial states is expected to be equal to the number of input "
+                                 f"sequences, i.e., {len(cu_seqlens) - 1} rather than {initial_state.shape[0]}.")
+        batch, length, width = x.shape
+        assert_tokens(length, "fused_recurrent_hgrn")
+        assert g.shape == x.shape and g.dtype == x.dtype and g.device == x.device, "x and g: one [B, T, D] layout"
+        if cu_seqlens is None:
+            bounds = [(row, 0, length) for row in range(batch)]
+        else:
+            assert cu_seqlens.dtype == torch.int64 and cu_seqlens.dim() == 1 and cu_seqlens.device == x.device
+            cu = cu_seqlens.tolist()
+            assert cu[0] == 0 and all(a <= b for a, b in zip(cu, cu[1:])), f"cu_seqlens must rise from 0: {cu}"
+            assert cu[-1] == length, f"tokens {cu[-1]}..{length} are in no document: their output stays torch.empty"
+            bounds = [(0, a, b) for a, b in zip(cu, cu[1:])]
+        if initial_state is not None:
+            assert tuple(initial_state.shape) == (len(bounds), width) and initial_state.device == x.device
+        calls.append(("hgrn", dict(x=x, g=g, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                   output_final_state=output_final_state)))
+        out, finals = _hgrn_by_definition(x, g, initial_state, bounds)
+        return out.to(x.dtype), (finals.to(x.dtype) if output_final_state else None)
+    return fused_recurrent_hgrn
+
+
 def _assert_ampere(t):
     """flash-attn csrc/flash_attn/flash_api.cpp (2.x, and aten's copy behind ``varlen_attn``): sm80+ only.
     The device's capability as :func:`mixers.ops.device_policy.read_capability` reports it (tests pretend)."""
@@ -479,5 +531,6 @@ def install(monkeypatch, supported=True, calls=None):
     monkeypatch.setattr(ssd_kernel, "load_upstream", lambda: fake_ssd(calls))
     monkeypatch.setattr(fla_kernel, "load_upstream", fake_fla(calls))
     monkeypatch.setattr(simple_gla_kernel, "load_upstream", lambda: fake_simple_gla(calls))
+    monkeypatch.setattr(hgrn_kernel, "load_upstream", lambda: fake_fla_hgrn(calls))
     monkeypatch.setattr(attn_kernel, "load_upstream", lambda: fake_flash(calls))
     return calls

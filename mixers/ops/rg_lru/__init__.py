@@ -16,28 +16,35 @@ bool) names the rows / documents that instead continue a state (their ``initial_
 zero where none is given): their first token is an ordinary step. Its default: every row /
 document when ``initial_state`` is given, none otherwise.
 
-Backends: the torch backend (:mod:`.reference`, a segmented parallel scan) on every device; see
-:mod:`mixers.ops.device_policy` and ``docs/ops.md`` for why no GPU kernel is wired yet.
+Backends: fla's ``fused_recurrent_hgrn`` (:mod:`.kernel`: the gates computed here, the recurrence with
+its per-document resets and states in fla's Triton kernel) on CUDA when fla is installed, else the
+torch backend (:mod:`.reference`, a segmented parallel scan), the one route on CPU and for fp64.
 Context parallelism (``cu_seqlens`` a CP :class:`ssm_pack.VarlenBatch`): :mod:`.cp`.
 """
 
 from __future__ import annotations
 
+from .. import dispatch
 from ..common.autocast import outside_autocast
+from ..common.empty import no_tokens
 from ._validate import RGLRUCall, checked_call
+from .kernel import fla_kernel, unsupported
 from .reference import rg_lru_reference
 
 __all__ = ["rg_lru"]
 
 
 def _run(call: RGLRUCall):
-    """Context parallelism (:mod:`.cp`), else the torch backend (the one route; see the module docstring)."""
+    """Context parallelism (:mod:`.cp`), else fla's kernel or the torch backend (one backend choice)."""
     if call.varlen is not None and call.varlen.cp is not None:
         from .cp import rg_lru_cp
         return rg_lru_cp(call, rg_lru)
-    if call.backend == "kernel":
-        raise ValueError("rg_lru: no upstream kernel computes the RG-LRU with its resets (see docs/ops.md); use "
-                         "backend='reference' (or 'auto', which picks it)")
+    features = dispatch.backward_of(call.x, call.gate_x, call.gate_a, call.recurrent_param, call.initial_state)
+    choice = dispatch.select_backend("rg_lru", call.backend, on_cuda=dispatch.is_cuda(call.x),
+                                     support_state=lambda: dispatch.cached_support("fla_hgrn", features),
+                                     missing_feature=unsupported(call))
+    if choice == "kernel" and not no_tokens(call.x.shape[1]):
+        return fla_kernel(call)
     return rg_lru_reference(call)
 
 
@@ -54,7 +61,8 @@ def rg_lru(x, gate_x, gate_a, recurrent_param, *, scale=8.0, initial_state=None,
         output_final_state: also return the state after each row / document (``[B or N, D]``).
         cu_seqlens: ``[N+1]`` document boundaries (``B == 1``) or a prebuilt :class:`ssm_pack.VarlenBatch`.
         continues: ``[B or N]`` bool, which rows / documents continue a state (module docstring).
-        backend: ``"auto"`` or ``"reference"`` (``"kernel"`` raises: none exists).
+        backend: ``"auto"`` (fla's kernel on CUDA when it can run, else the torch backend), ``"kernel"``
+            (fla's, or raise) or ``"reference"`` (the torch backend).
 
     Returns:
         ``(out [B, T, D] in x's dtype, final_state)``; ``final_state`` is ``None`` unless asked for,

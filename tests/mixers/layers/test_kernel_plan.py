@@ -12,6 +12,7 @@ import mixers.ops.delta_rule.kernel as fla_kernel
 import mixers.ops.lightning.kernel as simple_gla_kernel
 import mixers.ops.ssd.kernel as ssd_kernel
 from mixers.ops import dispatch, varlen_attention
+from mixers.ops.rg_lru import kernel as hgrn_kernel
 from mixers.report import mixer_backends
 from ssm_pack.pytest_plugin import layout
 from ssm_pack.support import installed
@@ -32,8 +33,8 @@ ENVIRONMENTS = {
     "nothing": ({}, set()),
 }
 # which fake call each kernel of the table makes
-CALL_OF = {"causal_conv1d": "conv", "fla_conv": "fla_conv", "mamba_ssd": "ssd", "flash_attn": "flash",
-           "torch_varlen": "torch_varlen", "fla_simple_gla": "simple_gla"}
+CALL_OF = {"causal_conv1d": "conv", "fla_conv": "fla_conv", "fla_hgrn": "hgrn", "mamba_ssd": "ssd",
+           "flash_attn": "flash", "torch_varlen": "torch_varlen", "fla_simple_gla": "simple_gla"}
 CLASS_OF = {"mamba2": "Mamba2Mixer", "gdn": "GatedDeltaNetMixer", "kda": "KDAMixer", "gdp": "GatedDeltaProductMixer",
             "attention": "AttentionMixer", "gated_short_conv": "GatedShortConvMixer", "mamba1": "Mamba1Mixer",
             "rg_lru": "RGLRUMixer", "lightning": "LightningMixer"}
@@ -68,6 +69,7 @@ def environment(monkeypatch):
         monkeypatch.setattr(ssd_kernel, "load_upstream", lambda: fakes.fake_ssd(calls))
         monkeypatch.setattr(fla_kernel, "load_upstream", fakes.fake_fla(calls))
         monkeypatch.setattr(simple_gla_kernel, "load_upstream", lambda: fakes.fake_simple_gla(calls))
+        monkeypatch.setattr(hgrn_kernel, "load_upstream", lambda: fakes.fake_fla_hgrn(calls))
         monkeypatch.setattr(attn_kernel, "load_upstream", lambda: fakes.fake_flash(calls))
         monkeypatch.setattr(torch_varlen_kernel, "on_cuda", lambda t: True)    # torch's own kernel needs no package
         monkeypatch.setattr(torch_varlen_kernel, "load_upstream", lambda: _fake_torch_varlen(calls))

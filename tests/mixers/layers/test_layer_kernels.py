@@ -11,7 +11,7 @@ from tests.support.fakes import install
 from tests.support.oracles import rel_rms
 
 EXPECTED = {"mamba2": {"conv", "ssd"}, "gdn": {"conv", "gdn"}, "kda": {"conv", "kda"}, "gdp": {"conv", "gdp"},
-            "attention": {"flash"}, "gated_short_conv": {"conv"}, "mamba1": {"conv"}, "rg_lru": {"conv"},
+            "attention": {"flash"}, "gated_short_conv": {"conv"}, "mamba1": {"conv"}, "rg_lru": {"conv", "hgrn"},
             "lightning": {"simple_gla"}}
 
 
