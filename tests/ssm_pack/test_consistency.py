@@ -12,11 +12,12 @@ CU = torch.tensor([0, 3, 5, 9], dtype=torch.int32)                  # documents 
 
 
 def positions(cu, total):
-    """Positions restarting at 0 at every document start (the tail past ``cu[-1]`` continues the last one)."""
+    """Positions restarting at 0 at every document start and at the tail past ``cu[-1]`` (a segment
+    of its own, as ``VarlenBatch.position_ids`` numbers it)."""
     out, cu = [], cu.tolist()
     for a, b in zip(cu[:-1], cu[1:]):
         out += list(range(b - a))
-    out += list(range(out[-1] + 1 if out else 0, (out[-1] + 1 if out else 0) + total - cu[-1]))
+    out += list(range(total - cu[-1]))
     return torch.tensor([out])
 
 
