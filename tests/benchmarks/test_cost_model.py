@@ -223,12 +223,18 @@ def test_all_to_all_formula_and_its_cap():
 
 def test_the_benchmark_prints_both_tables(tmp_path, capsys):
     from benchmarks.bench_cost_model import main
-    text = main(["--tokens", "4096", "8192", "--ranks", "2", "64", "--out", str(tmp_path)])
+    text = main(["--tokens", "4096", "8192", "--ranks", "2", "64", "--count-tokens", "128", "--out", str(tmp_path)])
     assert text.count("| 4,096 ") == 4 and text.count("| 8,192 ") == 4        # 2 ranks x 2 tables
+    counted = [line.split("|") for line in text.splitlines() if "| exact |" in line]
+    assert [row[1].strip() for row in counted] == ["Mamba2", "GatedDeltaNet", "Attention"]
+    assert all(row[2].strip() == row[3].strip() and float(row[8].strip()[:-1]) > 1 for row in counted)   # more
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| 8,192 ")]
     assert rows[0][9].strip() != "-" and rows[1][9].strip() == "-"      # a2a attention: P = 64 > 8 KV heads
     assert (tmp_path / "cost-model.md").read_text().strip() == text.strip()
     with pytest.raises(SystemExit):
         main(["--ranks", "1"])
     assert "--ranks must be integers >= 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--count-tokens", "-1"])
+    assert "--count-tokens must be >= 0, got -1" in capsys.readouterr().err
 
