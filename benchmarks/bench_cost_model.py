@@ -4,8 +4,9 @@
 
 For a hybrid at hidden 4096 (Mamba2 and GatedDeltaNet at the production configs of
 ``bench_context_parallel``, attention with 32 query heads, 8 KV heads of 128), per rank and layer,
-forward + backward, from :mod:`benchmarks.cost_model` (plain arithmetic, checked exactly against
-gloo runs and the attention mask by ``tests/benchmarks/test_cost_model.py``):
+forward + backward, from :mod:`benchmarks.cost_model` (plain arithmetic; bytes and projection
+work checked exactly against gloo runs, attention pairs against the mask, by
+``tests/benchmarks/test_cost_model.py``; the scan work is an estimate, see table 3):
 
 1. bytes sent by the busiest rank: ours (state passing) per layer kind, and the all-to-all design
    (``-`` where the heads are not divisible by P: it cannot run);
@@ -145,8 +146,9 @@ def report(tokens=TOKENS, ranks=RANKS, count_tokens: int = 2048) -> tuple[str, d
             f"(heads: {heads})", "",
             table(["T", "P", "ours conv (Mamba2)", "ours SSD", "ours delta (GDN)", "ours attention KV",
                    "a2a Mamba2", "a2a GDN", "a2a attention"], bytes_rows), "",
-            f"## hybrid {PATTERN}: work imbalance (max / mean multiply-adds over ranks) and activation memory "
-            "per rank (GiB; ours keeps the received keys too)", "",
+            f"## hybrid {PATTERN}: work imbalance (max / mean multiply-adds over ranks: projections exact, "
+            "attention pairs of the mask, scans 2 S per token) and activation memory per rank (GiB; ours keeps "
+            "the received keys too)", "",
             table(["T", "P", "imbalance equal tokens", "imbalance balanced cuts", "memory ours", "memory a2a"],
                   work_rows), ""]
     if count_tokens:
