@@ -43,22 +43,29 @@ MIB = 2 ** 20
 # ------------------------------------------------------------------------------- layer geometry
 def geometry(name: str, cfg) -> dict:
     """Per layer: the exchanged pieces (``convs``: channels of each short conv; ``state``/``m``:
-    elements of S and M; ``kv``: elements of one key+value row) and the a2a widths."""
+    elements of S and M; ``kv``: elements of one key+value row), the a2a widths and ``proj``: the
+    multiply-adds of the layer's projections per token, forward (every ``nn.Linear``)."""
     if name == "Attention":
         hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         return dict(convs=[], kv=2 * hk * d, w_in=(hq + 2 * hk) * d, w_out=hq * d,
-                    left=-1 if cfg.window_size is None else cfg.window_size[0], heads=hk, width=1)
+                    left=-1 if cfg.window_size is None else cfg.window_size[0], heads=hk, width=1,
+                    proj=cfg.hidden_size * (2 * hq + 2 * hk) * d)
     if name == "Mamba2":
         conv = cfg.d_inner + 2 * cfg.num_groups * cfg.state_size
         return dict(convs=[conv], state=cfg.num_heads * cfg.head_dim * cfg.state_size, m=cfg.num_heads,
                     w_in=cfg.d_inner + conv + cfg.num_heads, w_out=cfg.d_inner, width=cfg.conv_size,
-                    heads=cfg.num_heads)
+                    heads=cfg.num_heads, proj=cfg.hidden_size * (2 * cfg.d_inner + conv + cfg.num_heads))
     nh = getattr(cfg, "num_householder", 1)
     hv, k, v = cfg.num_v_heads, cfg.head_dim, cfg.head_v_dim
     convs = [cfg.key_dim, cfg.key_dim * nh, cfg.value_dim * nh]
     gate = hv * k if name == "KDA" else hv
+    # q, k, v, beta, the output projection; the gates: a (hidden -> HV) and g (hidden -> value_dim), or
+    # KDA's low-rank f (hidden -> V -> HV K) and g (hidden -> V -> value_dim)
+    gates = (cfg.hidden_size * v + v * gate + cfg.hidden_size * v + v * cfg.value_dim if name == "KDA"
+             else cfg.hidden_size * (gate + cfg.value_dim))
     return dict(convs=convs, state=hv * k * v, m=hv * k * k, w_in=sum(convs) + hv * nh + gate, w_out=cfg.value_dim,
-                width=cfg.conv_size, heads=cfg.num_heads)
+                width=cfg.conv_size, heads=cfg.num_heads,
+                proj=cfg.hidden_size * (sum(convs) + hv * nh + cfg.value_dim) + gates)
 
 
 def planned_bytes(lay: ContextParallelLayout, geo: dict, act_bytes: int, state_bytes: int) -> list[tuple[int, int]]:

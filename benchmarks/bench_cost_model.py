@@ -4,15 +4,21 @@
 
 For a hybrid at hidden 4096 (Mamba2 and GatedDeltaNet at the production configs of
 ``bench_context_parallel``, attention with 32 query heads, 8 KV heads of 128), per rank and layer,
-forward + backward, from :mod:`benchmarks.cost_model` (plain arithmetic, checked exactly against
-gloo runs and the attention mask by ``tests/benchmarks/test_cost_model.py``):
+forward + backward, from :mod:`benchmarks.cost_model` (plain arithmetic; bytes and projection
+work checked exactly against gloo runs, attention pairs against the mask, by
+``tests/benchmarks/test_cost_model.py``; the scan work is an estimate, see table 3):
 
 1. bytes sent by the busiest rank: ours (state passing) per layer kind, and the all-to-all design
    (``-`` where the heads are not divisible by P: it cannot run);
 2. work imbalance of the hybrid (max over ranks / mean multiply-adds) with equal-token shards and
-   with ``ssm_pack.balanced_bounds``'s contiguous shards, and activation memory per rank.
+   with ``ssm_pack.balanced_bounds``'s contiguous shards, and activation memory per rank;
+3. the model's work parts next to what a real forward + backward dispatches
+   (:mod:`benchmarks.op_counts`), for each kind at the hybrid's head sizes and chunk sizes (hidden
+   256: fewer heads, the same per-head work) on one ``--count-tokens`` document, one process:
+   ``projections`` equal (asserted), ``scan`` / ``attention`` shown with the counted / model gap.
 
-    python -m benchmarks.bench_cost_model [--tokens 32768 131072 ...] [--ranks 2 8 ...] [--out DIR]
+    python -m benchmarks.bench_cost_model [--tokens 32768 131072 ...] [--ranks 2 8 ...] [--count-tokens 2048]
+                                          [--out DIR]
 
 ``--out DIR`` writes ``DIR/cost-model.md`` and, when matplotlib is installed, ``DIR/cost-model.png``.
 """
@@ -86,7 +92,44 @@ def rows_for(geos: dict, total: int, ranks: int) -> tuple[list, list, dict]:
     return bytes_row, work_row, series
 
 
-def report(tokens=TOKENS, ranks=RANKS) -> tuple[str, dict]:
+COUNT_HIDDEN = 256
+
+
+def counted_rows(tokens: int, hidden: int = COUNT_HIDDEN) -> list[list]:
+    """Per kind: the model's work parts and the multiply-adds one fwd + bwd dispatches, one document."""
+    import torch
+
+    from benchmarks.bench_context_parallel import geometry
+    from benchmarks.op_counts import MatmulCounter
+    from mixers import AttentionMixer, GatedDeltaNetMixer, Mamba2Mixer
+    from mixers.layers import AttentionConfig, GatedDeltaNetConfig, Mamba2Config
+    from ssm_pack import PackedSeqParams
+    kinds = {"Mamba2": (Mamba2Mixer, Mamba2Config(hidden)), "GatedDeltaNet": (GatedDeltaNetMixer,
+                                                                              GatedDeltaNetConfig(hidden)),
+             "Attention": (AttentionMixer, AttentionConfig(hidden, head_dim=128, num_heads=hidden // 128,
+                                                           num_kv_heads=1))}
+    params = PackedSeqParams.from_lengths([tokens], total_tokens=tokens)
+    rows = []
+    for name, (cls, config) in kinds.items():
+        torch.manual_seed(0)
+        layer = cls(config=config)
+        x = torch.randn(1, tokens, hidden, requires_grad=True)
+        with MatmulCounter(layer) as counter:
+            layer(x, packed_seq_params=params).square().sum().backward()
+        if counter.unknown:
+            raise RuntimeError(f"{name}: products the counter has no rule for: {sorted(counter.unknown)}")
+        (model,) = cm.work_parts(geometry(name, config), hidden, [0, tokens], [tokens], [0, tokens])
+        if model["projections"] != counter.macs["projections"]:
+            raise AssertionError(f"{name}: projections model {model['projections']} != counted "
+                                 f"{counter.macs['projections']}")
+        part = "attention pairs" if name == "Attention" else "scan"
+        rest = model["attention"] + model["scan"]
+        rows.append([name, f"{model['projections']:,}", f"{counter.macs['projections']:,}", "exact", part,
+                     f"{rest:,}", f"{counter.macs['other']:,}", f"{counter.macs['other'] / rest:.2f}x"])
+    return rows
+
+
+def report(tokens=TOKENS, ranks=RANKS, count_tokens: int = 2048) -> tuple[str, dict]:
     geos = hybrid_geometry()
     bytes_rows, work_rows, series = [], [], {}
     for total in tokens:
@@ -103,10 +146,19 @@ def report(tokens=TOKENS, ranks=RANKS) -> tuple[str, dict]:
             f"(heads: {heads})", "",
             table(["T", "P", "ours conv (Mamba2)", "ours SSD", "ours delta (GDN)", "ours attention KV",
                    "a2a Mamba2", "a2a GDN", "a2a attention"], bytes_rows), "",
-            f"## hybrid {PATTERN}: work imbalance (max / mean multiply-adds over ranks) and activation memory "
-            "per rank (GiB; ours keeps the received keys too)", "",
+            f"## hybrid {PATTERN}: work imbalance (max / mean multiply-adds over ranks: projections exact, "
+            "attention pairs of the mask, scans 2 S per token) and activation memory per rank (GiB; ours keeps "
+            "the received keys too)", "",
             table(["T", "P", "imbalance equal tokens", "imbalance balanced cuts", "memory ours", "memory a2a"],
                   work_rows), ""]
+    if count_tokens:
+        text += [f"## work parts, model vs counted (multiply-adds of one fwd + bwd dispatched, "
+                 f"`benchmarks.op_counts`): one {count_tokens:,}-token document, one process, hidden "
+                 f"{COUNT_HIDDEN} at the hybrid's head and chunk sizes, fp32, the torch reference backends. "
+                 "Projections are exact; the scan is an estimate (the chunked products do more than 2 S per "
+                 "token); attention counts the mask's pairs, the kernel multiplies whole 128-query blocks", "",
+                 table(["layer", "projections model", "projections counted", "", "part", "model", "counted",
+                        "counted / model"], counted_rows(count_tokens)), ""]
     return "\n".join(text), series
 
 
@@ -136,12 +188,16 @@ def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
+    parser.add_argument("--count-tokens", type=int, default=2048,
+                        help="document length of the counted run (0: skip it)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     for name, values in (("--tokens", args.tokens), ("--ranks", args.ranks)):
         if any(v < 2 for v in values):
             parser.error(f"{name} must be integers >= 2, got {values}")
-    text, series = report(args.tokens, args.ranks)
+    if args.count_tokens < 0:
+        parser.error(f"--count-tokens must be >= 0, got {args.count_tokens}")
+    text, series = report(args.tokens, args.ranks, args.count_tokens)
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

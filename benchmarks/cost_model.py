@@ -19,10 +19,18 @@ For one layer of one packed row, one training step (forward + backward), per ran
   rank's ``T/P`` rows and sending the rest, forward and backward (4 all-to-alls per layer, 2 of
   width ``W_in`` and 2 of ``W_out``): ``2 * (P-1)/P * T/P * (W_in + W_out) * b``. It needs the
   heads divisible by P, so it stops at ``P = heads`` (KV heads for attention).
-* work (multiply-adds): ``3 *`` (forward; backward = 2 forwards) ``(linear * tokens + attention *
-  pairs)``, with ``linear = hidden * (W_in + W_out) + 2 * S`` (projections, the scan's state update
-  and readout; an estimate) and ``pairs`` the query-key pairs of the causal mask a rank's queries
-  see (exact: ``sum min(p + 1, window)`` over its real tokens), ``attention = 2 * Hq * D`` per pair.
+* work (multiply-adds), forward + backward = ``3 *`` forward (a product's backward is two of its
+  size), in three parts (``work_parts``):
+  ``projections = proj * tokens``, ``proj`` the multiply-adds of every ``nn.Linear`` per token
+  (``hidden * (W_in + W_out)`` where the projections are exactly the a2a widths; the geometry's
+  ``proj`` otherwise), every token of the shard: exact, equal to the matmuls a real run dispatches
+  (``benchmarks.op_counts``, checked per rank on gloo runs);
+  ``attention = 2 * Hq * D * pairs``, ``pairs`` the query-key pairs of the causal mask a rank's
+  queries see (exact for the mask: ``sum min(p + 1, window)`` over its real tokens; the reference
+  kernel multiplies whole blocks, masked pairs included, so it dispatches more);
+  ``scan = 2 * S * tokens`` (the state update and readout token by token): an estimate, the
+  chunked backends dispatch more (intra-chunk products; the gap is measured by
+  ``bench_cost_model``).
 * activation memory: ``tokens * (hidden + W_in + W_out) * b`` kept for backward (an estimate of the
   layer's inputs and outputs, ``1/P`` of one process), plus, for ours, the keys and values received.
 """
@@ -155,9 +163,22 @@ def attention_pairs(boundaries, lengths, bounds, window: int | None = None) -> l
     return pairs
 
 
+def projection_macs(geo: dict, hidden: int) -> int:
+    """Multiply-adds per token of the layer's projections (every ``nn.Linear``), forward: the
+    geometry's ``proj`` where it has one (``bench_context_parallel.geometry``), else
+    ``hidden * (W_in + W_out)``. Exact: equal to what ``benchmarks.op_counts`` counts."""
+    return geo["proj"] if "proj" in geo else hidden * (geo["w_in"] + geo["w_out"])
+
+
+def scan_macs(geo: dict) -> int:
+    """Multiply-adds per token of the recurrence, forward: ``2 S`` (the state update and its
+    readout, token by token). An estimate: the chunked backends do more (intra-chunk products)."""
+    return 2 * geo.get("state", 0)
+
+
 def linear_macs(geo: dict, hidden: int) -> int:
-    """Multiply-adds per token of one layer's forward outside attention's pairs (an estimate)."""
-    return hidden * (geo["w_in"] + geo["w_out"]) + 2 * geo.get("state", 0)
+    """Multiply-adds per token of one layer's forward outside attention's pairs (projections + scan)."""
+    return projection_macs(geo, hidden) + scan_macs(geo)
 
 
 def attention_macs(geo: dict) -> int:
@@ -165,11 +186,25 @@ def attention_macs(geo: dict) -> int:
     return 2 * geo["w_out"] if "kv" in geo else 0
 
 
-def work(geo: dict, hidden: int, boundaries, lengths, bounds, window: int | None = None) -> list[int]:
-    """Per rank: multiply-adds of one forward + backward (3 forwards) of one layer."""
+WORK_PARTS = ("projections", "attention", "scan")
+EXACT_PARTS = ("projections",)          # equal to the matmuls a real run dispatches (tests/benchmarks)
+
+
+def work_parts(geo: dict, hidden: int, boundaries, lengths, bounds, window: int | None = None) -> list[dict]:
+    """Per rank ``{"projections", "attention", "scan"}``: multiply-adds of one forward + backward
+    (3 forwards: a product's backward is two products of its size, the input and the weight
+    gradient) of one layer. ``projections``: every token of the shard, padding included;
+    ``attention``: the query-key pairs of the causal mask (``attention_pairs``), not what a
+    blocked kernel multiplies; ``scan``: ``2 S`` per token, an estimate."""
     pairs = attention_pairs(boundaries, lengths, bounds, window) if "kv" in geo else [0] * (len(bounds) - 1)
-    lin, att = linear_macs(geo, hidden), attention_macs(geo)
-    return [3 * (lin * (hi - a) + att * n) for a, hi, n in zip(bounds[:-1], bounds[1:], pairs)]
+    proj, att, scan = projection_macs(geo, hidden), attention_macs(geo), scan_macs(geo)
+    return [{"projections": 3 * proj * (hi - a), "attention": 3 * att * n, "scan": 3 * scan * (hi - a)}
+            for a, hi, n in zip(bounds[:-1], bounds[1:], pairs)]
+
+
+def work(geo: dict, hidden: int, boundaries, lengths, bounds, window: int | None = None) -> list[int]:
+    """Per rank: multiply-adds of one forward + backward (3 forwards) of one layer, all parts."""
+    return [sum(parts.values()) for parts in work_parts(geo, hidden, boundaries, lengths, bounds, window)]
 
 
 def activation_bytes(geo: dict, hidden: int, bounds, b: int, received_keys=None) -> list[int]:
@@ -193,5 +228,5 @@ def ceil_log2(k: int) -> int:
 
 
 __all__ = ["a2a_bytes", "a2a_fits", "activation_bytes", "attention_pairs", "ceil_log2", "chain", "cover_of",
-           "even_bounds", "key_ranges", "linear_macs", "ours_bytes", "ours_total", "rank_facts", "received_keys",
-           "work"]
+           "even_bounds", "key_ranges", "linear_macs", "ours_bytes", "ours_total", "projection_macs", "rank_facts",
+           "received_keys", "scan_macs", "work", "work_parts"]

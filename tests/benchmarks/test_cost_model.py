@@ -4,9 +4,11 @@ Bytes: 3 spawned gloo ranks run each mixer (Mamba2, GatedDeltaNet, KDA, GatedDel
 attention, windowed attention) forward + backward on uneven shards of one packed row (a document
 crossing every rank boundary, a shard shorter than the conv window, short documents, a padding
 tail); what ``record_traffic`` counts per exchange kind equals the model's bytes per rank and
-kind. Attention work: the model's query-key pairs per rank equal those counted from the
-attention spec's own mask. The plan's arithmetic also equals ``bench_context_parallel``'s plan
-(built on the real layout) on many rows without any run.
+kind; the multiply-adds of the projections that ``benchmarks.op_counts`` counts per rank in the
+same runs (forward + backward: every matmul with a projection weight, and the weight gradients)
+equal the model's ``projections`` part. Attention work: the model's query-key pairs per rank
+equal those counted from the attention spec's own mask. The plan's arithmetic also equals
+``bench_context_parallel``'s plan (built on the real layout) on many rows without any run.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def _module(subject):
 
 
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
+    from benchmarks.op_counts import MatmulCounter
     from mixers.ops.common.cp_exchange import record_traffic
     from ssm_pack import PackedSeqParams, shard_for_context_parallel
     from tests.context_parallel.cases import HIDDEN
@@ -51,9 +54,10 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         x = torch.randn(1, TOTAL, HIDDEN, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
         for subject in SUBJECTS:
             module = _module(subject)
-            with record_traffic() as traffic:
+            with record_traffic() as traffic, MatmulCounter(module) as counter:
                 module(x[:, start:end].clone().requires_grad_(), packed_seq_params=local).square().sum().backward()
-            results[subject] = {"events": traffic.events, "config": module.config}
+            results[subject] = {"events": traffic.events, "config": module.config, "macs": counter.macs,
+                                "unknown": counter.unknown}
     finally:
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
         dist.destroy_process_group()
@@ -87,6 +91,39 @@ def test_model_bytes_equal_the_measured_bytes(measured, subject):
     got = [_by_kind(result[subject]["events"]) for result in measured]
     assert got == model
     assert any(f for rank in got for f, _ in rank.values())          # something was sent
+
+
+def _model_parts(subject, config):
+    boundaries = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+    window = config.window_size[0] + 1 if subject == "Aw" else None
+    return cm.work_parts(_geometry(subject, config), config.hidden_size, boundaries, LENGTHS, BOUNDS, window)
+
+
+@pytest.mark.parametrize("subject", [pytest.param(s, id=s) for s in SUBJECTS])
+def test_model_projection_work_equals_the_counted_matmuls(measured, subject):
+    """Per rank, the model's ``projections`` == the counting mode's, on the real CP run. Negative
+    controls: a geometry one hidden size off, or shards one token off, no longer match."""
+    from tests.context_parallel.cases import SMALL
+    config = measured[0][subject]["config"]
+    counted = [result[subject]["macs"]["projections"] for result in measured]
+    assert all(not result[subject]["unknown"] for result in measured)      # no product went uncounted
+    assert [p["projections"] for p in _model_parts(subject, config)] == counted
+    assert all(counted)
+    extra = {"window_size": config.window_size} if subject == "Aw" else {}
+    wider = type(config)(config.hidden_size + 4, **SMALL[subject[0]], **extra)
+    assert [p["projections"] for p in _model_parts(subject, wider)] != counted
+    shifted = cm.work_parts(_geometry(subject, config), config.hidden_size, [0, TOTAL], [TOTAL], (0, 9, 10, 36))
+    assert [p["projections"] for p in shifted] != counted
+
+
+@pytest.mark.parametrize("subject", [pytest.param(s, id=s) for s in SUBJECTS])
+def test_the_scan_and_attention_parts_are_lower_bounds(measured, subject):
+    """What the model does not claim exactly: the counted matmuls outside the projections (the
+    chunked scans' products, the blocked attention kernel's scores) are at least the model's
+    ``scan`` + ``attention`` on every rank holding tokens, never fewer (the model is optimistic)."""
+    model = _model_parts(subject, measured[0][subject]["config"])
+    counted = [result[subject]["macs"]["other"] for result in measured]
+    assert all(c >= m["scan"] + m["attention"] > 0 for c, m in zip(counted, model))
 
 
 def test_the_layout_exercises_every_branch():
@@ -186,12 +223,18 @@ def test_all_to_all_formula_and_its_cap():
 
 def test_the_benchmark_prints_both_tables(tmp_path, capsys):
     from benchmarks.bench_cost_model import main
-    text = main(["--tokens", "4096", "8192", "--ranks", "2", "64", "--out", str(tmp_path)])
+    text = main(["--tokens", "4096", "8192", "--ranks", "2", "64", "--count-tokens", "128", "--out", str(tmp_path)])
     assert text.count("| 4,096 ") == 4 and text.count("| 8,192 ") == 4        # 2 ranks x 2 tables
+    counted = [line.split("|") for line in text.splitlines() if "| exact |" in line]
+    assert [row[1].strip() for row in counted] == ["Mamba2", "GatedDeltaNet", "Attention"]
+    assert all(row[2].strip() == row[3].strip() and float(row[8].strip()[:-1]) > 1 for row in counted)   # more
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| 8,192 ")]
     assert rows[0][9].strip() != "-" and rows[1][9].strip() == "-"      # a2a attention: P = 64 > 8 KV heads
     assert (tmp_path / "cost-model.md").read_text().strip() == text.strip()
     with pytest.raises(SystemExit):
         main(["--ranks", "1"])
     assert "--ranks must be integers >= 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--count-tokens", "-1"])
+    assert "--count-tokens must be >= 0, got -1" in capsys.readouterr().err
 
