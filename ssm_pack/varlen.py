@@ -44,7 +44,17 @@ FLA_CONV_CHUNK = 64
 _MCORE_CU_SEQLENS_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 
 
+
+def _empty_last(cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cu, order)``: the segments of ``cu`` reordered so every empty one comes last (stable, so the
+    same on the host and the device); ``order[j]`` is the original index of entry j."""
+    lengths = cu[1:] - cu[:-1]
+    order = torch.argsort((lengths == 0).to(torch.int8), stable=True)
+    return torch.cat([cu[:1], torch.cumsum(lengths[order], 0)]), order
+
+
 @dataclass(frozen=True, eq=False)
+
 class VarlenBatch:
     """The packing facts of one packed row of ``total_tokens`` tokens (see the module docstring).
 
@@ -236,10 +246,7 @@ class VarlenBatch:
         tokens do not move: an empty document owns none); ``order[j]`` is the original index of
         entry j (N = the tail). No value is read on the host.
         """
-        cu = self.covering_cu_seqlens.to(torch.int64)
-        lengths = cu[1:] - cu[:-1]
-        order = torch.argsort((lengths == 0).to(torch.int8), stable=True)
-        return torch.cat([cu[:1], torch.cumsum(lengths[order], 0)]), order
+        return _empty_last(self.covering_cu_seqlens.to(torch.int64))
 
     @cached_property
     def host_nonempty_cu(self) -> torch.Tensor:
@@ -248,10 +255,7 @@ class VarlenBatch:
         else one read of the device's, once per forward."""
         if self.host_cu_seqlens is None:
             return self.nonempty_layout[0].cpu()
-        cu = torch.cat([self.host_cu_seqlens.to(torch.int64), torch.tensor([self.total_tokens])])
-        lengths = cu[1:] - cu[:-1]
-        order = torch.argsort((lengths == 0).to(torch.int8), stable=True)
-        return torch.cat([cu[:1], torch.cumsum(lengths[order], 0)])
+        return _empty_last(torch.cat([self.host_cu_seqlens.to(torch.int64), torch.tensor([self.total_tokens])]))[0]
 
     @cached_property
     def fla_conv_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
