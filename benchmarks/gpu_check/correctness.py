@@ -164,6 +164,22 @@ def case_rg_lru(setup: Setup, dtype):
     return compare(op, tensors, dtype, setup, kernels=("fla_hgrn",))
 
 
+def case_lightning(setup: Setup, dtype):
+    """Lightning attention on fla's ``chunk_simple_gla`` (pinned: its fallback is mamba-ssm's SSD scan):
+    packed, a constant decay per head, per-document initial and final states."""
+    from mixers.ops import chunk_simple_gla
+    H, K, N = setup.heads, setup.dim, len(setup.lengths)
+    tensors = {"q": _randn(1, setup.T, H, K), "k": _randn(1, setup.T, H, K, seed=1),
+               "v": _randn(1, setup.T, H, K, seed=2), "initial_state": _randn(N, H, K, K, seed=3)}
+    g_gamma = -torch.linspace(0.05, 0.5, H).to(setup.device)      # MiniMax's slopes: one decay per head
+    cu = setup.cu()
+
+    def op(backend, a):
+        return chunk_simple_gla(a["q"], a["k"], a["v"], g_gamma=g_gamma, initial_state=a["initial_state"],
+                                output_final_state=True, cu_seqlens=cu, backend=backend)
+    return compare(op, tensors, dtype, setup, kernels=("fla_simple_gla",), pin="fla_simple_gla")
+
+
 def _decode_inputs(setup: Setup, kind: str):
     rows, H, K = 3, setup.heads, setup.dim
     nh, HV = (2, H) if kind == "gdp" else (1, 2 * H)
@@ -296,7 +312,9 @@ def all_cases(setup: Setup) -> list[Case]:
             out += [Case(f"{kind} packed, per-document states [{tag}]", case_delta, (setup, dtype, kind), ("fla",)),
                     Case(f"{kind} decode step (fused_recurrent) [{tag}]", case_recurrent_step, (setup, dtype, kind),
                          ("fla",))]
-        out += [Case(f"rg_lru packed, per-document states [{tag}]", case_rg_lru, (setup, dtype), ("fla_hgrn",))]
+        out += [Case(f"rg_lru packed, per-document states [{tag}]", case_rg_lru, (setup, dtype), ("fla_hgrn",)),
+                Case(f"lightning packed, per-document states [{tag}]", case_lightning, (setup, dtype),
+                     ("fla_simple_gla",))]
         out += [Case(f"attention packed, GQA [{tag}] on {kernel}", case_attention, (setup, dtype, kernel), (kernel,))
                 for kernel in ATTENTION]
         out += [Case(f"torch varlen_attn direct [{tag}]", case_torch_varlen_attn, (setup, dtype), ("torch_varlen",))]

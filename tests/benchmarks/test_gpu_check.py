@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 CHEAP = ("conv decode step|varlen_attn|AttentionMixer|SSD vs mamba-ssm|GatedDeltaProductMixer under|context"
-         "|rg_lru packed")
+         "|rg_lru packed|lightning packed")
 HIDER = '''"""Test only: the installed copies of some packages (imports and metadata) are hidden from this
 process, as if not installed; a copy elsewhere on the path (a check's OUT/site) stays visible."""
 import importlib.metadata, os, site
@@ -113,13 +113,15 @@ def test_a_dry_run_passes_with_what_it_was_told_it_lacks(tmp_path):
     kernels = {k["kernel"]: k for k in data["kernels"]}
     assert kernels["fla_conv"]["verdict"] == "ran"
     assert kernels["fla_conv"]["ran"] == ["conv decode step [fp32] on fla_conv"]
-    assert kernels["fla_hgrn"]["verdict"] == "ran"
+    assert kernels["fla_hgrn"]["verdict"] == kernels["fla_simple_gla"]["verdict"] == "ran"
     assert kernels["mamba_ssd"]["verdict"] == kernels["mamba_decode"]["verdict"] == "allowed"
     for name in ("causal_conv1d", "torch_varlen", "flash_attn"):
         assert kernels[name]["verdict"] == "not applicable" and "dry run" in kernels[name]["reason"]
     cases = {c["name"]: c for s in data["stages"] for c in s["cases"]}
     scan = cases["rg_lru packed, per-document states [fp32]"]
     assert scan["status"] == "passed" and scan["figures"]["out0"] <= 1e-5, scan
+    lightning = cases["lightning packed, per-document states [fp32]"]
+    assert lightning["status"] == "passed" and lightning["figures"]["out1"] <= 1e-5, lightning
     conv_step = cases["conv decode step [fp32] on fla_conv"]
     assert conv_step["figures"]["out0"] <= 1e-5 and conv_step["figures"]["out1"] <= 1e-5
     assert cases["conv decode step [fp32] on causal_conv1d"]["skip"] == "not applicable"
@@ -142,21 +144,22 @@ def test_a_dry_run_without_fla_and_mamba_fails(tmp_path):
     data, summary = report(out)
     assert "Result: FAILED" in summary
     failed = {k["kernel"] for k in data["kernels"] if k["verdict"] == "failed"}
-    assert failed == {"fla_conv", "fla", "fla_hgrn", "mamba_ssd", "mamba_decode"}
+    assert failed == {"fla_conv", "fla", "fla_hgrn", "fla_simple_gla", "mamba_ssd", "mamba_decode"}
     for name in failed:
         assert f"- kernel {name}: should run here but the kernels stage found it unavailable: " in summary
     assert "flash-linear-attention is not installed" in summary and "mamba-ssm is not installed" in summary
     correctness = {s["stage"]: s for s in data["stages"]}["correctness"]
     assert correctness["status"] == "failed" and "skipped for a kernel that should run here" in correctness["why"]
 
-    done, out = check(tmp_path, "--stages", "kernels", "--allow-skip", "fla,fla_conv,fla_hgrn", "--allow-skip",
-                      "mamba_ssd,mamba_decode", hide=("fla", "mamba_ssm"), out="allowed")
+    done, out = check(tmp_path, "--stages", "kernels", "--allow-skip", "fla,fla_conv,fla_hgrn,fla_simple_gla",
+                      "--allow-skip", "mamba_ssd,mamba_decode", hide=("fla", "mamba_ssm"), out="allowed")
     assert done.returncode == 0, done.stdout[-4000:]
     data, summary = report(out)
     assert {k["kernel"]: k["verdict"] for k in data["kernels"]} == {
         "causal_conv1d": "not applicable", "fla_conv": "allowed", "mamba_ssd": "allowed", "mamba_decode": "allowed",
-        "fla": "allowed", "fla_hgrn": "allowed", "torch_varlen": "not applicable", "flash_attn": "not applicable"}
-    assert "- allowed to skip: fla, fla_conv, fla_hgrn, mamba_decode, mamba_ssd" in summary
+        "fla": "allowed", "fla_hgrn": "allowed", "fla_simple_gla": "allowed", "torch_varlen": "not applicable",
+        "flash_attn": "not applicable"}
+    assert "- allowed to skip: fla, fla_conv, fla_hgrn, fla_simple_gla, mamba_decode, mamba_ssd" in summary
 
 
 def test_a_stage_past_its_budget_fails_and_the_next_still_runs(tmp_path):
