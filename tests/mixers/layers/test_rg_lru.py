@@ -9,8 +9,12 @@ import torch.nn.functional as F
 
 from mixers import HybridLM, RGLRUMixer
 from mixers.layers import RGLRUConfig
-from ssm_pack import PackedSeqParams, get_cu_seqlens
-from tests.support.oracles import check_grads
+from ssm_pack import PackedSeqParams
+from tests.mixers.layers.spec_checks import (
+    assert_decode_equals_recompute,
+    assert_metadata_matters,
+    assert_packed_equals_spec,
+)
 
 HIDDEN = 16
 
@@ -63,36 +67,12 @@ CASES = [
 
 @pytest.mark.parametrize(("lengths", "pad", "tail", "overrides"), CASES)
 def test_packed_equals_the_spec_per_document(lengths, pad, tail, overrides):
-    mixer = _mixer(**overrides)
-    params = PackedSeqParams.from_lengths(lengths, pad_to_multiple_of=pad)
-    starts = get_cu_seqlens(params).tolist()                       # the physical layout
-    total = starts[-1] + tail
-    params = PackedSeqParams.from_lengths(lengths, pad_to_multiple_of=pad, total_tokens=total)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(1, total, HIDDEN, generator=g, dtype=torch.float64, requires_grad=True)
-    w_out = torch.randn(1, total, HIDDEN, generator=g, dtype=torch.float64)
-    out = mixer(x, params)
-    keep = torch.zeros(total, dtype=torch.bool)
-    for s, n in zip(starts, lengths):
-        keep[s:s + n] = True
-    loss = (out[0, keep] * w_out[0, keep]).sum()
-
-    ref_x = x.detach().clone().requires_grad_(True)
-    want = torch.cat([naive_rg_lru_block(mixer, ref_x[0, s:s + n]) for s, n in zip(starts, lengths)])
-    assert float((out[0, keep] - want).abs().max().detach()) <= 1e-12
-    ref_loss = (want * w_out[0, keep]).sum()
-    named = dict(mixer.named_parameters())
-    check_grads(loss, ref_loss, {"x": x, **named}, {"x": ref_x, **named}, torch.float64, what="rg_lru block")
+    assert_packed_equals_spec(_mixer(**overrides), naive_rg_lru_block, lengths, pad, tail, what="rg_lru block")
 
 
 def test_without_the_metadata_the_documents_leak():
     """Negative control of the test above: the same row as one sequence is not the per-document result."""
-    mixer = _mixer()
-    x = torch.randn(1, 14, HIDDEN, dtype=torch.float64)
-    with torch.no_grad():
-        want = torch.cat([naive_rg_lru_block(mixer, x[0, :5]), naive_rg_lru_block(mixer, x[0, 5:])])
-        assert float((mixer(x, PackedSeqParams.from_lengths([5, 9]))[0] - want).abs().max()) <= 1e-12
-        assert float((mixer(x)[0] - want).abs().max()) > 1e-3
+    assert_metadata_matters(_mixer(), naive_rg_lru_block)
 
 
 @pytest.mark.parametrize("lengths", [pytest.param([1, 6, 2], id="short"), pytest.param([9, 4, 13], id="uneven")])
@@ -100,21 +80,12 @@ def test_decoding_with_a_cache_equals_recomputing(lengths):
     """A packed prefill of every sequence but its last 3 tokens, then 3 decode steps == the mixer on
     each whole sequence (fp64); then a fresh slot decoding its first token == the mixer on it."""
     mixer = _mixer()
-    g = torch.Generator().manual_seed(3)
-    seqs = [torch.randn(n + 3, HIDDEN, generator=g, dtype=torch.float64) for n in lengths]
-    cache = mixer.allocate_inference_cache(len(seqs) + 1, max(lengths) + 3)
-    slots = torch.arange(len(seqs))
-    prompt = torch.cat([s[:-3] for s in seqs])[None]
+    assert_decode_equals_recompute(mixer, lengths)
+    first = torch.randn(1, 1, HIDDEN, dtype=torch.float64)
+    cache = mixer.allocate_inference_cache(2, 4)
     with torch.no_grad():
-        got = list(mixer(prompt, PackedSeqParams.from_lengths(lengths), cache=cache, cache_slots=slots)[0]
-                   .split(lengths))
-        steps = [mixer(torch.stack([s[n + k] for s, n in zip(seqs, lengths)])[:, None], cache=cache,
-                       cache_slots=slots)[:, 0] for k in range(3)]
-        for i, s in enumerate(seqs):
-            mine = torch.cat([got[i]] + [step[i:i + 1] for step in steps])
-            assert float((mine - mixer(s[None])[0]).abs().max()) <= 1e-12, i
-        first = seqs[0][:1, None]
-        fresh = mixer(first, cache=cache, cache_slots=[len(seqs)])
+        mixer(torch.randn(1, 3, HIDDEN, dtype=torch.float64), cache=cache, cache_slots=[0])
+        fresh = mixer(first, cache=cache, cache_slots=[1])
         assert float((fresh - mixer(first)).abs().max()) <= 1e-12
 
 
