@@ -127,3 +127,20 @@ def require(condition: bool, source: str, what: str, fix: str) -> None:
     """Refuse an upstream option our mixer cannot express (``ValueError`` with the fix)."""
     if not condition:
         raise ValueError(f"{source}: {what}; our mixer cannot represent it exactly, so nothing was converted. {fix}")
+
+
+def require_causal_depthwise_conv(conv, source: str, channels: int, fix: str) -> None:
+    """Refuse an upstream ``nn.Conv1d`` that is not the causal depthwise conv our short conv is:
+    ``channels`` in and out, one group per channel, stride and dilation 1, ``kernel_size - 1`` zeros
+    in front. ``fix`` ends the depthwise refusal (the family's own layout)."""
+    require(conv.groups == channels == conv.in_channels == conv.out_channels, source,
+            f"the conv is not depthwise over {channels} channels (in_channels={conv.in_channels}, "
+            f"out_channels={conv.out_channels}, groups={conv.groups})", fix)
+    require(tuple(conv.stride) == (1,) and tuple(conv.dilation) == (1,), source,
+            f"the conv has stride={tuple(conv.stride)}, dilation={tuple(conv.dilation)}",
+            "Only stride 1, dilation 1 convert")
+    require(conv.padding_mode == "zeros", source, f"the conv pads with {conv.padding_mode!r}",
+            "Only zero padding (a causal conv from a zero state) converts")
+    require(tuple(conv.padding) == (conv.kernel_size[0] - 1,), source,
+            f"the conv's padding is {tuple(conv.padding)} for kernel_size {conv.kernel_size[0]}",
+            "Only causal padding (kernel_size - 1) converts")

@@ -26,7 +26,7 @@ padding mode), is refused by name. Writing back refuses a config with ``proj_bia
 from __future__ import annotations
 
 from ..layers import GatedShortConvConfig, GatedShortConvMixer
-from ._source import Source, require
+from ._source import Source, require, require_causal_depthwise_conv
 
 _FIX = "Only LFM2's own layout converts (Lfm2ShortConv / Lfm3ShortConv / Lfm2MoeShortConv as transformers builds it)"
 
@@ -36,17 +36,7 @@ def read_config(module) -> GatedShortConvConfig:
     name = type(module).__name__
     conv, in_proj, out_proj = module.conv, module.in_proj, module.out_proj
     hidden = conv.in_channels
-    require(conv.groups == hidden == conv.out_channels, name,
-            f"the conv is not depthwise (in_channels={conv.in_channels}, out_channels={conv.out_channels}, "
-            f"groups={conv.groups})", _FIX)
-    require(tuple(conv.stride) == (1,) and tuple(conv.dilation) == (1,), name,
-            f"the conv has stride={tuple(conv.stride)}, dilation={tuple(conv.dilation)}",
-            "Only stride 1, dilation 1 convert")
-    require(conv.padding_mode == "zeros", name, f"the conv pads with {conv.padding_mode!r}",
-            "Only zero padding (a causal conv from a zero state) converts")
-    require(tuple(conv.padding) == (conv.kernel_size[0] - 1,), name,
-            f"the conv's padding is {tuple(conv.padding)} for kernel_size {conv.kernel_size[0]}",
-            "Only causal padding (kernel_size - 1) converts")
+    require_causal_depthwise_conv(conv, name, hidden, _FIX)
     require((in_proj.in_features, in_proj.out_features, out_proj.in_features, out_proj.out_features)
             == (hidden, 3 * hidden, hidden, hidden), name,
             f"in_proj is {in_proj.in_features} -> {in_proj.out_features} and out_proj {out_proj.in_features} -> "

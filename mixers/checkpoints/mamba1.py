@@ -29,7 +29,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..layers import Mamba1Config, Mamba1Mixer
-from ._source import Source, renaming, require
+from ._source import Source, renaming, require, require_causal_depthwise_conv
 
 _CONV = {"conv.weight": "conv1d.weight", "conv.bias": "conv1d.bias"}
 _NORMS = {"dt_norm": "dt_layernorm.weight", "b_norm": "b_layernorm.weight", "c_norm": "c_layernorm.weight"}
@@ -60,20 +60,14 @@ def read_config(module) -> Mamba1Config:
     require(not hasattr(module.config, "_is_quantized"), name, "the config is quantized (_is_quantized)",
             "Dequantize the model before converting")
     inner = module.intermediate_size
-    require(conv.groups == inner == conv.in_channels == conv.out_channels, name,
-            f"the conv is not depthwise over intermediate_size={inner} (in_channels={conv.in_channels}, "
-            f"groups={conv.groups})", "Only transformers' depthwise conv1d converts")
-    width = conv.kernel_size[0]
-    require(tuple(conv.stride) == (1,) and tuple(conv.dilation) == (1,) and conv.padding_mode == "zeros"
-            and tuple(conv.padding) == (width - 1,), name,
-            f"the conv has stride={tuple(conv.stride)}, dilation={tuple(conv.dilation)}, padding={conv.padding}, "
-            f"padding_mode={conv.padding_mode!r}", "Only a causal conv (padding kernel_size - 1, zeros) converts")
+    require_causal_depthwise_conv(conv, name, inner, "Only transformers' depthwise conv1d over intermediate_size "
+                                  "converts")
     require((in_proj.bias is None) == (out_proj.bias is None), name,
             "in_proj and out_proj disagree on a bias", "Give both projections a bias or neither (use_bias)")
     require(module.dt_proj.bias is not None, name, "dt_proj has no bias", "Only dt_proj with its bias converts")
     norm, eps = _norm(module, name)
     return Mamba1Config(hidden_size=in_proj.in_features, d_inner=inner, state_size=module.ssm_state_size,
-                        conv_size=width, dt_rank=module.time_step_rank, conv_bias=conv.bias is not None,
+                        conv_size=conv.kernel_size[0], dt_rank=module.time_step_rank, conv_bias=conv.bias is not None,
                         proj_bias=in_proj.bias is not None, dt_bc_norm=norm, norm_eps=eps)
 
 

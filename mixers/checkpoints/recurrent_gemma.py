@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from ..layers import RGLRUConfig, RGLRUMixer
-from ._source import Source, renaming, require
+from ._source import Source, renaming, require, require_causal_depthwise_conv
 
 _FIX = "Only RecurrentGemma's own layout converts (RecurrentGemmaRecurrentBlock as transformers builds it)"
 _MOVED = {"conv.weight": "conv_1d.weight", "conv.bias": "conv_1d.bias"}
@@ -55,17 +55,7 @@ def read_config(module) -> RGLRUConfig:
     conv, lru = module.conv_1d, module.rg_lru
     width = conv.in_channels
     hidden = module.linear_x.in_features
-    require(conv.groups == width == conv.out_channels, name,
-            f"the conv is not depthwise (in_channels={conv.in_channels}, out_channels={conv.out_channels}, "
-            f"groups={conv.groups})", _FIX)
-    require(tuple(conv.stride) == (1,) and tuple(conv.dilation) == (1,), name,
-            f"the conv has stride={tuple(conv.stride)}, dilation={tuple(conv.dilation)}",
-            "Only stride 1, dilation 1 convert")
-    require(conv.padding_mode == "zeros", name, f"the conv pads with {conv.padding_mode!r}",
-            "Only zero padding (a causal conv from a zero state) converts")
-    require(tuple(conv.padding) == (conv.kernel_size[0] - 1,), name,
-            f"the conv's padding is {tuple(conv.padding)} for kernel_size {conv.kernel_size[0]}",
-            "Only causal padding (kernel_size - 1) converts")
+    require_causal_depthwise_conv(conv, name, width, _FIX)
     require(conv.bias is not None, name, "the conv has no bias", "RecurrentGemma's conv carries a bias; give it one")
     for proj, shape in (("linear_x", (hidden, width)), ("linear_y", (hidden, width)), ("linear_out", (width, hidden))):
         layer = getattr(module, proj)

@@ -296,7 +296,8 @@ def _centred_conv(m):
 
 @pytest.mark.parametrize(("edit", "match"), [
     pytest.param(_no_out_bias, "in_proj has a bias but out_proj has none", id="projection-biases-differ"),
-    pytest.param(_grouped_conv, r"not depthwise \(in_channels=32, out_channels=32, groups=16\)", id="grouped"),
+    pytest.param(_grouped_conv, r"not depthwise over 32 channels \(in_channels=32, out_channels=32, groups=16\)",
+                 id="grouped"),
     pytest.param(_dilated_conv, r"dilation=\(2,\)", id="dilated"),
     pytest.param(_circular_conv, "pads with 'circular'", id="circular"),
     pytest.param(_centred_conv, r"padding is \(1,\) for kernel_size 3", id="not-causal"),
@@ -458,7 +459,8 @@ def _two_eps(m):
     pytest.param("hf_mamba", "MambaMixer", _no_mamba_out_bias, "in_proj and out_proj disagree on a bias",
                  id="mamba-biases-differ"),
     pytest.param("hf_mamba", "MambaMixer", _mamba_grouped_conv, "the conv is not depthwise", id="mamba-grouped"),
-    pytest.param("hf_mamba", "MambaMixer", _mamba_centred_conv, r"padding=\(1,\)", id="mamba-not-causal"),
+    pytest.param("hf_mamba", "MambaMixer", _mamba_centred_conv, r"padding is \(1,\) for kernel_size 4",
+                 id="mamba-not-causal"),
     pytest.param("hf_falcon_mamba", "FalconMambaMixer", _quantized, "quantized", id="falcon-quantized"),
     pytest.param("hf_falcon_mamba", "FalconMambaMixer", _no_b_norm, "only some of dt_layernorm", id="falcon-one-norm"),
     pytest.param("hf_jamba", "JambaMambaMixer", _two_eps, "different eps", id="jamba-two-eps"),
@@ -514,7 +516,8 @@ def _rg_relu(m):
 
 @pytest.mark.parametrize(("edit", "match"), [
     pytest.param(_rg_no_out_bias, "linear_out has no bias", id="linear-without-bias"),
-    pytest.param(_rg_grouped_conv, r"not depthwise \(in_channels=48, out_channels=48, groups=12\)", id="grouped"),
+    pytest.param(_rg_grouped_conv, r"not depthwise over 48 channels \(in_channels=48, out_channels=48, groups=12\)",
+                 id="grouped"),
     pytest.param(_rg_strided_conv, r"stride=\(2,\)", id="strided"),
     pytest.param(_rg_reflect_conv, "pads with 'reflect'", id="reflect"),
     pytest.param(_rg_centred_conv, r"padding is \(1,\) for kernel_size 4", id="not-causal"),
