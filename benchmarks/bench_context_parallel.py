@@ -44,17 +44,21 @@ MIB = 2 ** 20
 def geometry(name: str, cfg) -> dict:
     """Per layer: the exchanged pieces (``convs``: channels of each short conv; ``state``/``m``:
     elements of S and M; ``kv``: elements of one key+value row), the a2a widths and ``proj``: the
-    multiply-adds of the layer's projections per token, forward (every ``nn.Linear``)."""
+    multiply-adds of the layer's projections per token, forward (every ``nn.Linear``); ``dispatch``
+    (Mamba2, GatedDeltaNet, attention): the backend and sizes ``cost_model.dispatched_parts`` needs."""
     if name == "Attention":
         hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        left = -1 if cfg.window_size is None else cfg.window_size[0]
         return dict(convs=[], kv=2 * hk * d, w_in=(hq + 2 * hk) * d, w_out=hq * d,
-                    left=-1 if cfg.window_size is None else cfg.window_size[0], heads=hk, width=1,
-                    proj=cfg.hidden_size * (2 * hq + 2 * hk) * d)
+                    left=left, heads=hk, width=1, proj=cfg.hidden_size * (2 * hq + 2 * hk) * d,
+                    dispatch=dict(kind="attention", q_heads=hq, head_dim=d, left=left))
     if name == "Mamba2":
         conv = cfg.d_inner + 2 * cfg.num_groups * cfg.state_size
         return dict(convs=[conv], state=cfg.num_heads * cfg.head_dim * cfg.state_size, m=cfg.num_heads,
                     w_in=cfg.d_inner + conv + cfg.num_heads, w_out=cfg.d_inner, width=cfg.conv_size,
-                    heads=cfg.num_heads, proj=cfg.hidden_size * (2 * cfg.d_inner + conv + cfg.num_heads))
+                    heads=cfg.num_heads, proj=cfg.hidden_size * (2 * cfg.d_inner + conv + cfg.num_heads),
+                    dispatch=dict(kind="ssd", heads=cfg.num_heads, head_dim=cfg.head_dim, state_size=cfg.state_size,
+                                  groups=cfg.num_groups, chunk=cfg.chunk_size))
     nh = getattr(cfg, "num_householder", 1)
     hv, k, v = cfg.num_v_heads, cfg.head_dim, cfg.head_v_dim
     convs = [cfg.key_dim, cfg.key_dim * nh, cfg.value_dim * nh]
@@ -63,9 +67,12 @@ def geometry(name: str, cfg) -> dict:
     # KDA's low-rank f (hidden -> V -> HV K) and g (hidden -> V -> value_dim)
     gates = (cfg.hidden_size * v + v * gate + cfg.hidden_size * v + v * cfg.value_dim if name == "KDA"
              else cfg.hidden_size * (gate + cfg.value_dim))
-    return dict(convs=convs, state=hv * k * v, m=hv * k * k, w_in=sum(convs) + hv * nh + gate, w_out=cfg.value_dim,
-                width=cfg.conv_size, heads=cfg.num_heads,
-                proj=cfg.hidden_size * (sum(convs) + hv * nh + cfg.value_dim) + gates)
+    geo = dict(convs=convs, state=hv * k * v, m=hv * k * k, w_in=sum(convs) + hv * nh + gate, w_out=cfg.value_dim,
+               width=cfg.conv_size, heads=cfg.num_heads,
+               proj=cfg.hidden_size * (sum(convs) + hv * nh + cfg.value_dim) + gates)
+    if name == "GatedDeltaNet":      # KDA's per-channel gate and DeltaProduct's sub-steps: no dispatch model
+        geo["dispatch"] = dict(kind="delta", heads=hv, key_dim=k, value_dim=v, chunk=cfg.chunk_size)
+    return geo
 
 
 def planned_bytes(lay: ContextParallelLayout, geo: dict, act_bytes: int, state_bytes: int) -> list[tuple[int, int]]:

@@ -28,9 +28,13 @@ For one layer of one packed row, one training step (forward + backward), per ran
   ``attention = 2 * Hq * D * pairs``, ``pairs`` the query-key pairs of the causal mask a rank's
   queries see (exact for the mask: ``sum min(p + 1, window)`` over its real tokens; the reference
   kernel multiplies whole blocks, masked pairs included, so it dispatches more);
-  ``scan = 2 * S * tokens`` (the state update and readout token by token): an estimate, the
-  chunked backends dispatch more (intra-chunk products; the gap is measured by
-  ``bench_cost_model``).
+  ``scan = 2 * S * tokens`` (the state update and readout token by token): the algorithm's work,
+  the chunked backends dispatch more (intra-chunk products).
+  These are the "ideal" figures the tables project with. What our torch reference backends
+  really dispatch outside the projections is modelled exactly by ``dispatched_ssd_macs``
+  (Mamba2), ``dispatched_delta_macs`` (GatedDeltaNet) and ``dispatched_attention_macs``, together
+  ``dispatched_parts`` (one process, one packed row; equal to ``benchmarks.op_counts``'s count,
+  checked in ``tests/benchmarks/test_cost_model.py`` and asserted by ``bench_cost_model``).
 * activation memory: ``tokens * (hidden + W_in + W_out) * b`` kept for backward (an estimate of the
   layer's inputs and outputs, ``1/P`` of one process), plus, for ours, the keys and values received.
 """
@@ -172,7 +176,8 @@ def projection_macs(geo: dict, hidden: int) -> int:
 
 def scan_macs(geo: dict) -> int:
     """Multiply-adds per token of the recurrence, forward: ``2 S`` (the state update and its
-    readout, token by token). An estimate: the chunked backends do more (intra-chunk products)."""
+    readout, token by token), the algorithm's ("ideal"); what the chunked backends dispatch
+    (intra-chunk products too) is ``dispatched_ssd_macs`` / ``dispatched_delta_macs``."""
     return 2 * geo.get("state", 0)
 
 
@@ -186,16 +191,162 @@ def attention_macs(geo: dict) -> int:
     return 2 * geo["w_out"] if "kv" in geo else 0
 
 
+# ---------------------------------------------------------------- what the torch reference backends dispatch
+#
+# The figures above are the algorithm's ("ideal") work. The functions below give, exactly, the
+# multiply-adds of the products that our CPU / reference backends dispatch for the part outside the
+# projections, forward + backward, for one packed row of ``T`` physical tokens (documents and the
+# padding tail), as :class:`benchmarks.op_counts.MatmulCounter` counts them under ``other``. Every
+# product is data-independent: its shape follows from ``T``, the layer's geometry, the chunk (block)
+# size and, for attention, the longest segment. Blocking (how many chunks run as one batch) does
+# not change a total. Each term below is ``(products) x (size of one)``; a product ``[m, k] @ [k, n]``
+# counts ``m k n``.
+
+
+def _chunks(tokens: int, chunk: int) -> int:
+    """Chunks of a row: the backends pad it to whole chunks (padding tokens are neutral, not skipped)."""
+    return -(-int(tokens) // int(chunk))
+
+
+def dispatched_ssd_macs(tokens: int, *, heads: int, head_dim: int, state_size: int, groups: int, chunk: int) -> int:
+    """Multiply-adds of forward + backward the SSD chunked scan (``mixers.ops.ssd``: ``reference`` and
+    ``chunk_scan`` / ``chunk_scan_backward``) dispatches on one row of ``tokens`` tokens.
+
+        C = ceil(T / L) chunks, L = chunk, H = heads, P = head dim, Ns = state size, G = groups
+
+    Per chunk, ``2 L^2 H + 4 G L^2 Ns + 3 H L^2 P + 6 H P L Ns``:
+
+    * ``2 L^2 H``: the segmented cumulative decay ``keep [L, L] @ (dt A) [L, H]``, and its
+      backward ``keep^T @ grad`` (the mask has no gradient);
+    * ``4 G L^2 Ns``: ``C B^T`` per group (forward, recomputed in the backward) and its two
+      gradients ``dCB @ B``, ``dCB^T @ C``;
+    * ``3 H L^2 P``: the intra-chunk output ``scores [L, L] @ xdt [L, P]`` per head and its two
+      gradients ``scores^T @ dy``, ``dy @ xdt^T``;
+    * ``6 H P L Ns``: the chunk state ``(x w)^T [H P, L] @ B [L, Ns]`` and the entering-state
+      read ``C [L, Ns] @ h^T [Ns, H P]``, each with two gradients (``B @ du^T``, ``(x w)^T @ du``;
+      ``(dy w)^T @ C``, ``(dy w)^T @ h``).
+
+    The ideal :func:`scan_macs` is ``3 * 2 H P Ns`` per token; this is ``O(L)`` more per token in the
+    intra-chunk terms."""
+    L, h, p, ns, g = int(chunk), int(heads), int(head_dim), int(state_size), int(groups)
+    return _chunks(tokens, L) * (2 * L * L * h + 4 * g * L * L * ns + 3 * h * L * L * p + 6 * h * p * L * ns)
+
+
+_WY_BASE = 16          # mixers.ops.delta_rule.wy._BASE: the diagonal blocks solved directly
+
+
+def _wy_inverse_macs(chunk: int) -> int:
+    """Products of ``mixers.ops.delta_rule.wy.unit_lower_inverse`` for one ``[L, L]`` matrix: per
+    doubling level ``b = 16, 32, .., L / 2`` (from ``min(16, L)``), ``L / (2 b)`` quadrants of two
+    ``[b, b] @ [b, b]`` products each, ``L b^2``; the base blocks' triangular solve is no product."""
+    b, total = min(_WY_BASE, chunk), 0
+    while b < chunk:
+        total += chunk * b * b
+        b *= 2
+    return total
+
+
+def dispatched_delta_macs(tokens: int, *, heads: int, key_dim: int, value_dim: int, chunk: int) -> int:
+    """Multiply-adds of forward + backward the chunked delta rule with a scalar gate (GatedDeltaNet;
+    ``mixers.ops.delta_rule``: ``blocked``, ``prep``, ``gram``, ``wy``) dispatches on one row.
+
+        N = C H chunk-heads, C = ceil(T / L), L = chunk, H = value heads, K / V = key / value head dims
+
+    Per chunk-head, ``7 L^2 K + 6 L^2 V + 9 L K V + 2 L^2 + I(L)``:
+
+    * ``7 L^2 K``: the Grams ``[q; beta k] [2L, K] @ k^T`` (2), recomputed in the backward for
+      ``q`` only (1, the WY inverse is kept), and their backward ``dS [2L, L] @ k``,
+      ``dS^T @ [q; beta k]`` (2 + 2);
+    * ``6 L^2 V``: forward ``T (R_U - R_W S)`` and ``qk @ delta``; backward ``qk^T @ do``,
+      ``T^T @ d delta``, ``do @ delta^T`` and ``dR_U @ delta^T`` (the WY system's ``dA``);
+    * ``9 L K V``: forward ``R_W @ S``, ``k_out^T @ delta``, ``q_read @ S``; backward
+      ``q_read^T @ do``, ``k_out @ dS'``, ``R_W^T @ dR_U``, ``do @ S^T``, ``delta @ dS'^T`` and
+      ``dR_U @ S^T``;
+    * ``2 L^2``: the gate's segmented sums' backward ``sums^T [L, 2L] @ [dG | dsuf] [2L, H]``, per
+      chunk (``2 L^2 H``), i.e. ``2 L^2`` per chunk-head;
+    * ``I(L) = L sum b^2``: the blocked WY inverse (:func:`_wy_inverse_macs`), forward only.
+
+    The ideal :func:`scan_macs` is ``3 * 2 H K V`` per token."""
+    L, k, v = int(chunk), int(key_dim), int(value_dim)
+    per = 7 * L * L * k + 6 * L * L * v + 9 * L * k * v + 2 * L * L + _wy_inverse_macs(L)
+    return _chunks(tokens, L) * int(heads) * per
+
+
+ATTENTION_BLOCK = 128    # mixers.ops.attention.reference.BLOCK: queries per block
+
+
+def attention_reach(span: int, left: int = -1, block: int = ATTENTION_BLOCK) -> int:
+    """Keys a query block of the reference kernel sees besides its own (``reference._reach``,
+    causal, eager): ``min(span - 1, left)`` (``left < 0``: ``span - 1``) rounded up to ``block``."""
+    need = span - 1 if left < 0 else min(span - 1, left)
+    return 0 if need <= 0 else -(-need // block) * block
+
+
+def dispatched_attention_macs(tokens: int, span: int, *, q_heads: int, head_dim: int, left: int = -1,
+                              block: int = ATTENTION_BLOCK) -> int:
+    """Multiply-adds of forward + backward the blockwise reference attention
+    (``mixers.ops.attention.reference._BlockAttention``, causal) dispatches on one row.
+
+        n = ceil(T / Q) query blocks, Q = block, W = reach + Q keys per block (``attention_reach``
+        of ``span``, the longest segment of the row, the padding tail included: ``max_seqlen``),
+        Hq = query heads, D = head dim (keys and values alike)
+
+    Per block, ``7 Hq Q W D + 2 Q W``:
+
+    * ``7 Hq Q W D``: the scores ``q [Q, D] @ k^T [D, W]`` per head (forward, recomputed in the
+      backward: 2), ``p @ v`` (1), and the backward's ``p^T @ do``, ``do @ v^T``, ``ds @ k``,
+      ``ds^T @ q`` (4): every key of the window, masked ones included;
+    * ``2 Q W``: the non-finite guards, ``keep [Q, W] @ bad keys [W, 1]`` forward and
+      ``bad rows [1, Q] @ keep`` backward.
+
+    The ideal (``3 * attention_macs * attention_pairs``) counts ``6 Hq D`` per causal pair."""
+    width = attention_reach(span, left, block) + block
+    return _chunks(tokens, block) * (7 * int(q_heads) * block * width * int(head_dim) + 2 * block * width)
+
+
+def longest_segment(boundaries, total: int) -> int:
+    """The row's ``max_seqlen``: its longest physical slot, the padding tail counted as one."""
+    cover = cover_of(boundaries, total)
+    return max(b - a for a, b in zip(cover[:-1], cover[1:]))
+
+
+def dispatched_parts(geo: dict, hidden: int, boundaries, total: int) -> dict:
+    """``{"projections", "attention", "scan"}``: multiply-adds of one forward + backward of one
+    layer that the torch reference backends dispatch on one packed row in one process (document
+    slots starting at ``boundaries``, ``total`` tokens with the padding tail), exactly as
+    :class:`benchmarks.op_counts.MatmulCounter` counts them (``attention + scan`` = its ``other``).
+    ``geo["dispatch"]`` (``bench_context_parallel.geometry``) names the backend: ``ssd`` (Mamba2),
+    ``delta`` (GatedDeltaNet) or ``attention``; a geometry without it (KDA, Gated DeltaProduct:
+    their per-channel and Householder products are not modelled here) raises ``ValueError``."""
+    spec = geo.get("dispatch")
+    if spec is None:
+        raise ValueError("this geometry has no dispatch model (only Mamba2, GatedDeltaNet and attention have one)")
+    spec = dict(spec)
+    kind = spec.pop("kind")
+    parts = {"projections": 3 * projection_macs(geo, hidden) * int(total), "attention": 0, "scan": 0}
+    if kind == "ssd":
+        parts["scan"] = dispatched_ssd_macs(total, **spec)
+    elif kind == "delta":
+        parts["scan"] = dispatched_delta_macs(total, **spec)
+    elif kind == "attention":
+        parts["attention"] = dispatched_attention_macs(total, longest_segment(boundaries, total), **spec)
+    else:
+        raise ValueError(f"unknown dispatch kind {kind!r}")
+    return parts
+
+
 WORK_PARTS = ("projections", "attention", "scan")
-EXACT_PARTS = ("projections",)          # equal to the matmuls a real run dispatches (tests/benchmarks)
+EXACT_PARTS = ("projections",)          # of ``work_parts``: equal to the matmuls a real run dispatches
+# ``dispatched_parts``: every part equals the counted matmuls (one process; tests/benchmarks)
 
 
 def work_parts(geo: dict, hidden: int, boundaries, lengths, bounds, window: int | None = None) -> list[dict]:
     """Per rank ``{"projections", "attention", "scan"}``: multiply-adds of one forward + backward
     (3 forwards: a product's backward is two products of its size, the input and the weight
-    gradient) of one layer. ``projections``: every token of the shard, padding included;
+    gradient) of one layer. ``projections``: every token of the shard, padding included (exact);
     ``attention``: the query-key pairs of the causal mask (``attention_pairs``), not what a
-    blocked kernel multiplies; ``scan``: ``2 S`` per token, an estimate."""
+    blocked kernel multiplies; ``scan``: ``2 S`` per token. The last two are the algorithm's work;
+    ``dispatched_parts`` gives what the reference backends multiply."""
     pairs = attention_pairs(boundaries, lengths, bounds, window) if "kv" in geo else [0] * (len(bounds) - 1)
     proj, att, scan = projection_macs(geo, hidden), attention_macs(geo), scan_macs(geo)
     return [{"projections": 3 * proj * (hi - a), "attention": 3 * att * n, "scan": 3 * scan * (hi - a)}
@@ -227,6 +378,7 @@ def ceil_log2(k: int) -> int:
     return 0 if k <= 1 else math.ceil(math.log2(k))
 
 
-__all__ = ["a2a_bytes", "a2a_fits", "activation_bytes", "attention_pairs", "ceil_log2", "chain", "cover_of",
-           "even_bounds", "key_ranges", "linear_macs", "ours_bytes", "ours_total", "projection_macs", "rank_facts",
-           "received_keys", "scan_macs", "work", "work_parts"]
+__all__ = ["ATTENTION_BLOCK", "a2a_bytes", "a2a_fits", "activation_bytes", "attention_pairs", "attention_reach",
+           "ceil_log2", "chain", "cover_of", "dispatched_attention_macs", "dispatched_delta_macs", "dispatched_parts",
+           "dispatched_ssd_macs", "even_bounds", "key_ranges", "linear_macs", "longest_segment", "ours_bytes",
+           "ours_total", "projection_macs", "rank_facts", "received_keys", "scan_macs", "work", "work_parts"]

@@ -7,7 +7,10 @@ tail); what ``record_traffic`` counts per exchange kind equals the model's bytes
 kind; the multiply-adds of the projections that ``benchmarks.op_counts`` counts per rank in the
 same runs (forward + backward: every matmul with a projection weight, and the weight gradients)
 equal the model's ``projections`` part. Attention work: the model's query-key pairs per rank
-equal those counted from the attention spec's own mask. The plan's arithmetic also equals
+equal those counted from the attention spec's own mask. Dispatched work: on one process, every
+part of ``dispatched_parts`` (the scans' and attention's products too) equals the counted
+multiply-adds on packed rows (a 1-token document, one longer than a chunk and not a multiple of
+it, a padding tail), and the ideal figures do not. The plan's arithmetic also equals
 ``bench_context_parallel``'s plan (built on the real layout) on many rows without any run.
 """
 
@@ -118,9 +121,9 @@ def test_model_projection_work_equals_the_counted_matmuls(measured, subject):
 
 @pytest.mark.parametrize("subject", [pytest.param(s, id=s) for s in SUBJECTS])
 def test_the_scan_and_attention_parts_are_lower_bounds(measured, subject):
-    """What the model does not claim exactly: the counted matmuls outside the projections (the
-    chunked scans' products, the blocked attention kernel's scores) are at least the model's
-    ``scan`` + ``attention`` on every rank holding tokens, never fewer (the model is optimistic)."""
+    """The ideal parts on CP ranks: the counted matmuls outside the projections (the chunked scans'
+    products, the blocked attention kernel's scores) are at least the model's ideal ``scan`` +
+    ``attention`` on every rank holding tokens, never fewer (the ideal is a lower bound)."""
     model = _model_parts(subject, measured[0][subject]["config"])
     counted = [result[subject]["macs"]["other"] for result in measured]
     assert all(c >= m["scan"] + m["attention"] > 0 for c, m in zip(counted, model))
@@ -196,6 +199,88 @@ def test_model_attention_pairs_equal_the_mask(lengths, slots, total, window):
     assert sum(cm.attention_pairs(boundaries, lengths, [0, total], window)) == int(counted.sum()) > 0
 
 
+# ------------------------------------------------------------------ the dispatched work, exactly, one process
+def _dispatch_layer(kind):
+    from mixers import AttentionMixer, GatedDeltaNetMixer, Mamba2Mixer
+    from mixers.layers import AttentionConfig, GatedDeltaNetConfig, Mamba2Config
+    return {"Mamba2": (Mamba2Mixer, Mamba2Config(64, head_dim=16, state_size=8, num_groups=2, chunk_size=16)),
+            "GatedDeltaNet": (GatedDeltaNetMixer, GatedDeltaNetConfig(64, head_dim=16, num_heads=1, num_v_heads=2,
+                                                                      chunk_size=16)),
+            "Attention": (AttentionMixer, AttentionConfig(64, head_dim=16, num_heads=4, num_kv_heads=2)),
+            "Attention_window": (AttentionMixer, AttentionConfig(64, head_dim=16, num_heads=4, num_kv_heads=1,
+                                                                 window_size=(20, 0)))}[kind]
+
+
+def _counted_run(kind, lengths, total):
+    """``(geometry, boundaries, counted macs)`` of one forward + backward of a small layer on one row."""
+    from benchmarks.bench_context_parallel import geometry
+    from benchmarks.op_counts import MatmulCounter
+    from ssm_pack import PackedSeqParams
+    cls, config = _dispatch_layer(kind)
+    torch.manual_seed(0)
+    layer = cls(config=config)
+    x = torch.randn(1, total, config.hidden_size, requires_grad=True)
+    params = PackedSeqParams.from_lengths(lengths, total_tokens=total)
+    with MatmulCounter(layer) as counter:
+        layer(x, packed_seq_params=params).square().sum().backward()
+    assert not counter.unknown
+    return geometry(kind.split("_")[0], config), [0, *torch.tensor(lengths).cumsum(0).tolist()], counter.macs
+
+
+# chunks of 16 (Mamba2, GatedDeltaNet) and query blocks of 128 (attention): every row has a 1-token
+# document, one longer than a chunk and not a multiple of it, and a padding tail
+ROWS = [
+    pytest.param([1, 37, 5, 1], 50, id="short"),            # 37 = 2 chunks + 5; tail of 6
+    pytest.param([150, 1, 9], 170, id="over_a_block"),      # 150 > one attention block (reach 256)
+    pytest.param([3, 1, 21], 64, id="tail_longest"),        # the 39-token tail is the longest segment
+]
+DISPATCH_KINDS = [pytest.param(k, id=k) for k in ("Mamba2", "GatedDeltaNet", "Attention", "Attention_window")]
+
+
+@pytest.mark.parametrize("lengths, total", ROWS)
+@pytest.mark.parametrize("kind", DISPATCH_KINDS)
+def test_dispatched_model_equals_the_counted_matmuls(kind, lengths, total):
+    """Every part of ``dispatched_parts`` == the counting mode's, exactly (``attention + scan`` is
+    its ``other``), on packed rows with uneven documents and a padding tail."""
+    geo, boundaries, counted = _counted_run(kind, lengths, total)
+    model = cm.dispatched_parts(geo, 64, boundaries, total)
+    rest = "attention" if kind.startswith("Attention") else "scan"
+    assert model == {"projections": counted["projections"], "attention": 0, "scan": 0, rest: counted["other"]}
+    assert counted["other"] > 0
+
+
+@pytest.mark.parametrize("kind", DISPATCH_KINDS)
+def test_the_ideal_work_is_not_the_dispatched_work(kind):
+    """Negative controls: the ideal figures (``2 S`` per token, ``2 Hq D`` per causal pair) fall short
+    of the count, as does the dispatched model one chunk (or attention block) size off."""
+    lengths, total = [1, 37, 5, 1], 50
+    geo, boundaries, counted = _counted_run(kind, lengths, total)
+    window = geo["left"] + 1 if geo.get("left", -1) >= 0 else None
+    (ideal,) = cm.work_parts(geo, 64, boundaries, lengths, [0, total], window)
+    assert ideal["projections"] == counted["projections"]
+    assert 0 < ideal["scan"] + ideal["attention"] < counted["other"]
+    spec = dict(geo["dispatch"])
+    size = "block" if spec["kind"] == "attention" else "chunk"
+    spec[size] = spec.get(size, cm.ATTENTION_BLOCK) // 2
+    off = cm.dispatched_parts({**geo, "dispatch": spec}, 64, boundaries, total)
+    assert off["scan"] + off["attention"] != counted["other"]
+
+
+def test_dispatched_formulas_by_hand():
+    """The stated per-chunk / per-block sums on round numbers (one chunk, one block)."""
+    L, H, P, N, G = 128, 4, 64, 64, 1
+    assert cm.dispatched_ssd_macs(80, heads=H, head_dim=P, state_size=N, groups=G, chunk=L) == (
+        2 * L * L * H + 4 * G * L * L * N + 3 * H * L * L * P + 6 * H * P * L * N) == 29_491_200
+    assert cm.dispatched_ssd_macs(129, heads=H, head_dim=P, state_size=N, groups=G, chunk=L) == 2 * 29_491_200
+    L, K, V = 64, 64, 128                              # the WY inverse: 64 (16^2 + 32^2) = 81,920
+    assert cm.dispatched_delta_macs(80, heads=1, key_dim=K, value_dim=V, chunk=L) == 2 * (
+        7 * L * L * K + 6 * L * L * V + 9 * L * K * V + 2 * L * L + 81_920)
+    assert cm.attention_reach(70) == 128 and cm.attention_reach(1) == 0 and cm.attention_reach(300, 20) == 128
+    assert cm.dispatched_attention_macs(80, 70, q_heads=2, head_dim=64) == 7 * 2 * 128 * 256 * 64 + 2 * 128 * 256
+    with pytest.raises(ValueError, match="no dispatch model"):
+        cm.dispatched_parts(GEO, 16, [0, 8], 8)
+
+
 # ------------------------------------------------------------------ the scaling statements of docs/context-parallel.md
 GEO = {"convs": [6], "state": 40, "m": 3, "kv": 10, "left": -1, "width": 4, "w_in": 30, "w_out": 12, "heads": 8}
 
@@ -225,9 +310,14 @@ def test_the_benchmark_prints_both_tables(tmp_path, capsys):
     from benchmarks.bench_cost_model import main
     text = main(["--tokens", "4096", "8192", "--ranks", "2", "64", "--count-tokens", "128", "--out", str(tmp_path)])
     assert text.count("| 4,096 ") == 4 and text.count("| 8,192 ") == 4        # 2 ranks x 2 tables
-    counted = [line.split("|") for line in text.splitlines() if "| exact |" in line]
-    assert [row[1].strip() for row in counted] == ["Mamba2", "GatedDeltaNet", "Attention"]
-    assert all(row[2].strip() == row[3].strip() and float(row[8].strip()[:-1]) > 1 for row in counted)   # more
+    counted = [[c.strip() for c in line.split("|")] for line in text.splitlines()
+               if line.startswith(("| Mamba2 ", "| GatedDeltaNet ", "| Attention "))]
+    assert [row[1:3] for row in counted] == [[n, p] for n, rest in (("Mamba2", "scan"), ("GatedDeltaNet", "scan"),
+                                                                    ("Attention", "attention"))
+                                             for p in ("projections", rest)]
+    assert all(row[4] == row[5] for row in counted)                             # dispatched model == counted
+    assert [row[6] for row in counted[::2]] == ["1.00x"] * 3                   # projections: ideal == dispatched
+    assert all(float(row[6][:-1]) > 1 for row in counted[1::2])                # the backends do more
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| 8,192 ")]
     assert rows[0][9].strip() != "-" and rows[1][9].strip() == "-"      # a2a attention: P = 64 > 8 KV heads
     assert (tmp_path / "cost-model.md").read_text().strip() == text.strip()
