@@ -144,6 +144,10 @@ def _bad(**change):
     pytest.param(dict(g_gamma=torch.zeros(H + 1)), ValueError, "g_gamma must be [H]", id="decay-shape"),
     pytest.param(dict(k=torch.zeros(1, 5, H, K + 1, **F64)), ValueError, "k must be", id="key-shape"),
     pytest.param(dict(v=torch.zeros(1, 5, H, V)), TypeError, "v must have q's dtype", id="value-dtype"),
+    pytest.param(dict(v=torch.zeros(1, 4, H, V, **F64)), ValueError, "v must be [B, T, H, V] = [1, 5, 3, 5], got "
+                 "[1, 4, 3, 5]", id="value-tokens"),
+    pytest.param(dict(v=torch.zeros(1, 5, H + 1, V, **F64)), ValueError, "v must be [B, T, H, V] = [1, 5, 3, 5], "
+                 "got [1, 5, 4, 5]", id="value-heads"),
     pytest.param(dict(initial_state=torch.zeros(3, H, K, V, **F64)), ValueError, "initial_state must be [N",
                  id="states-per-document"),
     pytest.param(dict(cu_seqlens=torch.tensor([0, 3, 9])), ValueError, "cu_seqlens", id="bounds-past-the-row"),

@@ -203,7 +203,46 @@ def test_cpu_auto_reads_no_package_and_kernel_needs_cuda(monkeypatch):
     args = (leaves["q"], leaves["k"], leaves["v"])
     o, _ = chunk_simple_gla(*args, g_gamma=g_gamma, cu_seqlens=cu)
     assert torch.equal(o, chunk_simple_gla(*args, g_gamma=g_gamma, cu_seqlens=cu, backend="reference")[0])
-    with pytest.raises(ValueError, match="backend='kernel' needs CUDA tensors"):
+    with pytest.raises(ValueError, match="^chunk_simple_gla: backend='kernel' needs CUDA tensors; use "
+                                         "backend='reference' on CPU$"):
+        chunk_simple_gla(*args, g_gamma=g_gamma, cu_seqlens=cu, backend="kernel")
+
+
+@pytest.mark.parametrize("lengths", [pytest.param([0], id="one-empty-document"),
+                                     pytest.param([0, 0, 0], id="three-empty-documents")])
+def test_the_empty_call_launches_no_kernel(fake_fla, lengths):
+    """No token (T == 0) on CUDA: the SSD op's empty result, no kernel launched (a grid with a zero
+    dimension); every final state is its document's initial state, bit for bit."""
+    cu, leaves, g_gamma = make(lengths)
+    o, final = chunk_simple_gla(leaves["q"], leaves["k"], leaves["v"], g_gamma=g_gamma,
+                                initial_state=leaves["initial_state"], output_final_state=True, cu_seqlens=cu)
+    assert fake_fla == []
+    assert o.shape == (1, 0, H, V) and o.dtype == torch.float32
+    assert torch.equal(final, leaves["initial_state"])
+
+
+def test_fla_without_packed_documents_still_runs_unpacked_rows(monkeypatch, fake_fla):
+    """The support check asks for fla's ``varlen`` feature only when the call is packed: an fla that cannot
+    take ``cu_seqlens`` runs unpacked rows, while a packed call takes the SSD op (``"kernel"`` names why)."""
+    too_old = "flash-linear-attention is too old for packed documents"
+    asked = []
+
+    def support(name, features=()):
+        asked.append((name, tuple(features)))
+        return (False, too_old) if name == "fla_simple_gla" and "varlen" in features else (True, None)
+
+    monkeypatch.setattr(dispatch, "cached_support", support)
+    cu, leaves, g_gamma = make([3, 4])
+    args = [t.detach() for t in (leaves["q"], leaves["k"], leaves["v"])]
+    chunk_simple_gla(*args, g_gamma=g_gamma)
+    assert [kind for kind, _ in fake_fla] == ["simple_gla"] and asked == [("fla_simple_gla", ())]
+    chunk_simple_gla(*args, g_gamma=g_gamma, cu_seqlens=cu)
+    assert [kind for kind, _ in fake_fla] == ["simple_gla", "ssd"]
+    assert asked[1] == ("fla_simple_gla", ("varlen",))          # then the SSD op asks for mamba-ssm
+    monkeypatch.setattr(dispatch, "cached_support", lambda name, features=(): (
+        (False, "mamba_ssd is not installed") if name == "mamba_ssd" else support(name, features)))
+    with pytest.raises(RuntimeError, match=f"fla's chunk_simple_gla: {too_old}; "
+                                           "mamba-ssm's SSD scan: mamba_ssd is not installed"):
         chunk_simple_gla(*args, g_gamma=g_gamma, cu_seqlens=cu, backend="kernel")
 
 
