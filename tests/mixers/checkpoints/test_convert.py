@@ -278,6 +278,10 @@ def _no_out_bias(m):
     m.out_proj.bias = None
 
 
+def _no_in_bias(m):
+    m.in_proj.bias = None
+
+
 def _grouped_conv(m):
     m.conv = torch.nn.Conv1d(32, 32, 3, groups=16, padding=2)
 
@@ -296,6 +300,7 @@ def _centred_conv(m):
 
 @pytest.mark.parametrize(("edit", "match"), [
     pytest.param(_no_out_bias, "in_proj has a bias but out_proj has none", id="projection-biases-differ"),
+    pytest.param(_no_in_bias, "in_proj has no bias but out_proj has one", id="out-projection-bias-only"),
     pytest.param(_grouped_conv, r"not depthwise over 32 channels \(in_channels=32, out_channels=32, groups=16\)",
                  id="grouped"),
     pytest.param(_dilated_conv, r"dilation=\(2,\)", id="dilated"),

@@ -246,6 +246,24 @@ def test_fla_without_packed_documents_still_runs_unpacked_rows(monkeypatch, fake
         chunk_simple_gla(*args, g_gamma=g_gamma, cu_seqlens=cu, backend="kernel")
 
 
+def test_context_parallel_calls_are_the_ssd_ops_on_cuda(monkeypatch, fake_fla):
+    """A ``VarlenBatch`` carrying a CP run goes to the SSD op (whose CP version is stubbed here: it needs
+    several ranks), never to fla's kernel, on CUDA with fla installed and without asking any package."""
+    import dataclasses
+
+    from mixers.ops.ssd import cp as ssd_cp_module
+    from ssm_pack import VarlenBatch
+    monkeypatch.setattr(dispatch, "cached_support", lambda *a, **k: pytest.fail("a CP call read package state"))
+    seen = []
+    monkeypatch.setattr(ssd_cp_module, "ssd_cp", lambda call, local_op: seen.append(call) or torch.zeros_like(call.x))
+    run = object()
+    _, leaves, g_gamma = make([3, 4])
+    varlen = dataclasses.replace(VarlenBatch.build(lengths_to_cu_seqlens([3, 4]), 7), cp=run)
+    o, _ = chunk_simple_gla(leaves["q"], leaves["k"], leaves["v"], g_gamma=g_gamma, cu_seqlens=varlen)
+    assert fake_fla == []
+    assert len(seen) == 1 and seen[0].varlen.cp is run and o.shape == (1, 7, H, V)
+
+
 def test_the_fake_has_the_installed_fla_signature():
     """The fake's parameters (names, order, defaults) are those of the installed fla's chunk_simple_gla, so a
     positional argument the wrapper passed would land where fla puts it."""
