@@ -189,3 +189,19 @@ def test_loading_a_state_that_carries_nothing_forgets_the_carried_document():
         got = carry(packs[0])["logits"]
         want = _fed(model, packs, 0)(packs[0])["logits"]
     assert torch.equal(got, want)
+
+
+def test_a_state_carrying_a_one_token_piece_loads_and_resumes():
+    """The lower end of state['length'] (1..max_document_tokens): documents of (23, 30) tokens in packs
+    of 24 (align_to=1) leave one token of document 1 in the first pack, so its state holds length 1;
+    loaded into a new CarriedStates it continues the next pack exactly as the uninterrupted run."""
+    model, packs = _model(), _packs((23, 30), align_to=1)
+    assert [(p["documents"].tolist(), p["offsets"].tolist()) for p in packs[:2]] == [([0, 1], [0, 0]), ([1], [1])]
+    run = _fed(model, packs, 1)
+    state = run.state_dict()
+    assert state["carried"] == (1, 1, 1) and state["length"] == 1
+    resumed = _fed(model, packs, 0)
+    resumed.load_state_dict(state)
+    assert resumed.carried == (1, 1, 1)
+    with torch.no_grad():
+        assert torch.equal(resumed(packs[1])["logits"], run(packs[1])["logits"])

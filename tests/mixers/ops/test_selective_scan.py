@@ -159,6 +159,8 @@ def test_decode_step_continues_a_prefill():
 
 @pytest.mark.parametrize(("change", "error", "match"), [
     pytest.param({"A": torch.zeros(E, NS, 1)}, ValueError, "A must be 2-D", id="A-3d"),
+    pytest.param({"A": torch.zeros(E)}, ValueError, r"^A must be 2-D, got shape \(5,\)$", id="A-1d"),
+    pytest.param({"A": None}, TypeError, "^A must be a torch.Tensor, got NoneType None$", id="A-none"),
     pytest.param({"B": torch.zeros(1, NS, 7)}, ValueError, r"B must be \[B, N_state, T\] = \[1, 3, 8\]", id="B-len"),
     pytest.param({"B": torch.zeros(1, 1, NS, 8)}, ValueError, "one group", id="B-grouped"),
     pytest.param({"u": torch.zeros(1, E, 8, dtype=torch.int64)}, TypeError, "u must be a floating-point", id="u-int"),
@@ -186,6 +188,44 @@ def test_no_token_passes_the_states_through():
                                           initial_states=h0, cu_seqlens=torch.tensor([0, 0, 0], dtype=torch.int32),
                                           return_varlen_states=True)
     assert out.shape == (1, E, 0) and torch.equal(states, h0) and last.abs().max() == 0
+
+
+@pytest.mark.parametrize(("last", "varlen", "want"), [
+    pytest.param(False, False, ("out",), id="default-out-only"),
+    pytest.param(True, False, ("out", "last"), id="last-state"),
+    pytest.param(False, True, ("out", "states"), id="varlen-states"),
+    pytest.param(True, True, ("out", "last", "states"), id="both"),
+])
+def test_no_token_returns_what_was_asked(last, varlen, want):
+    """As with tokens: ``out`` alone (a tensor, not a tuple) unless a state is asked for, then
+    ``(out, last_state)``, ``(out, doc_states)`` or all three, in that order."""
+    h0 = torch.randn(2, E, NS, dtype=F64)
+    empty = lambda *s: torch.zeros(*s, 0, dtype=F64)  # noqa: E731
+    got = selective_scan_fn(empty(1, E), empty(1, E), torch.zeros(E, NS, dtype=F64), empty(1, NS), empty(1, NS),
+                            return_last_state=last, initial_states=h0,
+                            cu_seqlens=torch.tensor([0, 0, 0], dtype=torch.int32), return_varlen_states=varlen)
+    if want == ("out",):
+        assert isinstance(got, torch.Tensor) and got.shape == (1, E, 0)
+        return
+    assert isinstance(got, tuple) and len(got) == len(want)
+    shapes = {"out": (1, E, 0), "last": (1, E, NS), "states": (2, E, NS)}
+    assert [tuple(t.shape) for t in got] == [shapes[k] for k in want]
+    if varlen:
+        assert torch.equal(got[-1], h0)
+
+
+def test_the_default_chunk_is_64_tokens():
+    """docs/ops.md: the backend cuts the row into chunks of 64 tokens. The chunk changes only the
+    rounding (the doubling steps combine tokens in another order), so the default call equals
+    ``chunk_size=64`` bitwise and a chunk of 63 or 65 does not (negative controls, still within 1e-12)."""
+    inp = _inputs(130, 2, seed=4)
+    args = (inp["u"], inp["delta"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"], inp["delta_bias"], True)
+    cu = torch.tensor([0, 50, 130], dtype=torch.int32)
+    default = selective_scan_fn(*args, cu_seqlens=cu)
+    assert torch.equal(default, selective_scan_fn(*args, cu_seqlens=cu, chunk_size=64))
+    for other in (63, 65):
+        got = selective_scan_fn(*args, cu_seqlens=cu, chunk_size=other)
+        assert not torch.equal(got, default) and _err(got, default) <= 1e-12, other
 
 
 def _saved_bytes(fn) -> int:
