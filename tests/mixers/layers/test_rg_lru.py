@@ -89,6 +89,51 @@ def test_decoding_with_a_cache_equals_recomputing(lengths):
         assert float((fresh - mixer(first)).abs().max()) <= 1e-12
 
 
+@pytest.mark.parametrize("packed", [pytest.param(True, id="packed"), pytest.param(False, id="rows")])
+def test_a_prefill_of_fresh_slots_reads_no_state(monkeypatch, packed):
+    """Fresh slots start from zero, so a prefill naming only fresh slots reads no RG-LRU state: a
+    context-parallel prefill's cache refuses every read (``cp_prefill.ShardedLayerCache.gather``).
+    A later call continuing those slots reads them (the spy sees reads)."""
+    mixer = _mixer()
+    g = torch.Generator().manual_seed(7)
+    cache = mixer.allocate_inference_cache(3, 16)
+    read = []
+    gather = cache.gather
+    monkeypatch.setattr(cache, "gather", lambda name, batch: read.append(name) or gather(name, batch))
+    x = torch.randn(1 if packed else 2, 6 if packed else 3, HIDDEN, generator=g, dtype=torch.float64)
+    params = PackedSeqParams.from_lengths([4, 2]) if packed else None
+    with torch.no_grad():
+        got = mixer(x, params, cache=cache, cache_slots=[2, 0])
+        want = mixer(x, params)
+        assert "lru" not in read
+        assert float((got - want).abs().max()) <= 1e-12
+        mixer(x, params, cache=cache, cache_slots=[2, 0])
+    assert "lru" in read
+
+
+def test_defaults_are_recurrent_gemmas():
+    """RecurrentGemma's block: conv1d_width 4 (3 cached inputs per slot), decay exponent 8, one gate
+    block, lru_width = hidden, the tanh GeLU."""
+    config = RGLRUConfig(HIDDEN)
+    assert (config.conv_size, config.scale, config.num_heads, config.lru_width, config.activation) == \
+        (4, 8.0, 1, HIDDEN, "gelu_pytorch_tanh")
+    mixer = RGLRUMixer(HIDDEN)
+    assert tuple(mixer.conv.weight.shape) == (HIDDEN, 1, 4)
+    assert tuple(mixer.allocate_inference_cache(2, 8)["conv"].shape) == (2, HIDDEN, 3)
+
+
+def test_the_decay_init_is_griffins():
+    """``a = sigmoid(-recurrent_param)`` with ``a^2`` uniform in [0.9^2, 0.999^2] (RecurrentGemma's
+    _init_weights): over 4096 channels every a^2 lies in the range and both ends are reached
+    within 5e-4 (a gap that wide at either end has probability ~exp(-4096 * 5e-4 / 0.188))."""
+    torch.manual_seed(0)
+    mixer = RGLRUMixer(HIDDEN, lru_width=4096, num_heads=64)
+    a2 = torch.sigmoid(-mixer.recurrent_param.detach().double()) ** 2
+    low, high = 0.9 ** 2, 0.999 ** 2
+    assert float(a2.min()) >= low - 1e-6 and float(a2.max()) <= high + 1e-6
+    assert float(a2.min()) <= low + 5e-4 and float(a2.max()) >= high - 5e-4
+
+
 def test_a_continuing_chunk_equals_the_whole():
     """A packed call of two prompts' first halves, then a packed call of their second halves."""
     mixer = _mixer()

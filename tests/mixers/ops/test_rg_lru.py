@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mixers.ops.rg_lru import rg_lru
+from mixers.ops.rg_lru.gates import MAX_SQRT_GRADIENT, bounded_sqrt
 from mixers.ops.rg_lru.naive import rg_lru_naive
 from mixers.ops.rg_lru.update import rg_lru_update
 from ssm_pack import lengths_to_cu_seqlens
@@ -165,6 +166,20 @@ def test_no_tokens():
     assert out.shape == (1, 0, D) and torch.equal(final, h0)
 
 
+def test_the_sqrt_gradient_is_bounded_as_recurrent_gemma_bounds_it():
+    """RecurrentGemma's SqrtBoundDerivative: the value is sqrt(u); its gradient 1 / sqrt(4u) takes
+    4u no smaller than 1 / MAX_SQRT_GRADIENT ** 2, so it is MAX_SQRT_GRADIENT (1000) for every
+    u <= 1 / (4 * 1000 ** 2) = 2.5e-7, and 1 / (2 sqrt(u)) above (fp64)."""
+    assert MAX_SQRT_GRADIENT == 1000.0
+    u = torch.tensor([0.0, 1e-8, 2e-7, 1e-6, 0.25, 1.0], dtype=torch.float64, requires_grad=True)
+    out = bounded_sqrt(u)
+    assert torch.equal(out, torch.sqrt(u.detach()))
+    upstream = torch.tensor([1.0, 2.0, -1.0, 3.0, 4.0, 5.0], dtype=torch.float64)
+    (grad,) = torch.autograd.grad(out, u, upstream)
+    want = upstream * torch.tensor([1000.0, 1000.0, 1000.0, 500.0, 1.0, 0.5], dtype=torch.float64)
+    assert torch.allclose(grad, want, rtol=1e-12, atol=0.0), (grad, want)
+
+
 def test_half_inputs_keep_an_fp32_state():
     cu, (x, gx, ga, lam, _) = _inputs([3, 4])
     out, final = rg_lru(x.bfloat16(), gx.bfloat16(), ga.bfloat16(), lam.float(), cu_seqlens=cu,
@@ -178,6 +193,8 @@ def test_half_inputs_keep_an_fp32_state():
     pytest.param({"x": torch.zeros(1, 5)}, ValueError, "x must", id="x-2d"),
     pytest.param({"gate_x": torch.zeros(1, 5, D + 1, dtype=torch.float64)}, ValueError, "gate_x must be [B, T, D]",
                  id="gate-shape"),
+    pytest.param({"gate_a": torch.zeros(1, 5, D - 1, dtype=torch.float64)}, ValueError,
+                 "gate_a must be [B, T, D] = [1, 5, 6], got [1, 5, 5]", id="recurrence-gate-shape"),
     pytest.param({"recurrent_param": torch.zeros(D + 1, dtype=torch.float64)}, ValueError, "recurrent_param",
                  id="param-shape"),
     pytest.param({"scale": -1.0}, ValueError, "scale must be a positive", id="scale"),
