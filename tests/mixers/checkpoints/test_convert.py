@@ -2,6 +2,7 @@
 
 import io
 import pickle
+import re
 
 import pytest
 import torch
@@ -121,6 +122,20 @@ def test_missing_unexpected_and_misshapen_keys_are_all_listed():
     message = str(err.value)
     assert "missing keys ['D']" in message and "unexpected keys ['extra.weight']" in message
     assert "'A_log' has shape (7,), expected (3,)" in message
+
+
+@pytest.mark.parametrize("value, problem", [
+    pytest.param(torch.zeros(3, dtype=torch.int64), "'A_log' has dtype torch.int64, expected a floating-point dtype",
+                 id="integer-weight"),
+    pytest.param([0.0, 0.0, 0.0], "'A_log' is a list, not a tensor", id="not-a-tensor"),
+])
+def test_a_weight_that_is_not_a_real_tensor_is_refused(value, problem):
+    """A converted weight must be a floating-point tensor: an integer one (a quantized or mislabelled
+    checkpoint) is refused by name, not cast into the mixer."""
+    sd = to_state_dict(_random_mixer("hf_mamba2"), "hf_mamba2")
+    sd["A_log"] = value
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        from_state_dict(sd, "hf_mamba2", MAMBA)
 
 
 def test_wrong_naming_suggests_the_right_source():

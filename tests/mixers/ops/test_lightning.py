@@ -119,6 +119,21 @@ def test_decode_steps_equal_the_whole_sequence():
     assert_close(state, f_all, "final state")
 
 
+@pytest.mark.parametrize("rows, tokens", [pytest.param(2, 1, id="one-token-two-rows"),
+                                          pytest.param(1, 5, id="five-tokens-one-row")])
+def test_the_decode_form_from_a_zero_state_equals_the_chunked_op(rows, tokens):
+    """Without an initial state, one token (the step) or several (handed to the chunked op) per row:
+    the same output and final state as ``chunk_simple_gla`` (rows != heads, so a misordered zero state
+    cannot broadcast into the right shape)."""
+    _, leaves = make([tokens], rows=rows, seed=8)
+    q, k, v, gg, _ = (t.detach() for t in leaves.values())
+    o, f = fused_recurrent_simple_gla(q, k, v, g_gamma=gg, output_final_state=True)
+    o_ref, f_ref = chunk_simple_gla(q, k, v, g_gamma=gg, output_final_state=True, backend="reference")
+    assert o.shape == o_ref.shape == (rows, tokens, H, V) and f.shape == f_ref.shape == (rows, H, K, V)
+    assert_close(o, o_ref, "output")
+    assert_close(f, f_ref, "final state")
+
+
 def test_half_precision_state_is_fp32():
     """bf16 inputs: the decode step keeps its state in fp32 and the output stays close to the fp64 spec."""
     _, leaves = make([1], rows=2, seed=6)
