@@ -435,6 +435,15 @@ def test_zamba2_options_our_mixer_cannot_represent_are_refused(overrides, match)
         from_module(_zamba2_mixer(**overrides))
 
 
+def test_a_zamba2_conv_without_a_bias_is_refused():
+    """Zamba2's conv always has a bias (config.use_conv_bias does not reach it); one without is refused by name."""
+    pytest.importorskip("transformers")
+    module = _zamba2_mixer()
+    module.conv1d.bias = None
+    with pytest.raises(ValueError, match="Zamba2MambaMixer: the conv has no bias.*nothing was converted"):
+        from_module(module)
+
+
 def test_zamba2_layer_is_read_by_its_own_source():
     pytest.importorskip("transformers")
     assert source_of(_zamba2_mixer()).name == "hf_zamba2"
@@ -596,6 +605,20 @@ def _layer_past_the_end(m):
 def test_minimax_options_our_mixer_cannot_represent_are_refused(monkeypatch, edit, match):
     with pytest.raises(ValueError, match=f"MiniMaxLightningAttention: {match}.*nothing was converted"):
         from_module(_minimax_with(monkeypatch, edit))
+
+
+def test_a_minimax_layer_on_the_meta_device_converts_onto_the_meta_device(monkeypatch):
+    """A layer built under ``torch.device("meta")`` (deferred init) has no slope values to check: it converts
+    to a mixer with the same config, every tensor still on the meta device."""
+    pytest.importorskip("transformers")
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+    from tests.mixers.checkpoints.upstream import hf_minimax, minimax_config
+    with torch.device("meta"):
+        module = MiniMaxLightningAttention(minimax_config(), 1)
+    ours = from_module(module, backend="reference")
+    assert ours.config == from_module(hf_minimax(monkeypatch), backend="reference").config
+    assert {t.device.type for t in ours.state_dict().values()} == {"meta"}
 
 
 def test_minimax_round_trip_through_the_module_keeps_its_buffers(monkeypatch):

@@ -8,7 +8,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from mixers.integrations.transformers import PackedMixer, disable_packing, enable_packing  # noqa: E402
+from mixers.integrations.transformers import (  # noqa: E402
+    PackedMixer,
+    disable_packing,
+    enable_packing,
+    native_names,
+)
 from tests.mixers.integrations import hf_models  # noqa: E402
 from tests.support.oracles import rel_rms  # noqa: E402
 
@@ -151,6 +156,37 @@ def test_bad_calls_are_refused(monkeypatch):
         model(input_ids=torch.zeros(2, 6, dtype=torch.long), position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]] * 2))
     with pytest.raises(TypeError, match="must be a torch.nn.Module"):
         enable_packing("model")
+
+
+def test_disable_packing_refuses_a_model_it_did_not_patch(monkeypatch):
+    model = _build(mamba2, monkeypatch)
+    with pytest.raises(ValueError, match=r"^enable_packing\(model\) was not called on this model$"):
+        disable_packing(model)
+    disable_packing(enable_packing(model))
+    with pytest.raises(ValueError, match=r"^enable_packing\(model\) was not called on this model$"):
+        disable_packing(model)                                              # a second time
+
+
+def _hooks(model) -> dict:
+    return {"forward": dict(model._forward_hooks), "always": dict(model._forward_hooks_always_called),
+            "pre": dict(model._forward_pre_hooks), "load": dict(model._load_state_dict_pre_hooks),
+            "state_dict": dict(model._state_dict_hooks)}
+
+
+@torch.no_grad()
+def test_disable_packing_after_native_names_leaves_no_hook_of_ours(monkeypatch):
+    """``native_names`` re-registers the whole-load check on the way out; ``disable_packing`` then
+    removes every hook ``enable_packing`` put on the model: the model is called as the unpatched one."""
+    model = _build(mamba2, monkeypatch)
+    unpatched = _hooks(model)
+    ids = torch.tensor([_documents()[3]])
+    want = _logits(model, input_ids=ids)
+    enable_packing(model)
+    with native_names(model):
+        pass
+    disable_packing(model)
+    assert _hooks(model) == unpatched
+    assert torch.equal(_logits(model, input_ids=ids), want)
 
 
 def test_trainer_with_the_flattening_collator(monkeypatch, tmp_path):

@@ -221,3 +221,13 @@ def test_bad_decode_input():
         rg_lru_update(pool, torch.zeros(1, D), torch.zeros(1, D), torch.zeros(1, D), torch.zeros(D),
                       state_indices=torch.tensor([2]))
     assert torch.equal(pool, torch.zeros(2, D))
+
+
+def test_the_decode_step_refuses_the_kernel_backend():
+    """No upstream kernel computes the step: ``backend="kernel"`` is refused with the fix, the state untouched."""
+    pool = torch.zeros(2, D)
+    step = torch.ones(2, D)
+    with pytest.raises(ValueError, match=r"rg_lru_update: no upstream kernel computes the RG-LRU step .*"
+                                         r"use backend='reference' \(or 'auto', which picks it\)"):
+        rg_lru_update(pool, step, step, step, torch.ones(D), backend="kernel")
+    assert torch.equal(pool, torch.zeros(2, D))
