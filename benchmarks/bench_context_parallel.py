@@ -45,7 +45,8 @@ def geometry(name: str, cfg) -> dict:
     """Per layer: the exchanged pieces (``convs``: channels of each short conv; ``state``/``m``:
     elements of S and M; ``kv``: elements of one key+value row), the a2a widths and ``proj``: the
     multiply-adds of the layer's projections per token, forward (every ``nn.Linear``); ``dispatch``
-    (Mamba2, GatedDeltaNet, attention): the backend and sizes ``cost_model.dispatched_parts`` needs."""
+    (Mamba2, GatedDeltaNet, KDA, Gated DeltaProduct, attention): the backend and sizes
+    ``cost_model.dispatched_parts`` needs."""
     if name == "Attention":
         hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         left = -1 if cfg.window_size is None else cfg.window_size[0]
@@ -70,8 +71,13 @@ def geometry(name: str, cfg) -> dict:
     geo = dict(convs=convs, state=hv * k * v, m=hv * k * k, w_in=sum(convs) + hv * nh + gate, w_out=cfg.value_dim,
                width=cfg.conv_size, heads=cfg.num_heads,
                proj=cfg.hidden_size * (sum(convs) + hv * nh + cfg.value_dim) + gates)
-    if name == "GatedDeltaNet":      # KDA's per-channel gate and DeltaProduct's sub-steps: no dispatch model
-        geo["dispatch"] = dict(kind="delta", heads=hv, key_dim=k, value_dim=v, chunk=cfg.chunk_size)
+    sizes = dict(heads=hv, key_dim=k, value_dim=v, chunk=cfg.chunk_size)
+    if name == "GatedDeltaNet":
+        geo["dispatch"] = dict(kind="delta", **sizes)
+    elif name == "KDA":
+        geo["dispatch"] = dict(kind="kda", **sizes)
+    elif name == "GatedDeltaProduct":
+        geo["dispatch"] = dict(kind="delta_product", num_householder=nh, **sizes)
     return geo
 
 

@@ -14,10 +14,12 @@ algorithm's, and table 3 sets it next to what our reference backends dispatch, m
 2. work imbalance of the hybrid (max over ranks / mean multiply-adds) with equal-token shards and
    with ``ssm_pack.balanced_bounds``'s contiguous shards, and activation memory per rank;
 3. per kind at the hybrid's head sizes and chunk sizes (hidden 256: fewer heads, the same per-head
-   work) on one ``--count-tokens`` document, one process, each work part three ways: ideal
+   work; KDA and Gated DeltaProduct, not in the hybrid, at their default sizes) on one
+   ``--count-tokens`` document, one process, each work part three ways: ideal
    (``cost_model.work_parts``: ``2 S`` per token for a scan, ``2 Hq D`` per causal pair), the
    dispatched model (``cost_model.dispatched_parts``: the products of the chunked SSD scan, the
-   chunked delta rule and the blockwise attention, shape by shape) and the count of a real
+   chunked delta rule (GatedDeltaNet; KDA's per-channel gate; Gated DeltaProduct's sub-steps) and
+   the blockwise attention, shape by shape) and the count of a real
    forward + backward (:mod:`benchmarks.op_counts`); the dispatched model equals the count for
    every part (asserted), and ``dispatched / ideal`` is our reference backends' overhead.
 
@@ -108,11 +110,13 @@ def counted_rows(tokens: int, hidden: int = COUNT_HIDDEN) -> list[list]:
 
     from benchmarks.bench_context_parallel import geometry
     from benchmarks.op_counts import MatmulCounter
-    from mixers import AttentionMixer, GatedDeltaNetMixer, Mamba2Mixer
-    from mixers.layers import AttentionConfig, GatedDeltaNetConfig, Mamba2Config
+    from mixers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
+    from mixers.layers import AttentionConfig, GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig, Mamba2Config
     from ssm_pack import PackedSeqParams
     kinds = {"Mamba2": (Mamba2Mixer, Mamba2Config(hidden)), "GatedDeltaNet": (GatedDeltaNetMixer,
                                                                               GatedDeltaNetConfig(hidden)),
+             "KDA": (KDAMixer, KDAConfig(hidden)),
+             "GatedDeltaProduct": (GatedDeltaProductMixer, GatedDeltaProductConfig(hidden)),
              "Attention": (AttentionMixer, AttentionConfig(hidden, head_dim=128, num_heads=hidden // 128,
                                                            num_kv_heads=1))}
     params = PackedSeqParams.from_lengths([tokens], total_tokens=tokens)

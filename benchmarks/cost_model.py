@@ -32,7 +32,8 @@ For one layer of one packed row, one training step (forward + backward), per ran
   the chunked backends dispatch more (intra-chunk products).
   These are the "ideal" figures the tables project with. What our torch reference backends
   really dispatch outside the projections is modelled exactly by ``dispatched_ssd_macs``
-  (Mamba2), ``dispatched_delta_macs`` (GatedDeltaNet) and ``dispatched_attention_macs``, together
+  (Mamba2), ``dispatched_delta_macs`` (GatedDeltaNet), ``dispatched_kda_macs`` (KDA),
+  ``dispatched_delta_product_macs`` (Gated DeltaProduct) and ``dispatched_attention_macs``, together
   ``dispatched_parts`` (one process, one packed row; equal to ``benchmarks.op_counts``'s count,
   checked in ``tests/benchmarks/test_cost_model.py`` and asserted by ``bench_cost_model``).
 * activation memory: ``tokens * (hidden + W_in + W_out) * b`` kept for backward (an estimate of the
@@ -177,7 +178,8 @@ def projection_macs(geo: dict, hidden: int) -> int:
 def scan_macs(geo: dict) -> int:
     """Multiply-adds per token of the recurrence, forward: ``2 S`` (the state update and its
     readout, token by token), the algorithm's ("ideal"); what the chunked backends dispatch
-    (intra-chunk products too) is ``dispatched_ssd_macs`` / ``dispatched_delta_macs``."""
+    (intra-chunk products too) is ``dispatched_ssd_macs`` / ``dispatched_delta_macs`` /
+    ``dispatched_kda_macs`` / ``dispatched_delta_product_macs``."""
     return 2 * geo.get("state", 0)
 
 
@@ -272,6 +274,70 @@ def dispatched_delta_macs(tokens: int, *, heads: int, key_dim: int, value_dim: i
     return _chunks(tokens, L) * int(heads) * per
 
 
+_GRAM_DIRECT_HALF = 8  # mixers.ops.delta_rule.gram._DIRECT_HALF: quadrants this size and up go to bmm directly
+
+
+def _channel_gram_macs(chunk: int, key_dim: int) -> int:
+    """Products of ``mixers.ops.delta_rule.gram`` for one chunk-head with a per-channel gate, forward
+    + backward. Per doubling level ``half = 1, 2, .., L / 2`` (blocks of ``2 half``, ``L / (2 half)``
+    of them), forward: one ``[2 half, K] @ [K, half]`` per block (``q`` and ``beta k`` rows stacked),
+    ``half K L``, so ``K L (L - 1)`` over the levels, taken twice (the forward and the backward's
+    recomputed preparation: with a per-channel gate both Grams are formed again). Backward
+    (``_level_grad``): ``half >= 8``, the two gradients ``grad [2 half, half] @ right`` and
+    ``grad^T @ factors`` per block, ``2 half K L``; ``half < 8``, one block-diagonal
+    ``[L, L / 2]`` matrix per chunk-head and its two products with ``[L / 2, K]`` and ``[L, K]``,
+    ``L^2 K`` (zeros included)."""
+    L, k = int(chunk), int(key_dim)
+    total, half = 2 * k * L * (L - 1), 1
+    while half < L:
+        total += k * L * L if half < _GRAM_DIRECT_HALF else 2 * half * k * L
+        half *= 2
+    return total
+
+
+def dispatched_kda_macs(tokens: int, *, heads: int, key_dim: int, value_dim: int, chunk: int) -> int:
+    """Multiply-adds of forward + backward the chunked delta rule with a per-channel gate (KDA;
+    ``mixers.ops.delta_rule``: ``blocked``, ``prep``, ``gram``, ``wy``) dispatches on one row.
+
+        N = C H chunk-heads, C = ceil(T / L), L = chunk, H = value heads (key heads repeated for
+        grouped values), K / V = key / value head dims
+
+    Per chunk-head, ``Gc(L) + 6 L^2 V + 9 L K V + 2 L^2 K + I(L)``: :func:`dispatched_delta_macs`
+    with two terms replaced, the rest (the WY system, the recurrence, the reads) being the same
+    products of the same shapes:
+
+    * ``Gc(L)`` for the scalar gate's ``7 L^2 K``: the decayed Grams cannot take the decay out of
+      the sum, so they are built level by level (:func:`_channel_gram_macs`):
+      ``2 K L (L - 1) + sum_{half < 8} L^2 K + sum_{half >= 8} 2 half K L``, i.e.
+      ``2 K L (L - 1) + K L (5 L - 16)`` for ``L >= 16`` (``K L^2 (2 + log2 L) - 2 K L`` below);
+    * ``2 L^2 K`` for ``2 L^2``: the gate's segmented sums' backward
+      ``sums^T [L, 2L] @ [dG | dsuf] [2L, H K]``, per chunk, now ``K`` wide per head;
+    * ``I(L)``: the blocked WY inverse (:func:`_wy_inverse_macs`), forward only.
+
+    The ideal :func:`scan_macs` is ``3 * 2 H K V`` per token."""
+    L, k, v = int(chunk), int(key_dim), int(value_dim)
+    per = _channel_gram_macs(L, k) + 6 * L * L * v + 9 * L * k * v + 2 * L * L * k + _wy_inverse_macs(L)
+    return _chunks(tokens, L) * int(heads) * per
+
+
+def dispatched_delta_product_macs(tokens: int, *, num_householder: int, heads: int, key_dim: int, value_dim: int,
+                                  chunk: int) -> int:
+    """Multiply-adds of forward + backward Gated DeltaProduct's chunked delta rule dispatches on one
+    row: :func:`dispatched_delta_macs` on ``nh T`` steps, ``nh = num_householder``.
+
+    ``mixers.ops.delta_rule.reference`` runs the scalar-gate delta rule over the sub-steps
+    (``[B, T nh, ...]``: each token's ``nh`` keys, values and betas interleaved, the gate at its
+    first sub-step, zeros elsewhere); on the fast path the queries are read at each token's last
+    sub-step only (``q_every = nh``), but ``blocked._chunks`` lays them out as a full ``[L, K]``
+    chunk (zeros on the other sub-steps), so every product keeps the shape it has for
+    GatedDeltaNet on ``nh T`` tokens: ``ceil(nh T / L) H (7 L^2 K + 6 L^2 V + 9 L K V + 2 L^2 + I(L))``.
+
+    The ideal :func:`scan_macs` stays ``3 * 2 H K V`` per token (one update and one read), so
+    dispatched / ideal carries the ``nh`` updates per token too."""
+    return dispatched_delta_macs(int(num_householder) * int(tokens), heads=heads, key_dim=key_dim,
+                                 value_dim=value_dim, chunk=chunk)
+
+
 ATTENTION_BLOCK = 128    # mixers.ops.attention.reference.BLOCK: queries per block
 
 
@@ -316,11 +382,12 @@ def dispatched_parts(geo: dict, hidden: int, boundaries, total: int) -> dict:
     slots starting at ``boundaries``, ``total`` tokens with the padding tail), exactly as
     :class:`benchmarks.op_counts.MatmulCounter` counts them (``attention + scan`` = its ``other``).
     ``geo["dispatch"]`` (``bench_context_parallel.geometry``) names the backend: ``ssd`` (Mamba2),
-    ``delta`` (GatedDeltaNet) or ``attention``; a geometry without it (KDA, Gated DeltaProduct:
-    their per-channel and Householder products are not modelled here) raises ``ValueError``."""
+    ``delta`` (GatedDeltaNet), ``kda`` (KDA), ``delta_product`` (Gated DeltaProduct) or
+    ``attention``; a geometry without it raises ``ValueError``."""
     spec = geo.get("dispatch")
     if spec is None:
-        raise ValueError("this geometry has no dispatch model (only Mamba2, GatedDeltaNet and attention have one)")
+        raise ValueError("this geometry has no dispatch model (Mamba2, GatedDeltaNet, KDA, Gated DeltaProduct and "
+                         "attention have one)")
     spec = dict(spec)
     kind = spec.pop("kind")
     parts = {"projections": 3 * projection_macs(geo, hidden) * int(total), "attention": 0, "scan": 0}
@@ -328,6 +395,10 @@ def dispatched_parts(geo: dict, hidden: int, boundaries, total: int) -> dict:
         parts["scan"] = dispatched_ssd_macs(total, **spec)
     elif kind == "delta":
         parts["scan"] = dispatched_delta_macs(total, **spec)
+    elif kind == "kda":
+        parts["scan"] = dispatched_kda_macs(total, **spec)
+    elif kind == "delta_product":
+        parts["scan"] = dispatched_delta_product_macs(total, **spec)
     elif kind == "attention":
         parts["attention"] = dispatched_attention_macs(total, longest_segment(boundaries, total), **spec)
     else:
@@ -379,6 +450,7 @@ def ceil_log2(k: int) -> int:
 
 
 __all__ = ["ATTENTION_BLOCK", "a2a_bytes", "a2a_fits", "activation_bytes", "attention_pairs", "attention_reach",
-           "ceil_log2", "chain", "cover_of", "dispatched_attention_macs", "dispatched_delta_macs", "dispatched_parts",
-           "dispatched_ssd_macs", "even_bounds", "key_ranges", "linear_macs", "longest_segment", "ours_bytes",
-           "ours_total", "projection_macs", "rank_facts", "received_keys", "scan_macs", "work", "work_parts"]
+           "ceil_log2", "chain", "cover_of", "dispatched_attention_macs", "dispatched_delta_macs",
+           "dispatched_delta_product_macs", "dispatched_kda_macs", "dispatched_parts", "dispatched_ssd_macs",
+           "even_bounds", "key_ranges", "linear_macs", "longest_segment", "ours_bytes", "ours_total",
+           "projection_macs", "rank_facts", "received_keys", "scan_macs", "work", "work_parts"]

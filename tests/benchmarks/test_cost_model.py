@@ -201,11 +201,16 @@ def test_model_attention_pairs_equal_the_mask(lengths, slots, total, window):
 
 # ------------------------------------------------------------------ the dispatched work, exactly, one process
 def _dispatch_layer(kind):
-    from mixers import AttentionMixer, GatedDeltaNetMixer, Mamba2Mixer
-    from mixers.layers import AttentionConfig, GatedDeltaNetConfig, Mamba2Config
+    from mixers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
+    from mixers.layers import AttentionConfig, GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig, Mamba2Config
     return {"Mamba2": (Mamba2Mixer, Mamba2Config(64, head_dim=16, state_size=8, num_groups=2, chunk_size=16)),
             "GatedDeltaNet": (GatedDeltaNetMixer, GatedDeltaNetConfig(64, head_dim=16, num_heads=1, num_v_heads=2,
                                                                       chunk_size=16)),
+            "KDA": (KDAMixer, KDAConfig(64, head_dim=16, num_heads=1, num_v_heads=2, expand_v=2.0, chunk_size=16)),
+            "GatedDeltaProduct": (GatedDeltaProductMixer, GatedDeltaProductConfig(64, head_dim=16, num_heads=2,
+                                                                                  num_householder=2, chunk_size=16)),
+            "GatedDeltaProduct_nh3": (GatedDeltaProductMixer, GatedDeltaProductConfig(
+                64, head_dim=16, num_heads=2, expand_v=1.0, num_householder=3, chunk_size=16)),
             "Attention": (AttentionMixer, AttentionConfig(64, head_dim=16, num_heads=4, num_kv_heads=2)),
             "Attention_window": (AttentionMixer, AttentionConfig(64, head_dim=16, num_heads=4, num_kv_heads=1,
                                                                  window_size=(20, 0)))}[kind]
@@ -227,14 +232,16 @@ def _counted_run(kind, lengths, total):
     return geometry(kind.split("_")[0], config), [0, *torch.tensor(lengths).cumsum(0).tolist()], counter.macs
 
 
-# chunks of 16 (Mamba2, GatedDeltaNet) and query blocks of 128 (attention): every row has a 1-token
-# document, one longer than a chunk and not a multiple of it, and a padding tail
+# chunks of 16 (Mamba2, GatedDeltaNet, KDA, Gated DeltaProduct: of sub-steps) and query blocks of 128
+# (attention): every row has a 1-token document, one longer than a chunk and not a multiple of it,
+# and a padding tail
 ROWS = [
     pytest.param([1, 37, 5, 1], 50, id="short"),            # 37 = 2 chunks + 5; tail of 6
     pytest.param([150, 1, 9], 170, id="over_a_block"),      # 150 > one attention block (reach 256)
     pytest.param([3, 1, 21], 64, id="tail_longest"),        # the 39-token tail is the longest segment
 ]
-DISPATCH_KINDS = [pytest.param(k, id=k) for k in ("Mamba2", "GatedDeltaNet", "Attention", "Attention_window")]
+DISPATCH_KINDS = [pytest.param(k, id=k) for k in ("Mamba2", "GatedDeltaNet", "KDA", "GatedDeltaProduct",
+                                                   "GatedDeltaProduct_nh3", "Attention", "Attention_window")]
 
 
 @pytest.mark.parametrize("lengths, total", ROWS)
@@ -266,6 +273,28 @@ def test_the_ideal_work_is_not_the_dispatched_work(kind):
     assert off["scan"] + off["attention"] != counted["other"]
 
 
+@pytest.mark.parametrize("kind", [pytest.param(k, id=k) for k in ("KDA", "GatedDeltaProduct",
+                                                                   "GatedDeltaProduct_nh3")])
+def test_the_delta_variants_are_not_gated_deltanet(kind):
+    """Negative controls of the two variants: KDA's count is not the scalar-gate model's (its Grams
+    are built level by level, its gate's backward is K wide), and Gated DeltaProduct's is not
+    GatedDeltaNet's on T tokens (one step per token) nor on (nh - 1) T, but exactly on nh T."""
+    lengths, total = [1, 37, 5, 1], 50
+    geo, boundaries, counted = _counted_run(kind, lengths, total)
+    spec = dict(geo["dispatch"])
+    spec.pop("kind")
+    nh = spec.pop("num_householder", 1)
+    assert cm.dispatched_parts(geo, 64, boundaries, total)["scan"] == counted["other"]
+    if kind == "KDA":
+        assert cm.dispatched_delta_macs(total, **spec) != counted["other"]
+        assert cm.dispatched_kda_macs(total, **{**spec, "key_dim": spec["key_dim"] // 2}) != counted["other"]
+    else:
+        assert nh == (3 if kind.endswith("nh3") else 2)
+        assert cm.dispatched_delta_macs(nh * total, **spec) == counted["other"]
+        assert cm.dispatched_delta_macs(total, **spec) < counted["other"]
+        assert cm.dispatched_delta_macs((nh - 1) * total, **spec) < counted["other"]
+
+
 def test_dispatched_formulas_by_hand():
     """The stated per-chunk / per-block sums on round numbers (one chunk, one block)."""
     L, H, P, N, G = 128, 4, 64, 64, 1
@@ -275,6 +304,13 @@ def test_dispatched_formulas_by_hand():
     L, K, V = 64, 64, 128                              # the WY inverse: 64 (16^2 + 32^2) = 81,920
     assert cm.dispatched_delta_macs(80, heads=1, key_dim=K, value_dim=V, chunk=L) == 2 * (
         7 * L * L * K + 6 * L * L * V + 9 * L * K * V + 2 * L * L + 81_920)
+    for L, K, V in ((64, 64, 128), (16, 16, 32), (8, 16, 16)):   # KDA: Gc(L) in closed form
+        gc = 2 * K * L * (L - 1) + (K * L * (5 * L - 16) if L >= 16 else K * L * L * 3)
+        assert cm.dispatched_kda_macs(L + 1, heads=3, key_dim=K, value_dim=V, chunk=L) == 2 * 3 * (
+            gc + 6 * L * L * V + 9 * L * K * V + 2 * L * L * K + cm._wy_inverse_macs(L))
+    assert cm.dispatched_delta_product_macs(40, num_householder=3, heads=2, key_dim=K, value_dim=V, chunk=64) == (
+        cm.dispatched_delta_macs(120, heads=2, key_dim=K, value_dim=V, chunk=64)) == 2 * cm.dispatched_delta_macs(
+        64, heads=2, key_dim=K, value_dim=V, chunk=64)
     assert cm.attention_reach(70) == 128 and cm.attention_reach(1) == 0 and cm.attention_reach(300, 20) == 128
     assert cm.dispatched_attention_macs(80, 70, q_heads=2, head_dim=64) == 7 * 2 * 128 * 256 * 64 + 2 * 128 * 256
     with pytest.raises(ValueError, match="no dispatch model"):
@@ -311,12 +347,13 @@ def test_the_benchmark_prints_both_tables(tmp_path, capsys):
     text = main(["--tokens", "4096", "8192", "--ranks", "2", "64", "--count-tokens", "128", "--out", str(tmp_path)])
     assert text.count("| 4,096 ") == 4 and text.count("| 8,192 ") == 4        # 2 ranks x 2 tables
     counted = [[c.strip() for c in line.split("|")] for line in text.splitlines()
-               if line.startswith(("| Mamba2 ", "| GatedDeltaNet ", "| Attention "))]
-    assert [row[1:3] for row in counted] == [[n, p] for n, rest in (("Mamba2", "scan"), ("GatedDeltaNet", "scan"),
-                                                                    ("Attention", "attention"))
-                                             for p in ("projections", rest)]
+               if line.startswith(("| Mamba2 ", "| GatedDeltaNet ", "| KDA ", "| GatedDeltaProduct ",
+                                   "| Attention "))]
+    kinds = ("Mamba2", "GatedDeltaNet", "KDA", "GatedDeltaProduct", "Attention")
+    assert [row[1:3] for row in counted] == [[n, p] for n in kinds
+                                             for p in ("projections", "attention" if n == "Attention" else "scan")]
     assert all(row[4] == row[5] for row in counted)                             # dispatched model == counted
-    assert [row[6] for row in counted[::2]] == ["1.00x"] * 3                   # projections: ideal == dispatched
+    assert [row[6] for row in counted[::2]] == ["1.00x"] * 5                   # projections: ideal == dispatched
     assert all(float(row[6][:-1]) > 1 for row in counted[1::2])                # the backends do more
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| 8,192 ")]
     assert rows[0][9].strip() != "-" and rows[1][9].strip() == "-"      # a2a attention: P = 64 > 8 KV heads
