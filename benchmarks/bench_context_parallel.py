@@ -78,6 +78,7 @@ def geometry(name: str, cfg) -> dict:
         geo["dispatch"] = dict(kind="kda", **sizes)
     elif name == "GatedDeltaProduct":
         geo["dispatch"] = dict(kind="delta_product", num_householder=nh, **sizes)
+        geo["updates"] = nh                     # Householder steps: nh state updates per token
     return geo
 
 

@@ -16,7 +16,7 @@ algorithm's, and table 3 sets it next to what our reference backends dispatch, m
 3. per kind at the hybrid's head sizes and chunk sizes (hidden 256: fewer heads, the same per-head
    work; KDA and Gated DeltaProduct, not in the hybrid, at their default sizes) on one
    ``--count-tokens`` document, one process, each work part three ways: ideal
-   (``cost_model.work_parts``: ``2 S`` per token for a scan, ``2 Hq D`` per causal pair), the
+   (``cost_model.work_parts``: ``(u + 1) S`` per token for a scan, ``2 Hq D`` per causal pair), the
    dispatched model (``cost_model.dispatched_parts``: the products of the chunked SSD scan, the
    chunked delta rule (GatedDeltaNet; KDA's per-channel gate; Gated DeltaProduct's sub-steps) and
    the blockwise attention, shape by shape) and the count of a real
@@ -160,8 +160,8 @@ def report(tokens=TOKENS, ranks=RANKS, count_tokens: int = 2048) -> tuple[str, d
             table(["T", "P", "ours conv (Mamba2)", "ours SSD", "ours delta (GDN)", "ours attention KV",
                    "a2a Mamba2", "a2a GDN", "a2a attention"], bytes_rows), "",
             f"## hybrid {PATTERN}: work imbalance (max / mean multiply-adds over ranks: projections exact, "
-            "ideal: attention pairs of the mask, scans 2 S per token) and activation memory per rank (GiB; ours keeps "
-            "the received keys too)", "",
+            "ideal: attention pairs of the mask, scans (u + 1) S per token) and activation memory per rank "
+            "(GiB; ours keeps the received keys too)", "",
             table(["T", "P", "imbalance equal tokens", "imbalance balanced cuts", "memory ours", "memory a2a"],
                   work_rows), ""]
     if count_tokens:

@@ -28,8 +28,9 @@ For one layer of one packed row, one training step (forward + backward), per ran
   ``attention = 2 * Hq * D * pairs``, ``pairs`` the query-key pairs of the causal mask a rank's
   queries see (exact for the mask: ``sum min(p + 1, window)`` over its real tokens; the reference
   kernel multiplies whole blocks, masked pairs included, so it dispatches more);
-  ``scan = 2 * S * tokens`` (the state update and readout token by token): the algorithm's work,
-  the chunked backends dispatch more (intra-chunk products).
+  ``scan = (u + 1) * S * tokens`` (``u`` state updates, Gated DeltaProduct's ``nh`` else 1, and
+  the readout, token by token): the algorithm's work, the chunked backends dispatch more
+  (intra-chunk products).
   These are the "ideal" figures the tables project with. What our torch reference backends
   really dispatch outside the projections is modelled exactly by ``dispatched_ssd_macs``
   (Mamba2), ``dispatched_delta_macs`` (GatedDeltaNet), ``dispatched_kda_macs`` (KDA),
@@ -176,11 +177,12 @@ def projection_macs(geo: dict, hidden: int) -> int:
 
 
 def scan_macs(geo: dict) -> int:
-    """Multiply-adds per token of the recurrence, forward: ``2 S`` (the state update and its
-    readout, token by token), the algorithm's ("ideal"); what the chunked backends dispatch
+    """Multiply-adds per token of the recurrence, forward: ``(u + 1) S``, ``u`` state updates
+    (``geo["updates"]``: Gated DeltaProduct's ``num_householder``, else 1) and one readout, token
+    by token: the algorithm's ("ideal"); what the chunked backends dispatch
     (intra-chunk products too) is ``dispatched_ssd_macs`` / ``dispatched_delta_macs`` /
     ``dispatched_kda_macs`` / ``dispatched_delta_product_macs``."""
-    return 2 * geo.get("state", 0)
+    return (geo.get("updates", 1) + 1) * geo.get("state", 0)
 
 
 def linear_macs(geo: dict, hidden: int) -> int:
@@ -416,7 +418,7 @@ def work_parts(geo: dict, hidden: int, boundaries, lengths, bounds, window: int 
     (3 forwards: a product's backward is two products of its size, the input and the weight
     gradient) of one layer. ``projections``: every token of the shard, padding included (exact);
     ``attention``: the query-key pairs of the causal mask (``attention_pairs``), not what a
-    blocked kernel multiplies; ``scan``: ``2 S`` per token. The last two are the algorithm's work;
+    blocked kernel multiplies; ``scan``: ``(u + 1) S`` per token. The last two are the algorithm's work;
     ``dispatched_parts`` gives what the reference backends multiply."""
     pairs = attention_pairs(boundaries, lengths, bounds, window) if "kv" in geo else [0] * (len(bounds) - 1)
     proj, att, scan = projection_macs(geo, hidden), attention_macs(geo), scan_macs(geo)
