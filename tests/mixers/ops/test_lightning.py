@@ -134,6 +134,30 @@ def test_the_decode_form_from_a_zero_state_equals_the_chunked_op(rows, tokens):
     assert_close(f, f_ref, "final state")
 
 
+def test_the_default_chunk_is_64_tokens():
+    """The SSD route cuts the row into chunks of 64 (``chunk_size``'s default). The chunk changes only
+    the rounding, so the default call equals ``chunk_size=64`` bitwise and 63 or 65 do not (negative
+    controls, still within 1e-12 of it)."""
+    cu, leaves = make([70, 60], seed=9)
+    q, k, v, gg, s0 = (t.detach() for t in leaves.values())
+    default, _ = chunk_simple_gla(q, k, v, g_gamma=gg, initial_state=s0, cu_seqlens=cu)
+    assert torch.equal(default, chunk_simple_gla(q, k, v, g_gamma=gg, initial_state=s0, cu_seqlens=cu,
+                                                 chunk_size=64)[0])
+    for other in (63, 65):
+        got, _ = chunk_simple_gla(q, k, v, g_gamma=gg, initial_state=s0, cu_seqlens=cu, chunk_size=other)
+        assert not torch.equal(got, default), other
+        assert float((got - default).abs().max() / default.abs().max()) <= 1e-12, other
+
+
+def test_the_decode_step_returns_a_state_only_when_asked():
+    """One token per row without ``output_final_state``: ``(o, None)``, as the chunked op returns."""
+    _, leaves = make([1], rows=2, seed=10)
+    q, k, v, gg, s0 = (t.detach() for t in leaves.values())
+    o, state = fused_recurrent_simple_gla(q, k, v, g_gamma=gg, initial_state=s0)
+    assert state is None and o.shape == (2, 1, H, V)
+    assert chunk_simple_gla(q, k, v, g_gamma=gg, initial_state=s0)[1] is None
+
+
 def test_half_precision_state_is_fp32():
     """bf16 inputs: the decode step keeps its state in fp32 and the output stays close to the fp64 spec."""
     _, leaves = make([1], rows=2, seed=6)
