@@ -82,10 +82,11 @@ def trace(repo: Path, module: str, args, pytest_run) -> tuple[dict, dict, list[s
     if not files:
         return {}, {}, []
     log = Path(tempfile.mkdtemp(prefix="ssm-pack-cover-")) / "lines.jsonl"
-    recorder = LineRecorder([repo / module], log)
+    children = log.parent / "children"          # spawned interpreters' lines (coverage_map's hook)
+    recorder = LineRecorder([repo / module], log, children=children)
     recorder.pytest_configure = lambda config: recorder.start()
     pytest_run(repo, files, timeout=args.module_budget / 2, first_failure=False, plugins=[recorder])
-    by_line, seconds = read_map(log, repo)
+    by_line, seconds = read_map(log, repo, children)
     return by_line.get(module, {}), seconds, files
 
 
