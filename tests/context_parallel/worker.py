@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import time
 import traceback
 
@@ -34,6 +35,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _trace_case(case_id: str | None) -> None:
+    """Labels the lines that follow with ``case_id`` for the mutation lane's tracer, when it runs in this
+    rank (``tests/mutation/coverage_map.py``: a test then counts only the cases its id names)."""
+    tracer = sys.modules.get("_ssm_pack_trace")
+    if tracer is not None:
+        tracer.enter(case_id)
+
+
 def _rank_main(rank: int, world: int, port: int, out_dir: str, wanted: tuple) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -42,6 +51,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, wanted: tuple) ->
         for case_id, subject, kind, seed in cases(world):
             if case_id not in wanted:
                 continue
+            _trace_case(case_id)
             try:
                 lay = layout(kind, world, seed)
                 start, end, local = shard_for_context_parallel(lay.params(), rank, world, total_tokens=lay.total,
@@ -63,6 +73,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, wanted: tuple) ->
                     fh.write(traceback.format_exc())
                 raise
     finally:
+        _trace_case(None)
         dist.destroy_process_group()
 
 

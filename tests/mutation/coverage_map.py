@@ -8,12 +8,38 @@ modules' files (``sys.settrace``; every other frame is left untraced, so the cos
 plain run) and writes, per test, its outcome, its seconds and the target lines it executed. A
 mutant on a line then runs only the tests that passed and executed that line, fastest first;
 lines executed at import (module-level statements) count for every test that reached the module.
+
+Spawned processes (the context-parallel ranks of ``torch.multiprocessing``, any ``python``
+subprocess) run the target lines in interpreters the parent's tracer does not reach. With
+``children=DIR`` the recorder writes a ``sitecustomize.py`` hook into ``DIR`` and, for the run,
+prepends ``DIR`` to ``PYTHONPATH`` and sets ``SSM_PACK_TRACE`` (the target files and ``DIR``):
+every child interpreter then traces the same files and appends each target line, the first time
+it runs it, to its own ``DIR/<pid>.jsonl`` (created at its first target line; one line-buffered
+write per new line: nothing is lost when a rank is killed, and no file is shared). Its header
+names the test that was running when it started (``PYTEST_CURRENT_TEST``, inherited from the
+parent). Attribution, which may over-select but must not under-select:
+
+- a child's lines count for the test that started it and for every test that requests one of
+  the same project-defined fixtures of wider than function scope (a module fixture such as
+  ``ranks`` or ``runs_per_world``'s starts the ranks once and later tests read their results);
+- a rank may label its lines with the case it runs (``sys.modules["_ssm_pack_trace"].enter(id)``,
+  as ``tests/context_parallel/worker.py`` does): a test whose parametrize id names a case that
+  a child of its group entered (``[rg_lru-spanning-p2]``: the whole id or a run of its
+  ``-``-separated parts) gets those children's unlabelled lines and the lines of the cases it
+  names (a case's results are taken to depend on those alone; module and class bodies, run once
+  at import by whichever case comes first, stay unlabelled); a test that names none
+  (``test_a_nan_stays_in_its_document[rg_lru]`` reads a case it does not name) gets them all;
+- each test of the group counts at least the starting test's seconds (run alone, it starts the
+  ranks itself), so a mutant's time limit covers the spawn;
+- a child started outside any test (at collection) counts for every passing test.
 """
 
 from __future__ import annotations
 
 import ast
+import inspect
 import json
+import os
 import re
 import sys
 import threading
@@ -105,14 +131,90 @@ def candidate_tests(root: Path, module: str, limit: int) -> list[str]:
     return [rel for *_, rel in sorted(scored)[:limit]]
 
 
-class LineRecorder:
-    """pytest plugin: for each test, the lines of ``files`` it ran, appended as one JSON line to ``out``."""
+HOOK_ENV = "SSM_PACK_TRACE"
+# Written as sitecustomize.py for a run with children=DIR: in every child interpreter with
+# SSM_PACK_TRACE set, trace the target files, appending each new (case, file, line) to DIR/<pid>.jsonl.
+HOOK = r'''
+import json as _json
+import os as _os
+import sys as _sys
+import threading as _threading
+import types as _types
 
-    def __init__(self, files, out: Path):
+
+def _install(spec):
+    files, state, seen, log = set(spec["files"]), _types.ModuleType("_ssm_pack_trace"), set(), []
+    node = _os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")[0]
+
+    def write(row):                                     # the log is opened at its first row only
+        if not log:
+            log.append(open(_os.path.join(spec["dir"], f"{_os.getpid()}.jsonl"), "a", buffering=1))
+            log[0].write(_json.dumps({"node": node}) + "\n")
+        log[0].write(_json.dumps(row) + "\n")
+
+    def enter(case):
+        state.case = case
+        if case is not None:
+            write({"case": case})
+
+    state.case, state.enter = None, enter
+    _sys.modules["_ssm_pack_trace"] = state
+
+    def local(frame, event, arg):
+        if event == "line":                             # module and class bodies (not CO_OPTIMIZED): no case
+            key = (state.case if frame.f_code.co_flags & 1 else None, frame.f_code.co_filename, frame.f_lineno)
+            if key not in seen:
+                seen.add(key)
+                write(key)
+        return local
+
+    def start(frame, event, arg):
+        return local if frame.f_code.co_filename in files else None
+
+    _sys.settrace(start)
+    _threading.settrace(start)
+
+
+if _os.environ.get("SSM_PACK_TRACE"):
+    _install(_json.loads(_os.environ["SSM_PACK_TRACE"]))
+# chain to a sitecustomize further down the path, if there is one
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_rest = [p for p in _sys.path if _os.path.abspath(p or ".") != _here]
+del _sys.modules["sitecustomize"]
+_saved, _sys.path[:] = _sys.path[:], _rest
+try:
+    import sitecustomize  # noqa: F401
+except ImportError:
+    pass
+finally:
+    _sys.path[:] = _saved
+'''
+
+
+def _shared_fixtures(item, root: str) -> list[str]:
+    """The project-defined fixtures wider than function scope that ``item`` requests (directly or not)."""
+    info = getattr(item, "_fixtureinfo", None)
+    out = []
+    for name, defs in (info.name2fixturedefs.items() if info else ()):
+        for d in defs:
+            code = getattr(inspect.unwrap(d.func), "__code__", None)
+            if code and d.scope != "function" and code.co_filename.startswith(root) and \
+                    "site-packages" not in code.co_filename:
+                out.append(f"{code.co_filename}:{code.co_firstlineno}:{name}")
+    return sorted(out)
+
+
+class LineRecorder:
+    """pytest plugin: for each test, the lines of ``files`` it ran, appended as one JSON line to ``out``;
+    with ``children`` (a directory), also the lines spawned child interpreters ran (module docstring)."""
+
+    def __init__(self, files, out: Path, children: Path | None = None):
         self.files = {str(f) for f in files}
         self.out = Path(out)
+        self.children = Path(children) if children else None
         self.hits: set[tuple[str, int]] = set()
         self.failed = False
+        self._environ: dict[str, str | None] = {}
 
     def _global(self, frame, event, arg):
         return self._local if frame.f_code.co_filename in self.files else None
@@ -123,23 +225,42 @@ class LineRecorder:
         return self._local
 
     def start(self):
+        if self.children is not None:
+            self.children.mkdir(parents=True, exist_ok=True)
+            (self.children / "sitecustomize.py").write_text(HOOK)
+            spec = json.dumps({"files": sorted(self.files), "dir": str(self.children)})
+            path = os.pathsep.join(p for p in (str(self.children), os.environ.get("PYTHONPATH")) if p)
+            self._environ = {k: os.environ.get(k) for k in (HOOK_ENV, "PYTHONPATH")}
+            os.environ.update({HOOK_ENV: spec, "PYTHONPATH": path})
         sys.settrace(self._global)
         threading.settrace(self._global)
+
+    def pytest_unconfigure(self, config):
+        for key, value in self._environ.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
     def _flush(self, node: str, seconds: float, passed: bool):
         lines: dict[str, list[int]] = {}
         for file, line in self.hits:
             lines.setdefault(file, []).append(line)
+        row = {"node": node, "seconds": round(seconds, 3), "passed": passed,
+               "lines": {k: sorted(v) for k, v in lines.items()}}
+        if self._shares:
+            row["shares"] = self._shares
         with self.out.open("a") as f:
-            f.write(json.dumps({"node": node, "seconds": round(seconds, 3), "passed": passed,
-                                "lines": {k: sorted(v) for k, v in lines.items()}}) + "\n")
+            f.write(json.dumps(row) + "\n")
         self.hits = set()
 
     def pytest_collection_finish(self, session):
+        self._shares = []
         self._flush(IMPORT_TIME, 0.0, True)
 
     def pytest_runtest_protocol(self, item, nextitem):
         self.hits, self.failed, self._start = set(), False, time.perf_counter()
+        self._shares = _shared_fixtures(item, str(item.config.rootpath)) if self.children is not None else []
 
     def pytest_runtest_logreport(self, report):
         if report.failed or (report.when == "call" and report.skipped):
@@ -148,24 +269,77 @@ class LineRecorder:
             self._flush(report.nodeid, time.perf_counter() - self._start, not self.failed)
 
 
-def read_map(path: Path, repo: Path) -> tuple[dict, dict]:
+def _names(node: str, label: str) -> bool:
+    """Whether the parametrize id of ``node`` names the case ``label`` (whole, or ``-``-separated parts)."""
+    if not node.endswith("]") or "[" not in node:
+        return False
+    ident = "-" + node[node.index("[") + 1:-1] + "-"
+    return f"-{label}-" in ident
+
+
+def read_children(children: Path) -> list[tuple[str, dict]]:
+    """``[(node, {case or None: {(file, line), ...}}, {case, ...}), ...]``, one per child interpreter the hook
+    traced that ran a target line or entered a case (the last set: every case it entered)."""
+    out = []
+    for path in sorted(Path(children).glob("*.jsonl")):
+        for raw in path.read_text().splitlines():
+            try:
+                row = json.loads(raw)
+            except ValueError:                                  # a line cut short by a kill
+                continue
+            if isinstance(row, dict) and "node" in row:
+                out.append((row["node"], {}, set()))
+            elif isinstance(row, dict) and out:
+                out[-1][2].add(row["case"])
+            elif out:
+                out[-1][1].setdefault(row[0], set()).add((row[1], row[2]))
+    return out
+
+
+def read_map(path: Path, repo: Path, children: Path | None = None) -> tuple[dict, dict]:
     """``({module: {line: {node, ...}}}, {node: seconds})`` from a recorder's output; modules relative
-    to ``repo``; import-time lines of a module map to every passing test that ran any of its lines."""
+    to ``repo``; import-time lines of a module map to every passing test that ran any of its lines;
+    with ``children``, the spawned interpreters' lines map as the module docstring says."""
     by_line: dict[str, dict[int, set[str]]] = {}
     seconds: dict[str, float] = {}
     imported: dict[str, set[int]] = {}
     if not Path(path).exists():
         return by_line, seconds
-    for raw in Path(path).read_text().splitlines():
-        row = json.loads(raw)
+    rows = [json.loads(raw) for raw in Path(path).read_text().splitlines()]
+    for row in rows:
+        if row["node"] != IMPORT_TIME and row["passed"]:
+            seconds[row["node"]] = row["seconds"]
         for file, lines in row["lines"].items():
             module = str(Path(file).relative_to(repo))
             if row["node"] == IMPORT_TIME:
                 imported.setdefault(module, set()).update(lines)
             elif row["passed"]:
-                seconds[row["node"]] = row["seconds"]
                 for line in lines:
                     by_line.setdefault(module, {}).setdefault(line, set()).add(row["node"])
+    spawned = read_children(children) if children is not None and Path(children).is_dir() else []
+    shares = {row["node"]: set(row.get("shares", ())) for row in rows}
+    spawn_seconds = {row["node"]: row["seconds"] for row in rows}
+    passing = [n for n in shares if n in seconds]
+    groups = []                 # (the tests a child's lines may count for, its lines by case, its cases)
+    for node, by_case, cases in spawned:
+        group = [n for n in passing if n == node or shares[n] & shares.get(node, set())] \
+            if node in shares else passing
+        groups.append((group, by_case, cases))
+    entered: dict[str, set[str]] = {}
+    for group, _, cases in groups:
+        for test in group:
+            entered.setdefault(test, set()).update(cases)
+    for (group, by_case, _), node in zip(groups, (n for n, *_ in spawned)):
+        for test in group:
+            named = {c for c in entered[test] if _names(test, c)}
+            for case in ([None, *(c for c in by_case if c in named)] if named else by_case):
+                for file, line in by_case.get(case, ()):
+                    try:
+                        module = str(Path(file).relative_to(repo))
+                    except ValueError:
+                        continue
+                    by_line.setdefault(module, {}).setdefault(line, set()).add(test)
+            seconds[test] = max(seconds[test], spawn_seconds.get(node, 0.0))
     for module, lines in imported.items():
         reached = set().union(*by_line.get(module, {}).values()) if by_line.get(module) else set()
         for line in lines:

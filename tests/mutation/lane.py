@@ -2,9 +2,10 @@
 
 For each chosen module: its mutants (:mod:`.generate`) less those ``equivalent.txt`` lists, sampled
 to ``--max-per-module`` (a fixed sample per module name); its candidate tests traced once
-(:mod:`.coverage_map`); then each mutant planted in the scratch copy (the working tree is never
-edited; the copy's file is restored in ``finally``) and run against the tests that passed and
-executed its line, fastest first, with ``-x``. Statuses: ``killed`` (a test failed, or the run
+(:mod:`.coverage_map`, spawned processes such as the CP ranks included); then each mutant
+planted in the scratch copy (the working tree is never edited; the copy's file is restored in
+``finally``) and run against the tests that passed and executed its line, fastest first, with
+``-x``. Statuses: ``killed`` (a test failed, or the run
 exceeded its time: a hang counts as caught), ``survived``, ``uncovered`` (no selected test runs
 the line), ``budget`` (the module's time ran out first: not counted). Score per module: killed /
 (killed + survived + uncovered). The report (markdown and JSON) goes to a dated file under
@@ -82,10 +83,11 @@ def trace(repo: Path, module: str, args, pytest_run) -> tuple[dict, dict, list[s
     if not files:
         return {}, {}, []
     log = Path(tempfile.mkdtemp(prefix="ssm-pack-cover-")) / "lines.jsonl"
-    recorder = LineRecorder([repo / module], log)
+    children = log.parent / "children"          # spawned interpreters' lines (coverage_map's hook)
+    recorder = LineRecorder([repo / module], log, children=children)
     recorder.pytest_configure = lambda config: recorder.start()
     pytest_run(repo, files, timeout=args.module_budget / 2, first_failure=False, plugins=[recorder])
-    by_line, seconds = read_map(log, repo)
+    by_line, seconds = read_map(log, repo, children)
     return by_line.get(module, {}), seconds, files
 
 
