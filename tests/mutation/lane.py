@@ -14,6 +14,7 @@ the line), ``budget`` (the module's time ran out first: not counted). Score per 
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 import subprocess
@@ -91,15 +92,48 @@ def trace(repo: Path, module: str, args, pytest_run) -> tuple[dict, dict, list[s
     return by_line.get(module, {}), seconds, files
 
 
+def signature_body_line(source: str, line: int) -> int | None:
+    """For ``line`` inside a function's signature (its defaults run at import, so every test that
+    imports the module "runs" it), the first line of the body that runs when the function is called
+    (its docstring skipped); ``None`` for any other line or a body of a docstring alone."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= line < node.body[0].lineno:
+            body = node.body
+            if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]
+            return body[0].lineno if body else None
+    return None
+
+
+def select_tests(by_line: dict, seconds: dict, line: int, limit: int, body_line: int | None = None) -> list[str]:
+    """Up to ``limit`` tests for a mutant on ``line``: those that passed and ran it (for a signature
+    line, those that ran the function's ``body_line``, when any did), taken file by file in turn,
+    each file's fastest first, so one file's many quick tests do not crowd out another file's."""
+    covering = by_line.get(body_line) if body_line is not None else None
+    covering = covering or by_line.get(line, ())
+    per_file: dict[str, list[str]] = {}
+    for name in sorted(covering, key=lambda n: (seconds.get(n, 0.0), n)):
+        per_file.setdefault(name.split("::")[0], []).append(name)
+    queues = sorted(per_file.values(), key=lambda q: (seconds.get(q[0], 0.0), q[0]))
+    chosen: list[str] = []
+    while len(chosen) < limit and any(queues):
+        for queue in queues:
+            if queue and len(chosen) < limit:
+                chosen.append(queue.pop(0))
+    return sorted(chosen, key=lambda n: (seconds.get(n, 0.0), n))
+
+
 def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
     start = time.monotonic()
     every = mutants_of(repo, module)
     listed = [m for m in every if (module, m.fingerprint) in equivalent]
     chosen = sample([m for m in every if (module, m.fingerprint) not in equivalent], args.max_per_module, module)
     by_line, seconds, files = trace(repo, module, args, pytest_run)
+    source = (repo / module).read_text()
     rows = []
     for mutant in chosen:
-        tests = sorted(by_line.get(mutant.line, ()), key=lambda n: (seconds.get(n, 0.0), n))[:args.tests_per_mutant]
+        tests = select_tests(by_line, seconds, mutant.line, args.tests_per_mutant,
+                             signature_body_line(source, mutant.line))
         row = {"id": mutant.id, "fingerprint": mutant.fingerprint, "old": mutant.old.strip(),
                "new": mutant.new.strip(), "tests": len(tests), "killed_by": "", "seconds": 0.0}
         left = args.module_budget - (time.monotonic() - start)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.mutation.coverage_map import candidate_tests, read_map
 from tests.mutation.generate import KINDS, mutants_of, mutants_of_source, product_modules
-from tests.mutation.lane import plant, read_equivalent, sample
+from tests.mutation.lane import plant, read_equivalent, sample, select_tests, signature_body_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -135,3 +135,43 @@ def test_the_coverage_map_gives_import_lines_to_every_test_of_the_module(tmp_pat
     by_line, seconds = read_map(log, tmp_path)
     assert by_line["m.py"] == {1: {"t::a"}, 4: {"t::a"}}           # a failing test selects nothing
     assert seconds == {"t::a": 0.5}
+
+
+SIGNATURE = '''def op(x,
+       chunk_size=64):
+    """Docs."""
+    return x * chunk_size
+
+
+def bare(x=1):
+    """Only docs."""
+'''
+
+
+@pytest.mark.parametrize("line, want", [
+    pytest.param(2, 4, id="default-on-a-continuation-line"),
+    pytest.param(1, 4, id="the-def-line"),
+    pytest.param(4, None, id="a-body-line"),
+    pytest.param(7, None, id="a-body-of-docs-alone"),
+])
+def test_a_signature_line_maps_to_the_first_body_line(line, want):
+    assert signature_body_line(SIGNATURE, line) == want
+
+
+def test_a_signature_mutant_runs_the_tests_that_called_the_function():
+    """A default runs at import, so every test "ran" its line; the tests that ran the body are the
+    ones that can see it (and the line's own, when no test ran the body)."""
+    by_line = {2: {"a.py::t1", "a.py::t2", "b.py::call"}, 4: {"b.py::call"}}
+    seconds = {"a.py::t1": 0.1, "a.py::t2": 0.2, "b.py::call": 5.0}
+    assert select_tests(by_line, seconds, 2, 1, 4) == ["b.py::call"]
+    assert select_tests(by_line, seconds, 2, 1, None) == ["a.py::t1"]          # the control: fastest overall
+    assert select_tests({2: by_line[2]}, seconds, 2, 3, 4) == ["a.py::t1", "a.py::t2", "b.py::call"]
+
+
+def test_the_tests_of_a_mutant_come_from_every_file_in_turn():
+    """Many quick tests of one file do not crowd out a slower file's fastest test."""
+    by_line = {9: {f"quick.py::t{i}" for i in range(20)} | {"slow.py::s1", "slow.py::s2"}}
+    seconds = {**{f"quick.py::t{i}": 0.01 * (i + 1) for i in range(20)}, "slow.py::s1": 3.0, "slow.py::s2": 4.0}
+    got = select_tests(by_line, seconds, 9, 4)
+    assert got == ["quick.py::t0", "quick.py::t1", "slow.py::s1", "slow.py::s2"]
+    assert select_tests(by_line, seconds, 9, 3) == ["quick.py::t0", "quick.py::t1", "slow.py::s1"]
