@@ -58,12 +58,14 @@ def _params(kind: str):
                                         max_seqlen_kv=4), 13, padded, real)
     if kind == "bare-list":
         return [0, 1, 1, 4], 9, [0, 1, 1, 4], [0, 1, 1, 4]              # the tail is the longest segment
+    if kind == "no-documents":
+        return PackedSeqParams.from_lengths([], total_tokens=0), 0, [0], [0]      # cu_seqlens of one entry
     assert kind == "zero-tokens"
     return PackedSeqParams.from_lengths([0], total_tokens=0), 0, [0, 0], [0, 0]
 
 
 KINDS = [pytest.param(k, id=k) for k in ("tight", "tight-tail-empty", "padded", "padded-tail", "megatron-padded",
-                                         "bare-list", "zero-tokens")]
+                                         "bare-list", "no-documents", "zero-tokens")]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -117,6 +119,52 @@ def test_materialize_derives_every_field_up_front_with_the_lazy_values():
             assert torch.equal(a, b), name
         else:
             assert a == b, name
+
+
+def test_a_seq_idx_in_the_params_is_used_as_given(monkeypatch):
+    """ssm-pack's params carry a checked seq_idx: the batch hands that tensor on, it derives none."""
+    import ssm_pack.varlen as varlen_module
+    calls = []
+    derive = varlen_module.seq_idx_from_cu_seqlens
+    monkeypatch.setattr(varlen_module, "seq_idx_from_cu_seqlens", lambda *a, **k: calls.append(a) or derive(*a, **k))
+    params = PackedSeqParams.from_lengths([2, 0, 3], total_tokens=7)
+    batch = VarlenBatch.build(params, 7)
+    assert batch.seq_idx.data_ptr() == params.seq_idx.data_ptr() and calls == []
+    assert batch.seq_idx.tolist() == [[0, 0, 2, 2, 2, 3, 3]]
+    # negative control: bare boundaries carry none, so the batch derives it (once)
+    bare = VarlenBatch.build([0, 2, 2, 5], 7)
+    assert bare.seq_idx.tolist() == [[0, 0, 2, 2, 2, 3, 3]] and len(calls) == 1
+
+
+def test_unvalidated_params_keep_a_given_max_seqlen_of_zero(monkeypatch):
+    """``validate=False`` reads no boundary value: a given ``max_seqlen_q`` is the answer, 0 (every document
+    empty) included, even though the boundaries (all empty, a 4-token tail) would measure 4."""
+    import ssm_pack.varlen as varlen_module
+    monkeypatch.setattr(varlen_module, "_longest", lambda *a: pytest.fail("read the boundaries"))
+    cu = torch.tensor([0, 0, 0], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, max_seqlen_q=0, total_tokens=4, validate=False)
+    assert VarlenBatch.build(params, 4).max_seqlen == 0
+    # negative control: not given, it is read from the boundaries (the tail counts)
+    monkeypatch.undo()
+    unknown = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, total_tokens=4, validate=False)
+    assert VarlenBatch.build(unknown, 4).max_seqlen == 4
+
+
+@pytest.mark.parametrize("lengths, total, want", [
+    pytest.param([2, 0, 3], 8, [0, 2, 5, 8, 8], id="empty-document-and-tail"),
+    pytest.param([0, 4, 0], 4, [0, 4, 4, 4, 4], id="empty-documents-no-tail"),
+])
+def test_host_nonempty_cu_comes_from_the_host_boundaries(lengths, total, want):
+    """Host boundaries, tokens elsewhere (``meta`` here: no value can be read there): fla's
+    ``cu_seqlens_cpu`` is ``nonempty_layout``'s ``cu``, built from the host copy."""
+    params = PackedSeqParams.from_lengths(lengths, total_tokens=total)
+    batch = VarlenBatch.build(params, total, device="meta")
+    assert batch.host_cu_seqlens is not None and batch.device.type == "meta"
+    host = batch.host_nonempty_cu
+    assert host.device.type == "cpu" and host.dtype == torch.int64 and host.tolist() == want
+    on_host = VarlenBatch.build(params, total)                       # the same row on the host, read directly
+    assert on_host.host_cu_seqlens is None and on_host.host_nonempty_cu.tolist() == want
+    assert on_host.nonempty_layout[0].tolist() == want
 
 
 def test_a_varlen_batch_passes_through_when_it_matches():
