@@ -4,10 +4,12 @@ For each chosen module: its mutants (:mod:`.generate`) less those ``equivalent.t
 to ``--max-per-module`` (a fixed sample per module name); its candidate tests traced once
 (:mod:`.coverage_map`, spawned processes such as the CP ranks included); then each mutant
 planted in the scratch copy (the working tree is never edited; the copy's file is restored in
-``finally``) and run against the tests that passed and executed its line, fastest first, with
-``-x``. Statuses: ``killed`` (a test failed, or the run
-exceeded its time: a hang counts as caught), ``survived``, ``uncovered`` (no selected test runs
-the line), ``budget`` (the module's time ran out first: not counted). Score per module: killed /
+``finally``) and run with ``-x`` against ``--tests-per-mutant`` of the tests that passed and
+executed its line (:func:`select_tests`), then, if it survives them, against the other tests that
+executed it. Statuses: ``killed`` (a test failed, or the run exceeded its time: a hang counts as
+caught), ``survived`` (every covering test passed, or those the budget left time for),
+``uncovered`` (no test runs the line), ``budget`` (the module's time ran out first, or cut the
+first run short: not counted). Score per module: killed /
 (killed + survived + uncovered). The report (markdown and JSON) goes to a dated file under
 ``mutation-reports/`` (ignored by git).
 """
@@ -132,23 +134,35 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
     source = (repo / module).read_text()
     rows = []
     for mutant in chosen:
-        tests = select_tests(by_line, seconds, mutant.line, args.tests_per_mutant,
-                             signature_body_line(source, mutant.line))
+        body_line = signature_body_line(source, mutant.line)
+        tests = select_tests(by_line, seconds, mutant.line, args.tests_per_mutant, body_line)
         row = {"id": mutant.id, "fingerprint": mutant.fingerprint, "old": mutant.old.strip(),
                "new": mutant.new.strip(), "tests": len(tests), "killed_by": "", "seconds": 0.0}
-        left = args.module_budget - (time.monotonic() - start)
         if not tests:
             row["status"] = "uncovered"
-        elif left <= 0:
-            row["status"] = "budget"
-        else:
-            limit = min(args.timeout, left, 30 + 3 * sum(seconds.get(n, 1.0) for n in tests))
-            status, output, spent = plant(repo, mutant, lambda: pytest_run(repo, tests, timeout=limit,
+        # a survivor of the selection runs the other covering tests too (within the budget): a
+        # "survived" then means every test that ran its line passed
+        rest = sorted(set(select_tests(by_line, seconds, mutant.line, 10 ** 9, body_line)) - set(tests),
+                      key=lambda n: (seconds.get(n, 0.0), n))
+        for batch in (tests, rest):
+            left = args.module_budget - (time.monotonic() - start)
+            if not batch or row.get("status") in ("uncovered", "killed"):
+                break
+            if left <= 0:
+                row["status"] = row.get("status") or "budget"
+                break
+            natural = min(args.timeout, 30 + 3 * sum(seconds.get(n, 1.0) for n in batch))
+            limit = min(natural, left)
+            status, output, spent = plant(repo, mutant, lambda: pytest_run(repo, batch, timeout=limit,
                                                                            first_failure=True))
+            row.update(seconds=round(row["seconds"] + spent, 1), tests=row["tests"] + (len(batch) if batch is rest
+                                                                                       else 0))
+            if status == "timeout" and limit < natural:      # cut by the budget: no evidence either way
+                row["status"] = row.get("status") or "budget"
+                break
             failing = [line.split()[1] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
             row.update(status={"failed": "killed", "timeout": "killed", "error": "killed"}.get(status, "survived"),
-                       killed_by="(time limit)" if status == "timeout" else (failing or [""])[0],
-                       seconds=round(spent, 1))
+                       killed_by="(time limit)" if status == "timeout" else (failing or [""])[0])
         rows.append(row)
         print(f"  {row['status']:9} {mutant.id:48} {row['killed_by'][:60]}", flush=True)
     counted = [r for r in rows if r["status"] in ("killed", "survived", "uncovered")]

@@ -175,3 +175,35 @@ def test_the_tests_of_a_mutant_come_from_every_file_in_turn():
     got = select_tests(by_line, seconds, 9, 4)
     assert got == ["quick.py::t0", "quick.py::t1", "slow.py::s1", "slow.py::s2"]
     assert select_tests(by_line, seconds, 9, 3) == ["quick.py::t0", "quick.py::t1", "slow.py::s1"]
+
+
+def _lane_run(tmp_path, monkeypatch, killer: str | None):
+    """``run_module`` on a one-line module whose line 13 tests ran, with pytest replaced: the run fails
+    when its tests include ``killer``."""
+    import argparse
+
+    from tests.mutation import lane
+    (tmp_path / "m.py").write_text("def f(x):\n    return x + 1\n")
+    covering = {f"t{i:02d}.py::test" for i in range(13)}
+    monkeypatch.setattr(lane, "trace", lambda repo, module, args, run: ({2: covering}, {}, ["t.py"]))
+    runs = []
+
+    def pytest_run(repo, tests, timeout, first_failure):
+        runs.append(list(tests))
+        return ("failed", f"FAILED {killer} - boom", 0.1) if killer in tests else ("passed", "", 0.1)
+    args = argparse.Namespace(max_per_module=None, tests_per_mutant=12, module_budget=100.0, timeout=60.0)
+    result = lane.run_module(tmp_path, "m.py", args, pytest_run, {})
+    return result["mutants"], runs
+
+
+def test_a_survivor_of_the_selection_runs_the_other_covering_tests(tmp_path, monkeypatch):
+    """12 of 13 covering tests pass; the 13th, outside the selection, kills every mutant of the line."""
+    rows, runs = _lane_run(tmp_path, monkeypatch, "t12.py::test")
+    assert rows and all(r["status"] == "killed" and r["killed_by"] == "t12.py::test" for r in rows)
+    assert all(r["tests"] == 13 for r in rows) and [len(r) for r in runs[:2]] == [12, 1]
+
+
+def test_a_survivor_has_passed_every_covering_test(tmp_path, monkeypatch):
+    rows, runs = _lane_run(tmp_path, monkeypatch, None)
+    assert rows and all(r["status"] == "survived" and r["tests"] == 13 for r in rows)
+    assert sorted(runs[0] + runs[1]) == sorted(f"t{i:02d}.py::test" for i in range(13))
