@@ -36,7 +36,9 @@ For one layer of one packed row, one training step (forward + backward), per ran
   (Mamba2), ``dispatched_delta_macs`` (GatedDeltaNet), ``dispatched_kda_macs`` (KDA),
   ``dispatched_delta_product_macs`` (Gated DeltaProduct) and ``dispatched_attention_macs``, together
   ``dispatched_parts`` (one process, one packed row; equal to ``benchmarks.op_counts``'s count,
-  checked in ``tests/benchmarks/test_cost_model.py`` and asserted by ``bench_cost_model``).
+  checked in ``tests/benchmarks/test_cost_model.py`` and asserted by ``bench_cost_model``);
+  ``dispatched_rank_parts`` adds each context-parallel rank's exchange products, exact per rank
+  for Mamba2 and attention (the delta-rule kinds: the ideal parts stay a lower bound).
 * activation memory: ``tokens * (hidden + W_in + W_out) * b`` kept for backward (an estimate of the
   layer's inputs and outputs, ``1/P`` of one process), plus, for ours, the keys and values received.
 """
@@ -439,8 +441,12 @@ def dispatched_rank_parts(geo: dict, hidden: int, boundaries, lengths, bounds) -
     as :class:`benchmarks.op_counts.MatmulCounter` counts it there. Exact per rank (checked on the
     gloo runs of ``tests/benchmarks/test_cost_model.py``, fp64) for **Mamba2** and **attention**
     (plain and windowed); other kinds raise ``ValueError`` (their ideal ``work_parts`` is a lower
-    bound). ``T_r`` = a rank's tokens, ``T1`` = its first segment's tokens where that continues a
-    document from earlier ranks (else 0), ``T_pre`` its keys on earlier ranks a query can reach.
+    bound): the delta rule's CP pass asks its local calls for per-document final states, which
+    takes the reference's keep-intermediates path (not the one-process fast path that
+    ``dispatched_delta_macs`` models) and ``doc_final_states``, whose products follow the
+    documents' runs per chunk, not the token count alone. ``T_r`` = a rank's tokens, ``T1`` = its
+    first segment's tokens where that continues a document from earlier ranks (else 0), ``T_pre``
+    its keys on earlier ranks a query can reach.
 
     * ``projections``: ``3 proj T_r`` (as ``work_parts``);
     * Mamba2 ``scan``: the local pass, ``dispatched_ssd_macs(T_r)`` (the shard chunked from its

@@ -10,8 +10,10 @@ equal the model's ``projections`` part. Attention work: the model's query-key pa
 equal those counted from the attention spec's own mask. Dispatched work: on one process, every
 part of ``dispatched_parts`` (the scans' and attention's products too) equals the counted
 multiply-adds on packed rows (a 1-token document, one longer than a chunk and not a multiple of
-it, a padding tail), and the ideal figures do not. The plan's arithmetic also equals
-``bench_context_parallel``'s plan (built on the real layout) on many rows without any run.
+it, a padding tail), and the ideal figures do not; per CP rank, ``dispatched_rank_parts`` equals
+the counted multiply-adds on every rank of the gloo runs for Mamba2 and (windowed) attention.
+The plan's arithmetic also equals ``bench_context_parallel``'s plan (built on the real layout) on
+many rows without any run.
 """
 
 from __future__ import annotations
