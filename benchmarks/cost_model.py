@@ -36,7 +36,9 @@ For one layer of one packed row, one training step (forward + backward), per ran
   (Mamba2), ``dispatched_delta_macs`` (GatedDeltaNet), ``dispatched_kda_macs`` (KDA),
   ``dispatched_delta_product_macs`` (Gated DeltaProduct) and ``dispatched_attention_macs``, together
   ``dispatched_parts`` (one process, one packed row; equal to ``benchmarks.op_counts``'s count,
-  checked in ``tests/benchmarks/test_cost_model.py`` and asserted by ``bench_cost_model``).
+  checked in ``tests/benchmarks/test_cost_model.py`` and asserted by ``bench_cost_model``);
+  ``dispatched_rank_parts`` adds each context-parallel rank's exchange products, exact per rank
+  for Mamba2 and attention (the delta-rule kinds: the ideal parts stay a lower bound).
 * activation memory: ``tokens * (hidden + W_in + W_out) * b`` kept for backward (an estimate of the
   layer's inputs and outputs, ``1/P`` of one process), plus, for ours, the keys and values received.
 """
@@ -408,6 +410,87 @@ def dispatched_parts(geo: dict, hidden: int, boundaries, total: int) -> dict:
     return parts
 
 
+CP_ATTENTION_BLOCK = 256     # mixers.ops.attention.cp.BLOCK: queries per block of the continuing segment
+
+
+def _conv_exchange_macs(facts, channels: int, j: int) -> list[int]:
+    """Per rank: the products of ``causal_conv1d``'s CP exchange (``mixers.ops.causal_conv1d.cp``),
+    one conv of ``channels`` channels, window ``J``: a rank receiving a window in a doubling round
+    moves it, ``S_in [D, J] @ Shift [J, J]`` (``D J^2``), and its backward takes the received
+    window's gradient, ``grad @ Shift^T`` (``D J^2``; the shift is a constant): ``2 D J^2`` per
+    round received. Rounds that also carry a map (``M``) are not modelled: ``ValueError``."""
+    closed = [f["last_starts_here"] or f["last_len"] >= j for f in facts]
+    rounds, _ = chain(facts, closed)
+    out = [0] * len(facts)
+    for _, receiver, with_m in (p for rnd in rounds for p in rnd):
+        if with_m:
+            raise ValueError("a conv doubling round carrying a map: the per-rank dispatched model does not cover it")
+        out[receiver] += 2 * channels * j * j
+    return out
+
+
+def _local_spans(cover: list[int], lo: int, hi: int) -> int:
+    """The longest segment of the local row ``[lo, hi)`` (the padding tail counted as one)."""
+    return max([min(b, hi) - max(a, lo) for a, b in zip(cover[:-1], cover[1:]) if min(b, hi) > max(a, lo)] or [0])
+
+
+def dispatched_rank_parts(geo: dict, hidden: int, boundaries, lengths, bounds) -> list[dict]:
+    """Per rank ``{"projections", "attention", "scan"}``: what one forward + backward of one layer
+    dispatches on each context-parallel rank (``bounds``) of one packed row (document slots starting
+    at ``boundaries``, ``bounds[-1]`` tokens; ``lengths`` unused, for ``work_parts``' signature),
+    as :class:`benchmarks.op_counts.MatmulCounter` counts it there. Exact per rank (checked on the
+    gloo runs of ``tests/benchmarks/test_cost_model.py``, fp64) for **Mamba2** and **attention**
+    (plain and windowed); other kinds raise ``ValueError`` (their ideal ``work_parts`` is a lower
+    bound): the delta rule's CP pass asks its local calls for per-document final states, which
+    takes the reference's keep-intermediates path (not the one-process fast path that
+    ``dispatched_delta_macs`` models) and ``doc_final_states``, whose products follow the
+    documents' runs per chunk, not the token count alone. ``T_r`` = a rank's tokens, ``T1`` = its
+    first segment's tokens where that continues a document from earlier ranks (else 0), ``T_pre``
+    its keys on earlier ranks a query can reach.
+
+    * ``projections``: ``3 proj T_r`` (as ``work_parts``);
+    * Mamba2 ``scan``: the local pass, ``dispatched_ssd_macs(T_r)`` (the shard chunked from its
+      start, one call over all its segments), + the entering state's correction
+      ``einsum(C1 [T1, H, Ns], S_in [H, P, Ns])`` and its two gradients: ``3 H T1 P Ns``; the
+      state chain's products are elementwise (a scalar decay per head); + the conv exchange
+      (:func:`_conv_exchange_macs`, ``2 D J^2`` per doubling round received);
+    * attention: a rank whose first segment starts on it runs the blockwise reference over the
+      shard, ``dispatched_attention_macs(T_r, span)`` with ``span`` its longest local segment; a
+      continuing rank runs that on the ``T_r - T1`` tokens after the segment (0 if none) and the
+      segment apart (``attention.cp._continuing``: SDPA with a mask, the math path in fp64):
+      per block of ``Q <= 256`` of its queries over the ``W`` keys it reaches (``T_pre`` + the
+      block's causal prefix, clipped to the window), ``6 Hq Q W D`` (``q k^T``, ``p v``, and
+      the four gradients ``do v^T``, ``p^T do``, ``ds k``, ``ds^T q``)."""
+    spec = dict(geo.get("dispatch") or {})
+    kind = spec.pop("kind", None)
+    if kind not in ("ssd", "attention"):
+        raise ValueError(f"no per-rank dispatched model for {kind!r} (exact per rank: ssd, attention)")
+    cover = cover_of(boundaries, bounds[-1])
+    facts = rank_facts(cover, bounds)
+    conv = [0] * len(facts)
+    for channels in geo["convs"]:
+        conv = [a + b for a, b in zip(conv, _conv_exchange_macs(facts, channels, geo["width"] - 1))]
+    parts = []
+    for r, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        f, tokens = facts[r], end - start
+        t1 = min(cover[bisect.bisect_right(cover, start)], end) - start if f["continues_in"] else 0
+        rank = {"projections": 3 * projection_macs(geo, hidden) * tokens, "attention": 0, "scan": 0}
+        if kind == "ssd":
+            h, p, ns = spec["heads"], spec["head_dim"], spec["state_size"]
+            rank["scan"] = dispatched_ssd_macs(tokens, **spec) + 3 * h * t1 * p * ns + conv[r]
+        else:
+            rest = tokens - t1
+            if rest:
+                rank["attention"] = dispatched_attention_macs(rest, _local_spans(cover, start + t1, end), **spec)
+            left, pre = spec.get("left", -1), start - f["first_seg_start"]
+            for a in range(0, t1, CP_ATTENTION_BLOCK):
+                b = min(a + CP_ATTENTION_BLOCK, t1)
+                lo = 0 if left < 0 else max(0, pre + a - left)
+                rank["attention"] += 6 * spec["q_heads"] * (b - a) * (pre + b - lo) * spec["head_dim"]
+        parts.append(rank)
+    return parts
+
+
 WORK_PARTS = ("projections", "attention", "scan")
 EXACT_PARTS = ("projections",)          # of ``work_parts``: equal to the matmuls a real run dispatches
 # ``dispatched_parts``: every part equals the counted matmuls (one process; tests/benchmarks)
@@ -453,6 +536,7 @@ def ceil_log2(k: int) -> int:
 
 __all__ = ["ATTENTION_BLOCK", "a2a_bytes", "a2a_fits", "activation_bytes", "attention_pairs", "attention_reach",
            "ceil_log2", "chain", "cover_of", "dispatched_attention_macs", "dispatched_delta_macs",
-           "dispatched_delta_product_macs", "dispatched_kda_macs", "dispatched_parts", "dispatched_ssd_macs",
+           "dispatched_delta_product_macs", "dispatched_kda_macs", "dispatched_parts", "dispatched_rank_parts",
+           "dispatched_ssd_macs",
            "even_bounds", "key_ranges", "linear_macs", "longest_segment", "ours_bytes", "ours_total",
            "projection_macs", "rank_facts", "received_keys", "scan_macs", "work", "work_parts"]

@@ -10,8 +10,10 @@ equal the model's ``projections`` part. Attention work: the model's query-key pa
 equal those counted from the attention spec's own mask. Dispatched work: on one process, every
 part of ``dispatched_parts`` (the scans' and attention's products too) equals the counted
 multiply-adds on packed rows (a 1-token document, one longer than a chunk and not a multiple of
-it, a padding tail), and the ideal figures do not. The plan's arithmetic also equals
-``bench_context_parallel``'s plan (built on the real layout) on many rows without any run.
+it, a padding tail), and the ideal figures do not; per CP rank, ``dispatched_rank_parts`` equals
+the counted multiply-adds on every rank of the gloo runs for Mamba2 and (windowed) attention.
+The plan's arithmetic also equals ``bench_context_parallel``'s plan (built on the real layout) on
+many rows without any run.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
             with record_traffic() as traffic, MatmulCounter(module) as counter:
                 module(x[:, start:end].clone().requires_grad_(), packed_seq_params=local).square().sum().backward()
             results[subject] = {"events": traffic.events, "config": module.config, "macs": counter.macs,
-                                "unknown": counter.unknown}
+                                "by_op": dict(counter.by_op), "unknown": counter.unknown}
     finally:
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
         dist.destroy_process_group()
@@ -127,6 +129,39 @@ def test_the_scan_and_attention_parts_are_lower_bounds(measured, subject):
     model = _model_parts(subject, measured[0][subject]["config"])
     counted = [result[subject]["macs"]["other"] for result in measured]
     assert all(c >= m["scan"] + m["attention"] > 0 for c, m in zip(counted, model))
+
+
+RANK_EXACT = ("M", "A", "Aw")       # ``dispatched_rank_parts`` is exact per rank for these
+
+
+@pytest.mark.parametrize("subject", [pytest.param(s, id=s) for s in RANK_EXACT])
+def test_dispatched_rank_model_equals_the_counted_matmuls(measured, subject):
+    """Per CP rank, every part of ``dispatched_rank_parts`` == the counted matmuls on the gloo run
+    (``attention + scan`` is the count's ``other``): the local chunked pass on the shard plus the
+    exchange's products (the SSD's entering-state correction and conv windows; attention's
+    continuing segment over the received keys). Negative controls: the one-process model of the
+    shard alone (no exchange products) misses the continuing ranks, and the model of the same
+    row on shards one token off differs."""
+    config = measured[0][subject]["config"]
+    geo = _geometry(subject, config)
+    boundaries = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+    model = cm.dispatched_rank_parts(geo, config.hidden_size, boundaries, LENGTHS, BOUNDS)
+    counted = [result[subject]["macs"] for result in measured]
+    rest = "attention" if subject.startswith("A") else "scan"
+    assert model == [{"projections": c["projections"], "attention": 0, "scan": 0, rest: c["other"]} for c in counted]
+    alone = [cm.dispatched_parts(geo, config.hidden_size, [0, hi - a], hi - a) for a, hi in zip(BOUNDS, BOUNDS[1:])]
+    assert [a[rest] == c["other"] for a, c in zip(alone, counted)] == [True, False, False]
+    shifted = cm.dispatched_rank_parts(geo, config.hidden_size, boundaries, LENGTHS, (0, 9, 10, 36))
+    assert [p[rest] for p in shifted] != [c["other"] for c in counted]
+
+
+def test_dispatched_rank_model_refuses_what_it_does_not_model():
+    geo = {**GEO, "dispatch": {"kind": "delta", "heads": 1, "key_dim": 4, "value_dim": 4, "chunk": 8}}
+    with pytest.raises(ValueError, match="no per-rank dispatched model"):
+        cm.dispatched_rank_parts(geo, 16, [0, 8], [8], (0, 4, 8))
+    ssd = {**GEO, "dispatch": {"kind": "ssd", "heads": 1, "head_dim": 4, "state_size": 4, "groups": 1, "chunk": 8}}
+    with pytest.raises(ValueError, match="carrying a map"):        # one document over 4 shards of 1 < J tokens
+        cm.dispatched_rank_parts(ssd, 16, [0, 4], [4], (0, 1, 2, 3, 4))
 
 
 def test_the_layout_exercises_every_branch():
