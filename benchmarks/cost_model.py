@@ -48,6 +48,11 @@ from __future__ import annotations
 import bisect
 import math
 
+from mixers.ops.attention.cp import BLOCK as CP_ATTENTION_BLOCK  # queries per block of a continuing segment
+from mixers.ops.attention.reference import BLOCK as ATTENTION_BLOCK  # queries per block
+from mixers.ops.delta_rule.gram import _DIRECT_HALF as _GRAM_DIRECT_HALF  # quadrants from this size: bmm
+from mixers.ops.delta_rule.wy import _BASE as _WY_BASE  # diagonal blocks solved directly
+
 
 def cover_of(boundaries, total: int) -> list[int]:
     """Physical document boundaries ``[0, ..., c_N]`` followed by T (segment N: the padding tail)."""
@@ -238,9 +243,6 @@ def dispatched_ssd_macs(tokens: int, *, heads: int, head_dim: int, state_size: i
     return _chunks(tokens, L) * (2 * L * L * h + 4 * g * L * L * ns + 3 * h * L * L * p + 6 * h * p * L * ns)
 
 
-_WY_BASE = 16          # mixers.ops.delta_rule.wy._BASE: the diagonal blocks solved directly
-
-
 def _wy_inverse_macs(chunk: int) -> int:
     """Products of ``mixers.ops.delta_rule.wy.unit_lower_inverse`` for one ``[L, L]`` matrix: per
     doubling level ``b = 16, 32, .., L / 2`` (from ``min(16, L)``), ``L / (2 b)`` quadrants of two
@@ -276,9 +278,6 @@ def dispatched_delta_macs(tokens: int, *, heads: int, key_dim: int, value_dim: i
     L, k, v = int(chunk), int(key_dim), int(value_dim)
     per = 7 * L * L * k + 6 * L * L * v + 9 * L * k * v + 2 * L * L + _wy_inverse_macs(L)
     return _chunks(tokens, L) * int(heads) * per
-
-
-_GRAM_DIRECT_HALF = 8  # mixers.ops.delta_rule.gram._DIRECT_HALF: quadrants this size and up go to bmm directly
 
 
 def _channel_gram_macs(chunk: int, key_dim: int) -> int:
@@ -336,13 +335,9 @@ def dispatched_delta_product_macs(tokens: int, *, num_householder: int, heads: i
     chunk (zeros on the other sub-steps), so every product keeps the shape it has for
     GatedDeltaNet on ``nh T`` tokens: ``ceil(nh T / L) H (7 L^2 K + 6 L^2 V + 9 L K V + 2 L^2 + I(L))``.
 
-    The ideal :func:`scan_macs` stays ``3 * 2 H K V`` per token (one update and one read), so
-    dispatched / ideal carries the ``nh`` updates per token too."""
+    The ideal :func:`scan_macs` is ``3 (nh + 1) H K V`` per token (``nh`` updates and one read)."""
     return dispatched_delta_macs(int(num_householder) * int(tokens), heads=heads, key_dim=key_dim,
                                  value_dim=value_dim, chunk=chunk)
-
-
-ATTENTION_BLOCK = 128    # mixers.ops.attention.reference.BLOCK: queries per block
 
 
 def attention_reach(span: int, left: int = -1, block: int = ATTENTION_BLOCK) -> int:
@@ -376,8 +371,7 @@ def dispatched_attention_macs(tokens: int, span: int, *, q_heads: int, head_dim:
 
 def longest_segment(boundaries, total: int) -> int:
     """The row's ``max_seqlen``: its longest physical slot, the padding tail counted as one."""
-    cover = cover_of(boundaries, total)
-    return max(b - a for a, b in zip(cover[:-1], cover[1:]))
+    return _longest_in(cover_of(boundaries, total), 0, total)
 
 
 def dispatched_parts(geo: dict, hidden: int, boundaries, total: int) -> dict:
@@ -410,9 +404,6 @@ def dispatched_parts(geo: dict, hidden: int, boundaries, total: int) -> dict:
     return parts
 
 
-CP_ATTENTION_BLOCK = 256     # mixers.ops.attention.cp.BLOCK: queries per block of the continuing segment
-
-
 def _conv_exchange_macs(facts, channels: int, j: int) -> list[int]:
     """Per rank: the products of ``causal_conv1d``'s CP exchange (``mixers.ops.causal_conv1d.cp``),
     one conv of ``channels`` channels, window ``J``: a rank receiving a window in a doubling round
@@ -429,8 +420,8 @@ def _conv_exchange_macs(facts, channels: int, j: int) -> list[int]:
     return out
 
 
-def _local_spans(cover: list[int], lo: int, hi: int) -> int:
-    """The longest segment of the local row ``[lo, hi)`` (the padding tail counted as one)."""
+def _longest_in(cover: list[int], lo: int, hi: int) -> int:
+    """The longest piece of a segment of ``cover`` within ``[lo, hi)`` (the padding tail counted as one)."""
     return max([min(b, hi) - max(a, lo) for a, b in zip(cover[:-1], cover[1:]) if min(b, hi) > max(a, lo)] or [0])
 
 
@@ -481,7 +472,7 @@ def dispatched_rank_parts(geo: dict, hidden: int, boundaries, lengths, bounds) -
         else:
             rest = tokens - t1
             if rest:
-                rank["attention"] = dispatched_attention_macs(rest, _local_spans(cover, start + t1, end), **spec)
+                rank["attention"] = dispatched_attention_macs(rest, _longest_in(cover, start + t1, end), **spec)
             left, pre = spec.get("left", -1), start - f["first_seg_start"]
             for a in range(0, t1, CP_ATTENTION_BLOCK):
                 b = min(a + CP_ATTENTION_BLOCK, t1)
