@@ -44,7 +44,6 @@ FLA_CONV_CHUNK = 64
 _MCORE_CU_SEQLENS_FIELDS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 
 
-
 def _empty_last(cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cu, order)``: the segments of ``cu`` reordered so every empty one comes last (stable, so the
     same on the host and the device); ``order[j]`` is the original index of entry j."""
@@ -54,7 +53,6 @@ def _empty_last(cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclass(frozen=True, eq=False)
-
 class VarlenBatch:
     """The packing facts of one packed row of ``total_tokens`` tokens (see the module docstring).
 
