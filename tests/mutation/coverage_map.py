@@ -277,7 +277,7 @@ def _names(node: str, label: str) -> bool:
     return f"-{label}-" in ident
 
 
-def read_children(children: Path) -> list[tuple[str, dict]]:
+def read_children(children: Path) -> list[tuple[str, dict, set]]:
     """``[(node, {case or None: {(file, line), ...}}, {case, ...}), ...]``, one per child interpreter the hook
     traced that ran a target line or entered a case (the last set: every case it entered)."""
     out = []
@@ -320,16 +320,16 @@ def read_map(path: Path, repo: Path, children: Path | None = None) -> tuple[dict
     shares = {row["node"]: set(row.get("shares", ())) for row in rows}
     spawn_seconds = {row["node"]: row["seconds"] for row in rows}
     passing = [n for n in shares if n in seconds]
-    groups = []                 # (the tests a child's lines may count for, its lines by case, its cases)
+    groups = []         # (its starting test, the tests its lines may count for, its lines by case, its cases)
     for node, by_case, cases in spawned:
         group = [n for n in passing if n == node or shares[n] & shares.get(node, set())] \
             if node in shares else passing
-        groups.append((group, by_case, cases))
+        groups.append((node, group, by_case, cases))
     entered: dict[str, set[str]] = {}
-    for group, _, cases in groups:
+    for _, group, _, cases in groups:
         for test in group:
             entered.setdefault(test, set()).update(cases)
-    for (group, by_case, _), node in zip(groups, (n for n, *_ in spawned)):
+    for node, group, by_case, _ in groups:
         for test in group:
             named = {c for c in entered[test] if _names(test, c)}
             for case in ([None, *(c for c in by_case if c in named)] if named else by_case):

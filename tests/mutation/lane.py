@@ -94,27 +94,32 @@ def trace(repo: Path, module: str, args, pytest_run) -> tuple[dict, dict, list[s
     return by_line.get(module, {}), seconds, files
 
 
-def signature_body_line(source: str, line: int) -> int | None:
-    """For ``line`` inside a function's signature (its defaults run at import, so every test that
-    imports the module "runs" it), the first line of the body that runs when the function is called
-    (its docstring skipped); ``None`` for any other line or a body of a docstring alone."""
+def signature_body_lines(source: str) -> dict[int, int]:
+    """``{line: body line}`` for every line of a function's signature (its defaults run at import,
+    so every test that imports the module "runs" it): the first line of the body that runs when the
+    function is called (its docstring skipped); a body of a docstring alone has no entry."""
+    out: dict[int, int] = {}
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= line < node.body[0].lineno:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
             if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
                 body = body[1:]
-            return body[0].lineno if body else None
-    return None
+            if body:
+                out.update(dict.fromkeys(range(node.lineno, node.body[0].lineno), body[0].lineno))
+    return out
+
+
+def covering_tests(by_line: dict, line: int, body_line: int | None = None) -> set[str]:
+    """The tests that passed and ran ``line`` (for a signature line, those that ran the function's
+    ``body_line``, when any did)."""
+    return set((by_line.get(body_line) if body_line is not None else None) or by_line.get(line, ()))
 
 
 def select_tests(by_line: dict, seconds: dict, line: int, limit: int, body_line: int | None = None) -> list[str]:
-    """Up to ``limit`` tests for a mutant on ``line``: those that passed and ran it (for a signature
-    line, those that ran the function's ``body_line``, when any did), taken file by file in turn,
-    each file's fastest first, so one file's many quick tests do not crowd out another file's."""
-    covering = by_line.get(body_line) if body_line is not None else None
-    covering = covering or by_line.get(line, ())
+    """Up to ``limit`` of :func:`covering_tests`, taken file by file in turn, each file's fastest
+    first, so one file's many quick tests do not crowd out another file's."""
     per_file: dict[str, list[str]] = {}
-    for name in sorted(covering, key=lambda n: (seconds.get(n, 0.0), n)):
+    for name in sorted(covering_tests(by_line, line, body_line), key=lambda n: (seconds.get(n, 0.0), n)):
         per_file.setdefault(name.split("::")[0], []).append(name)
     queues = sorted(per_file.values(), key=lambda q: (seconds.get(q[0], 0.0), q[0]))
     chosen: list[str] = []
@@ -131,10 +136,10 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
     listed = [m for m in every if (module, m.fingerprint) in equivalent]
     chosen = sample([m for m in every if (module, m.fingerprint) not in equivalent], args.max_per_module, module)
     by_line, seconds, files = trace(repo, module, args, pytest_run)
-    source = (repo / module).read_text()
+    signatures = signature_body_lines((repo / module).read_text())
     rows = []
     for mutant in chosen:
-        body_line = signature_body_line(source, mutant.line)
+        body_line = signatures.get(mutant.line)
         tests = select_tests(by_line, seconds, mutant.line, args.tests_per_mutant, body_line)
         row = {"id": mutant.id, "fingerprint": mutant.fingerprint, "old": mutant.old.strip(),
                "new": mutant.new.strip(), "tests": len(tests), "killed_by": "", "seconds": 0.0}
@@ -142,7 +147,7 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
             row["status"] = "uncovered"
         # a survivor of the selection runs the other covering tests too (within the budget): a
         # "survived" then means every test that ran its line passed
-        rest = sorted(set(select_tests(by_line, seconds, mutant.line, 10 ** 9, body_line)) - set(tests),
+        rest = sorted(covering_tests(by_line, mutant.line, body_line) - set(tests),
                       key=lambda n: (seconds.get(n, 0.0), n))
         for batch in (tests, rest):
             left = args.module_budget - (time.monotonic() - start)
@@ -155,8 +160,9 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
             limit = min(natural, left)
             status, output, spent = plant(repo, mutant, lambda: pytest_run(repo, batch, timeout=limit,
                                                                            first_failure=True))
-            row.update(seconds=round(row["seconds"] + spent, 1), tests=row["tests"] + (len(batch) if batch is rest
-                                                                                       else 0))
+            row["seconds"] = round(row["seconds"] + spent, 1)
+            if batch is rest:
+                row["tests"] += len(rest)
             if status == "timeout" and limit < natural:      # cut by the budget: no evidence either way
                 row["status"] = row.get("status") or "budget"
                 break

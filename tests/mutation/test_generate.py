@@ -11,7 +11,7 @@ import pytest
 
 from tests.mutation.coverage_map import candidate_tests, read_map
 from tests.mutation.generate import KINDS, mutants_of, mutants_of_source, product_modules
-from tests.mutation.lane import plant, read_equivalent, sample, select_tests, signature_body_line
+from tests.mutation.lane import plant, read_equivalent, sample, select_tests, signature_body_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -155,7 +155,7 @@ def bare(x=1):
     pytest.param(7, None, id="a-body-of-docs-alone"),
 ])
 def test_a_signature_line_maps_to_the_first_body_line(line, want):
-    assert signature_body_line(SIGNATURE, line) == want
+    assert signature_body_lines(SIGNATURE).get(line) == want
 
 
 def test_a_signature_mutant_runs_the_tests_that_called_the_function():
