@@ -109,7 +109,7 @@ def counted_rows(tokens: int, hidden: int = COUNT_HIDDEN) -> list[list]:
     import torch
 
     from benchmarks.bench_context_parallel import geometry
-    from benchmarks.op_counts import MatmulCounter
+    from benchmarks.op_counts import count_training_step
     from mixers import AttentionMixer, GatedDeltaNetMixer, GatedDeltaProductMixer, KDAMixer, Mamba2Mixer
     from mixers.layers import AttentionConfig, GatedDeltaNetConfig, GatedDeltaProductConfig, KDAConfig, Mamba2Config
     from ssm_pack import PackedSeqParams
@@ -123,17 +123,12 @@ def counted_rows(tokens: int, hidden: int = COUNT_HIDDEN) -> list[list]:
     rows = []
     for name, (cls, config) in kinds.items():
         torch.manual_seed(0)
-        layer = cls(config=config)
-        x = torch.randn(1, tokens, hidden, requires_grad=True)
-        with MatmulCounter(layer) as counter:
-            layer(x, packed_seq_params=params).square().sum().backward()
-        if counter.unknown:
-            raise RuntimeError(f"{name}: products the counter has no rule for: {sorted(counter.unknown)}")
+        macs = count_training_step(cls(config=config), params, tokens)
         geo = geometry(name, config)
         (ideal,) = cm.work_parts(geo, hidden, [0, tokens], [tokens], [0, tokens])
         model = cm.dispatched_parts(geo, hidden, [0, tokens], tokens)
         rest = "attention" if name == "Attention" else "scan"
-        counted = {"projections": counter.macs["projections"], rest: counter.macs["other"]}
+        counted = {"projections": macs["projections"], rest: macs["other"]}
         for part in ("projections", rest):
             if model[part] != counted[part]:
                 raise AssertionError(f"{name}: {part} dispatched model {model[part]} != counted {counted[part]}")

@@ -121,4 +121,17 @@ class MatmulCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-__all__ = ["MatmulCounter"]
+def count_training_step(layer: torch.nn.Module, packed_seq_params, total: int) -> dict:
+    """``{"projections": int, "other": int}``: the multiply-adds one forward + backward of ``layer``
+    (loss ``out.square().sum()``) dispatches on a random ``[1, total, hidden]`` row packed as
+    ``packed_seq_params``; ``RuntimeError`` naming any product-like op the counter has no rule for
+    (an incomplete count is never returned)."""
+    x = torch.randn(1, total, layer.config.hidden_size, requires_grad=True)
+    with MatmulCounter(layer) as counter:
+        layer(x, packed_seq_params=packed_seq_params).square().sum().backward()
+    if counter.unknown:
+        raise RuntimeError(f"{type(layer).__name__}: products the counter has no rule for: {sorted(counter.unknown)}")
+    return dict(counter.macs)
+
+
+__all__ = ["MatmulCounter", "count_training_step"]

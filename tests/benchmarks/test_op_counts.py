@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.op_counts import MatmulCounter
+from benchmarks.op_counts import MatmulCounter, count_training_step
 
 
 class _Toy(torch.nn.Module):
@@ -77,3 +77,25 @@ def test_a_product_without_a_rule_is_reported():
     with MatmulCounter(torch.nn.Module()) as counter:
         torch.mv(torch.randn(3, 4), torch.randn(4))
     assert counter.unknown == {"mv.default"} and counter.macs == {"projections": 0, "other": 0}
+
+
+class _Layer(torch.nn.Module):
+    """A mixer's calling convention: ``config.hidden_size``, ``forward(x, packed_seq_params=...)``."""
+
+    def __init__(self, rule_less: bool):
+        super().__init__()
+        self.config = type("Config", (), {"hidden_size": 4})()
+        self.proj = torch.nn.Linear(4, 4, bias=False)
+        self.rule_less = rule_less
+
+    def forward(self, x, packed_seq_params=None):
+        y = self.proj(x)
+        return y * torch.mv(self.proj.weight, y[0, 0]).sum() if self.rule_less else y
+
+
+def test_a_training_step_is_counted_or_refused():
+    """``count_training_step``: a linear's three products over the row; a product without a rule
+    makes it raise, naming the op, instead of returning a short count."""
+    assert count_training_step(_Layer(False), None, 5) == {"projections": 3 * 5 * 4 * 4, "other": 0}
+    with pytest.raises(RuntimeError, match=r"_Layer: products the counter has no rule for: \['mv.default'\]"):
+        count_training_step(_Layer(True), None, 5)
