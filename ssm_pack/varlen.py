@@ -288,7 +288,19 @@ class VarlenBatch:
         return (self.position_ids[0] < (ends - self.cu_seqlens_long)[self.seq_idx[0].to(torch.int64)]).unsqueeze(0)
 
     def materialize(self) -> VarlenBatch:
-        """Derive every lazy field now (before ``torch.compile`` tracing or CUDA-graph capture)."""
+        """Derive every lazy field now (before ``torch.compile`` tracing or CUDA-graph capture).
+
+        This reads the boundaries, so metadata built with ``validate=False`` gets its one check
+        here: a given ``max_seqlen_q`` must cover every segment, the padding tail included
+        (flash-attn sizes its work by it and would leave the rows past it unwritten);
+        ``ValueError`` otherwise."""
+        if not self.validated and self.given_max_seqlen is not None:
+            longest = _longest(self.cu_seqlens if self.host_cu_seqlens is None else self.host_cu_seqlens,
+                               self.total_tokens)
+            if self.given_max_seqlen < longest:
+                raise ValueError(f"max_seqlen_q={self.given_max_seqlen} is shorter than the longest segment of "
+                                 f"this row ({longest} tokens, the padding tail after cu_seqlens[-1] counted); "
+                                 f"build the params with max_seqlen_q >= {longest}, or leave it None")
         for name in ("max_seqlen", "seq_idx", "renumbered_seq_idx", "cu_seqlens_long", "position_ids", "segments",
                      "covering_cu_seqlens", "nonempty_layout", "fla_conv_layout", "real_tokens"):
             getattr(self, name)

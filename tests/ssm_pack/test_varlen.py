@@ -3,6 +3,8 @@ tight and padded layouts, Megatron-style params (duck-typed), ``materialize`` an
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -148,6 +150,32 @@ def test_unvalidated_params_keep_a_given_max_seqlen_of_zero(monkeypatch):
     monkeypatch.undo()
     unknown = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, total_tokens=4, validate=False)
     assert VarlenBatch.build(unknown, 4).max_seqlen == 4
+
+
+@pytest.mark.parametrize("given, total, error", [
+    pytest.param(0, 5, "max_seqlen_q=0 is shorter than the longest segment of this row (3 tokens", id="zero"),
+    pytest.param(3, 9, "max_seqlen_q=3 is shorter than the longest segment of this row (4 tokens", id="tail-of-4"),
+    pytest.param(2, 5, "max_seqlen_q=2 is shorter than the longest segment of this row (3 tokens", id="a-document"),
+    pytest.param(4, 9, None, id="covers-the-tail"),
+    pytest.param(9, 9, None, id="an-upper-bound"),
+])
+def test_materialize_checks_an_unvalidated_max_seqlen_against_the_tail(given, total, error):
+    """``validate=False`` trusts a given ``max_seqlen_q`` until :meth:`materialize` reads the boundaries:
+    a value below the longest segment (documents [2, 3], the tail ``total - 5`` tokens) is refused
+    there, before a kernel sized by it would leave rows unwritten; validated params (which refuse a
+    value below the longest document) measure it, the tail included."""
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, max_seqlen_q=given, total_tokens=total,
+                             validate=False)
+    batch = VarlenBatch.build(params, total)
+    assert batch.max_seqlen == given                  # nothing is read at build time
+    if error is None:
+        assert batch.materialize() is batch and batch.max_seqlen == given
+    else:
+        with pytest.raises(ValueError, match=re.escape(error)):
+            batch.materialize()
+    checked = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, max_seqlen_q=max(given, 3), total_tokens=total)
+    assert VarlenBatch.build(checked, total).materialize().max_seqlen == max(3, total - 5)
 
 
 @pytest.mark.parametrize("lengths, total, want", [
