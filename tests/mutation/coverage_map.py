@@ -106,11 +106,11 @@ def _naming(root: Path, module: str) -> re.Pattern:
     return re.compile(r"\b(" + "|".join(map(re.escape, [dotted(module)] + names)) + r")\b")
 
 
-def candidate_tests(root: Path, module: str, limit: int) -> list[str]:
-    """Up to ``limit`` test files (relative paths) for ``module``: those that name it or one of its public
-    names, the closest mirrors of its path first, then by how many of its names they use; when fewer
-    than ``limit`` do, the files naming a product module that imports it (the entry points a private
-    helper is tested through), by the same order."""
+def candidate_tests(root: Path, module: str, limit: int | None) -> list[str]:
+    """Up to ``limit`` (``None``: all) test files (relative paths) for ``module``: those that name it
+    or one of its public names, the closest mirrors of its path first, then by how many of its names
+    they use; when fewer than ``limit`` do, the files naming a product module that imports it (the
+    entry points a private helper is tested through), by the same order."""
     root = Path(root)
     direct = _naming(root, module)
     by_importer = [(m, _naming(root, m)) for m in _importers(root, module)]

@@ -80,18 +80,46 @@ def plant(repo: Path, mutant: Generated, run):
         path.write_text(original)
 
 
-def trace(repo: Path, module: str, args, pytest_run) -> tuple[dict, dict, list[str]]:
-    """The coverage map of ``module`` from its candidate test files (within half the module budget)."""
-    files = candidate_tests(repo, module, args.max_test_files)
-    if not files:
-        return {}, {}, []
+def _trace_files(repo: Path, module: str, files: list[str], timeout: float, pytest_run) -> tuple[dict, dict]:
+    """``({line: {test, ...}}, {test: seconds})`` of ``module`` from one traced run of ``files``."""
     log = Path(tempfile.mkdtemp(prefix="ssm-pack-cover-")) / "lines.jsonl"
     children = log.parent / "children"          # spawned interpreters' lines (coverage_map's hook)
     recorder = LineRecorder([repo / module], log, children=children)
     recorder.pytest_configure = lambda config: recorder.start()
-    pytest_run(repo, files, timeout=args.module_budget / 2, first_failure=False, plugins=[recorder])
+    pytest_run(repo, files, timeout=timeout, first_failure=False, plugins=[recorder])
     by_line, seconds = read_map(log, repo, children)
-    return by_line.get(module, {}), seconds, files
+    return by_line.get(module, {}), seconds
+
+
+def next_files(ranked: list[str], traced: int, limit: int, by_line: dict, wanted) -> list[str]:
+    """The next ``limit`` of the ranked candidate files after the ``traced`` first ones, when a line
+    in ``wanted`` has no covering test yet (else none): a line that only a lower-ranked file runs
+    (a context-parallel dispatch line that only the spawned-rank tests reach) is then covered
+    rather than reported "uncovered"."""
+    if all(by_line.get(line) for line in wanted):
+        return []
+    return ranked[traced:traced + limit]
+
+
+def trace(repo: Path, module: str, args, pytest_run, wanted=()) -> tuple[dict, dict, list[str]]:
+    """The coverage map of ``module`` from its candidate test files (within half the module budget):
+    the first ``--max-test-files`` of them, then, if a line in ``wanted`` is still uncovered, the
+    next as many in the budget left."""
+    start, limit = time.monotonic(), args.max_test_files
+    ranked = candidate_tests(repo, module, None)
+    files = ranked[:limit]
+    if not files:
+        return {}, {}, []
+    by_line, seconds = _trace_files(repo, module, files, args.module_budget / 2, pytest_run)
+    more = next_files(ranked, len(files), limit, by_line, wanted)
+    left = args.module_budget / 2 - (time.monotonic() - start)
+    if more and left > 10:
+        extra, extra_seconds = _trace_files(repo, module, more, left, pytest_run)
+        for line, tests in extra.items():
+            by_line.setdefault(line, set()).update(tests)
+        seconds.update(extra_seconds)
+        files = files + more
+    return by_line, seconds, files
 
 
 def signature_body_lines(source: str) -> dict[int, int]:
@@ -135,8 +163,9 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
     every = mutants_of(repo, module)
     listed = [m for m in every if (module, m.fingerprint) in equivalent]
     chosen = sample([m for m in every if (module, m.fingerprint) not in equivalent], args.max_per_module, module)
-    by_line, seconds, files = trace(repo, module, args, pytest_run)
     signatures = signature_body_lines((repo / module).read_text())
+    wanted = {signatures.get(m.line, m.line) for m in chosen}
+    by_line, seconds, files = trace(repo, module, args, pytest_run, wanted)
     rows = []
     for mutant in chosen:
         body_line = signatures.get(mutant.line)

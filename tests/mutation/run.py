@@ -228,7 +228,8 @@ def main(argv=None) -> int:
     lane.add_argument("--max-per-module", type=int, default=40, help="mutants sampled per module")
     lane.add_argument("--module-budget", type=float, default=300.0, help="seconds per module (tracing included)")
     lane.add_argument("--budget", type=float, default=3600.0, help="seconds for the whole lane")
-    lane.add_argument("--max-test-files", type=int, default=8, help="candidate test files traced per module")
+    lane.add_argument("--max-test-files", type=int, default=8,
+                      help="candidate test files traced per module (as many more when a sampled line is uncovered)")
     lane.add_argument("--tests-per-mutant", type=int, default=12,
                       help="covering tests run per mutant (file by file in turn, fastest first)")
     args = parser.parse_args(argv)

@@ -185,7 +185,7 @@ def _lane_run(tmp_path, monkeypatch, killer: str | None):
     from tests.mutation import lane
     (tmp_path / "m.py").write_text("def f(x):\n    return x + 1\n")
     covering = {f"t{i:02d}.py::test" for i in range(13)}
-    monkeypatch.setattr(lane, "trace", lambda repo, module, args, run: ({2: covering}, {}, ["t.py"]))
+    monkeypatch.setattr(lane, "trace", lambda repo, module, args, run, wanted=(): ({2: covering}, {}, ["t.py"]))
     runs = []
 
     def pytest_run(repo, tests, timeout, first_failure):
@@ -207,3 +207,28 @@ def test_a_survivor_has_passed_every_covering_test(tmp_path, monkeypatch):
     rows, runs = _lane_run(tmp_path, monkeypatch, None)
     assert rows and all(r["status"] == "survived" and r["tests"] == 13 for r in rows)
     assert sorted(runs[0] + runs[1]) == sorted(f"t{i:02d}.py::test" for i in range(13))
+
+
+@pytest.mark.parametrize("wanted, traced", [
+    pytest.param({2}, [["f0", "f1"]], id="covered-by-the-first-files"),
+    pytest.param({2, 7}, [["f0", "f1"], ["f2", "f3"]], id="a-line-only-later-files-run"),
+])
+def test_an_uncovered_sampled_line_traces_the_next_candidate_files(monkeypatch, wanted, traced):
+    """The first ``--max-test-files`` candidates cover line 2 only; a sampled mutant on line 7 (a
+    context-parallel dispatch line only the spawned-rank tests reach) traces the next as many, and
+    their tests join the map."""
+    import argparse
+
+    from tests.mutation import lane
+    monkeypatch.setattr(lane, "candidate_tests", lambda repo, module, limit: ["f0", "f1", "f2", "f3", "f4"])
+    runs = []
+
+    def trace_files(repo, module, files, timeout, run):
+        runs.append(list(files))
+        return ({2: {"f0::a"}}, {"f0::a": 1.0}) if files[0] == "f0" else ({7: {"f2::cp"}}, {"f2::cp": 3.0})
+    monkeypatch.setattr(lane, "_trace_files", trace_files)
+    args = argparse.Namespace(max_test_files=2, module_budget=100.0)
+    by_line, seconds, files = lane.trace(Path("."), "m.py", args, None, wanted)
+    assert runs == traced and files == [f for batch in traced for f in batch]
+    assert (7 in by_line) == (len(traced) == 2) and by_line[2] == {"f0::a"}
+    assert lane.next_files(["f0", "f1", "f2"], 2, 2, {2: {"t"}, 7: set()}, {7}) == ["f2"]    # an empty set is uncovered
