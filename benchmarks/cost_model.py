@@ -8,11 +8,13 @@ For one layer of one packed row, one training step (forward + backward), per ran
 
 * bytes sent, ours (state passing, ``mixers.ops.common.cp_exchange``): per layer kind, what the
   layout's plan sends, worked out here from the boundaries and the bounds alone (no torch): a conv
-  sends its last ``J`` inputs (``J * channels``) across each rank boundary a document crosses (a
-  recursive-doubling round where a shard is shorter than ``J``); a scan sends its state ``S`` per
-  crossed boundary, plus ``ceil(log2 k)`` doubling rounds of ``S`` (``S + M`` while the sender's
-  map still depends on what enters it) for a document crossing ``k`` boundaries; attention sends
-  every earlier key and value of a continuing document (``kv`` per key, within the window). The
+  call (``geo["convs"]``: Mamba2's x, B and C are three) sends its last ``J`` inputs
+  (``J * channels``) across each rank boundary a document crosses (recursive-doubling rounds where
+  a shard is shorter than ``J``, ``+ J^2`` while the sender's map still depends on what enters it);
+  a scan sends its state ``S`` per crossed boundary, plus ``ceil(log2 k)`` doubling rounds of
+  ``S`` (``S + M`` while the sender's map still depends on what enters it) for a document crossing
+  ``k`` boundaries; attention sends every earlier key and value of a continuing document (``kv``
+  per key, within the window). The
   backward sends the same bytes back (receiver to sender).
 * bytes sent, all-to-all (Megatron-core's CP for Mamba, Ulysses for the others): the layer's
   inputs go sequence -> head sharded and its output back, each all-to-all keeping ``1/P`` of a
@@ -408,17 +410,22 @@ def dispatched_parts(geo: dict, hidden: int, boundaries, total: int) -> dict:
 
 def _conv_exchange_macs(facts, channels: int, j: int) -> list[int]:
     """Per rank: the products of ``causal_conv1d``'s CP exchange (``mixers.ops.causal_conv1d.cp``),
-    one conv of ``channels`` channels, window ``J``: a rank receiving a window in a doubling round
-    moves it, ``S_in [D, J] @ Shift [J, J]`` (``D J^2``), and its backward takes the received
-    window's gradient, ``grad @ Shift^T`` (``D J^2``; the shift is a constant): ``2 D J^2`` per
-    round received. Rounds that also carry a map (``M``) are not modelled: ``ValueError``."""
+    one conv of ``channels`` channels (``D``), window ``J``, rounds as :func:`chain` plans them with
+    a segment closed where it starts on the rank or fills the window. A rank receiving a window
+    in a doubling round moves it, ``S_recv [D, J] @ M [J, J]`` (``D J^2``), with the received
+    window's gradient ``grad @ M^T`` and, once ``M`` carries a gradient, ``S_recv^T @ grad``; a
+    round that also brings the sender's map composes ``M_recv [J, J] @ M`` (``J^3``), with
+    ``M_recv``'s gradient and, again once ``M`` carries one, ``M``'s. The rank's own ``M`` (the
+    shift by its last segment's tokens) is a constant; it carries a gradient from the first map
+    received on. Per round: ``(2 or 3) D J^2`` + ``(2 or 3) J^3`` where a map comes along."""
     closed = [f["last_starts_here"] or f["last_len"] >= j for f in facts]
     rounds, _ = chain(facts, closed)
     out = [0] * len(facts)
+    graded = [False] * len(facts)
     for _, receiver, with_m in (p for rnd in rounds for p in rnd):
-        if with_m:
-            raise ValueError("a conv doubling round carrying a map: the per-rank dispatched model does not cover it")
-        out[receiver] += 2 * channels * j * j
+        times = 3 if graded[receiver] else 2
+        out[receiver] += times * channels * j * j + (times * j ** 3 if with_m else 0)
+        graded[receiver] = graded[receiver] or with_m
     return out
 
 
@@ -544,7 +551,8 @@ def dispatched_rank_parts(geo: dict, hidden: int, boundaries, lengths, bounds) -
       start, one call over all its segments), + the entering state's correction
       ``einsum(C1 [T1, H, Ns], S_in [H, P, Ns])`` and its two gradients: ``3 H T1 P Ns``; the
       state chain's products are elementwise (a scalar decay per head); + the conv exchange
-      (:func:`_conv_exchange_macs`, ``2 D J^2`` per doubling round received);
+      (:func:`_conv_exchange_macs`, per short conv call: ``2 D J^2`` per doubling round
+      received, more where windows are composed over shards shorter than ``J``);
     * delta rule ``scan`` (``mixers.ops.delta_rule.cp``; ``H`` value heads, ``K`` / ``V`` head
       dims, ``nh`` steps per token: Gated DeltaProduct's ``num_householder``, else 1): the local
       calls ask for per-document final states, so they take the reference's keep-intermediates

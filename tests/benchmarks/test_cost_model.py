@@ -164,9 +164,6 @@ def test_dispatched_rank_model_refuses_what_it_does_not_model():
         cm.dispatched_rank_parts(GEO, 16, [0, 8], [8], (0, 4, 8))
     with pytest.raises(ValueError, match="no per-rank dispatched model for 'rg_lru'"):
         cm.dispatched_rank_parts({**GEO, "dispatch": {"kind": "rg_lru"}}, 16, [0, 8], [8], (0, 4, 8))
-    ssd = {**GEO, "dispatch": {"kind": "ssd", "heads": 1, "head_dim": 4, "state_size": 4, "groups": 1, "chunk": 8}}
-    with pytest.raises(ValueError, match="carrying a map"):        # one document over 4 shards of 1 < J tokens
-        cm.dispatched_rank_parts(ssd, 16, [0, 4], [4], (0, 1, 2, 3, 4))
 
 
 # ------------------------------------------------------------------ per CP rank, one process: the delta rule
@@ -176,10 +173,11 @@ def _fake_all_to_all(out, buffer, recv_splits, send_splits, group=None):
         out.copy_(torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(out.numel())))
 
 
-def _rank_counts(subject, lengths, total, bounds, monkeypatch) -> tuple[list[dict], object]:
+def _rank_counts(subject, lengths, total, bounds, monkeypatch, traffic=None) -> tuple[list[dict], object]:
     """Per rank, the multiply-adds one forward + backward of the subject's layer dispatches on that
     rank's shard, every rank run alone in this process (a stand-in group, the exchange answering
-    random numbers: the same calls and products as on a gloo run)."""
+    random numbers: the same calls and products as on a gloo run); ``traffic``: a list that gets
+    each rank's exchange events (``record_traffic``)."""
     from benchmarks.op_counts import MatmulCounter
     from mixers.ops.common import cp_exchange
     from ssm_pack import PackedSeqParams, shard_for_context_parallel
@@ -192,15 +190,17 @@ def _rank_counts(subject, lengths, total, bounds, monkeypatch) -> tuple[list[dic
         start, end, local = shard_for_context_parallel(params, rank, world, bounds=bounds)
         local.cp_group = FakeGroup(world)
         x = torch.randn(1, end - start, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
-        with MatmulCounter(module) as counter:
+        with cp_exchange.record_traffic() as sent, MatmulCounter(module) as counter:
             module(x.requires_grad_(), packed_seq_params=local).square().sum().backward()
         assert not counter.unknown
         counted.append(dict(counter.macs))
+        if traffic is not None:
+            traffic.append(sent.events)
     return counted, module.config
 
 
 # chunks of 8 steps (Gated DeltaProduct: 4 tokens of 2 sub-steps), conv window J = 3 (every shard
-# holds at least 3 tokens: no conv window is composed over ranks)
+# holds at least 3 tokens: ``test_conv_windows_composed_over_ranks`` has the shorter ones)
 RANK_ROWS = [
     pytest.param([1, 12, 1, 7], 24, (0, 5, 13, 24), id="short_docs_long_doc_tail"),   # 1-token documents,
     # a 12-token one from rank 0 into rank 1 (which starts mid-document), a 3-token tail
@@ -245,6 +245,34 @@ def test_the_delta_rank_work_follows_the_documents(monkeypatch):
         got.append(counted[0]["other"])
     assert (config.num_v_heads, config.head_dim, config.head_v_dim, config.chunk_size) == (4, 4, 8, 8)
     assert got == [74_752, 80_896]
+
+
+@pytest.mark.parametrize("lengths, total, bounds", [
+    pytest.param([4], 4, (0, 1, 2, 3, 4), id="one_token_shards"),
+    pytest.param([2, 9], 14, (0, 3, 4, 5, 6, 7, 9, 14), id="short_shards_mid_document"),
+])
+@pytest.mark.parametrize("subject", [pytest.param(s, id=s) for s in ("M", "G", "K", "P")])
+def test_conv_windows_composed_over_ranks(subject, lengths, total, bounds, monkeypatch):
+    """Shards shorter than the conv window J = 3 inside one document: the conv's doubling rounds
+    carry maps (``M_recv @ M``, and ``S_recv @ M`` with ``M``'s gradient once it carries one).
+    Per rank, the dispatched model and the conv bytes equal the count, each short conv call (Mamba2's
+    x, B and C apart) exchanging its own window. Negative control: Mamba2's conv as one call of all
+    its channels sends and multiplies less than the run."""
+    traffic = []
+    counted, config = _rank_counts(subject, lengths, total, bounds, monkeypatch, traffic)
+    geo, boundaries = _geometry(subject, config), [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    cover, facts = cm.cover_of(boundaries, total), cm.rank_facts(cm.cover_of(boundaries, total), bounds)
+    assert any(m for rnd in cm.chain(facts, [f["last_starts_here"] or f["last_len"] >= 3 for f in facts])[0]
+               for _, _, m in rnd)                                               # a round carries a map
+    model = cm.dispatched_rank_parts(geo, config.hidden_size, boundaries, lengths, bounds)
+    assert model == [{"projections": c["projections"], "attention": 0, "scan": c["other"]} for c in counted]
+    sent = [_by_kind(events)["conv"] for events in traffic]
+    assert [rank["conv"] for rank in cm.ours_bytes(cover, bounds, geo, 8, 8)] == sent
+    if subject == "M":
+        one = {**geo, "convs": [sum(geo["convs"])]}
+        assert [p["scan"] for p in cm.dispatched_rank_parts(one, config.hidden_size, boundaries, lengths, bounds)
+                ] != [c["other"] for c in counted]
+        assert [rank["conv"] for rank in cm.ours_bytes(cover, bounds, one, 8, 8)] != sent
 
 
 def test_the_layout_exercises_every_branch():
