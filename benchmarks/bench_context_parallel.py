@@ -42,9 +42,10 @@ MIB = 2 ** 20
 
 # ------------------------------------------------------------------------------- layer geometry
 def geometry(name: str, cfg) -> dict:
-    """Per layer: the exchanged pieces (``convs``: channels of each short conv; ``state``/``m``:
-    elements of S and M; ``kv``: elements of one key+value row), the a2a widths and ``proj``: the
-    multiply-adds of the layer's projections per token, forward (every ``nn.Linear``); ``dispatch``
+    """Per layer: the exchanged pieces (``convs``: channels of each short conv call, each exchanging
+    its own window: Mamba2's x, B and C apart; ``state``/``m``: elements of S and M; ``kv``: elements
+    of one key+value row), the a2a widths and ``proj``: the multiply-adds of the layer's projections
+    per token, forward (every ``nn.Linear``); ``dispatch``
     (Mamba2, GatedDeltaNet, KDA, Gated DeltaProduct, attention): the backend and sizes
     ``cost_model.dispatched_parts`` needs."""
     if name == "Attention":
@@ -55,7 +56,9 @@ def geometry(name: str, cfg) -> dict:
                     dispatch=dict(kind="attention", q_heads=hq, head_dim=d, left=left))
     if name == "Mamba2":
         conv = cfg.d_inner + 2 * cfg.num_groups * cfg.state_size
-        return dict(convs=[conv], state=cfg.num_heads * cfg.head_dim * cfg.state_size, m=cfg.num_heads,
+        # x, B and C go through the short conv as three calls, each exchanging its own window
+        gn = cfg.num_groups * cfg.state_size
+        return dict(convs=[cfg.d_inner, gn, gn], state=cfg.num_heads * cfg.head_dim * cfg.state_size, m=cfg.num_heads,
                     w_in=cfg.d_inner + conv + cfg.num_heads, w_out=cfg.d_inner, width=cfg.conv_size,
                     heads=cfg.num_heads, proj=cfg.hidden_size * (2 * cfg.d_inner + conv + cfg.num_heads),
                     dispatch=dict(kind="ssd", heads=cfg.num_heads, head_dim=cfg.head_dim, state_size=cfg.state_size,

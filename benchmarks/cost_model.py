@@ -8,11 +8,13 @@ For one layer of one packed row, one training step (forward + backward), per ran
 
 * bytes sent, ours (state passing, ``mixers.ops.common.cp_exchange``): per layer kind, what the
   layout's plan sends, worked out here from the boundaries and the bounds alone (no torch): a conv
-  sends its last ``J`` inputs (``J * channels``) across each rank boundary a document crosses (a
-  recursive-doubling round where a shard is shorter than ``J``); a scan sends its state ``S`` per
-  crossed boundary, plus ``ceil(log2 k)`` doubling rounds of ``S`` (``S + M`` while the sender's
-  map still depends on what enters it) for a document crossing ``k`` boundaries; attention sends
-  every earlier key and value of a continuing document (``kv`` per key, within the window). The
+  call (``geo["convs"]``: Mamba2's x, B and C are three) sends its last ``J`` inputs
+  (``J * channels``) across each rank boundary a document crosses (recursive-doubling rounds where
+  a shard is shorter than ``J``, ``+ J^2`` while the sender's map still depends on what enters it);
+  a scan sends its state ``S`` per crossed boundary, plus ``ceil(log2 k)`` doubling rounds of
+  ``S`` (``S + M`` while the sender's map still depends on what enters it) for a document crossing
+  ``k`` boundaries; attention sends every earlier key and value of a continuing document (``kv``
+  per key, within the window). The
   backward sends the same bytes back (receiver to sender).
 * bytes sent, all-to-all (Megatron-core's CP for Mamba, Ulysses for the others): the layer's
   inputs go sequence -> head sharded and its output back, each all-to-all keeping ``1/P`` of a
@@ -37,8 +39,10 @@ For one layer of one packed row, one training step (forward + backward), per ran
   ``dispatched_delta_product_macs`` (Gated DeltaProduct) and ``dispatched_attention_macs``, together
   ``dispatched_parts`` (one process, one packed row; equal to ``benchmarks.op_counts``'s count,
   checked in ``tests/benchmarks/test_cost_model.py`` and asserted by ``bench_cost_model``);
-  ``dispatched_rank_parts`` adds each context-parallel rank's exchange products, exact per rank
-  for Mamba2 and attention (the delta-rule kinds: the ideal parts stay a lower bound).
+  ``dispatched_rank_parts`` gives the same per context-parallel rank, exact for every one of these
+  kinds: the local pass on the shard (for the delta rule, the reference's keep-intermediates path,
+  whose per-document products follow where the shard's documents end inside the chunks) plus the
+  exchange's products (checked per rank on gloo runs and on single-rank layouts).
 * activation memory: ``tokens * (hidden + W_in + W_out) * b`` kept for backward (an estimate of the
   layer's inputs and outputs, ``1/P`` of one process), plus, for ours, the keys and values received.
 """
@@ -406,17 +410,22 @@ def dispatched_parts(geo: dict, hidden: int, boundaries, total: int) -> dict:
 
 def _conv_exchange_macs(facts, channels: int, j: int) -> list[int]:
     """Per rank: the products of ``causal_conv1d``'s CP exchange (``mixers.ops.causal_conv1d.cp``),
-    one conv of ``channels`` channels, window ``J``: a rank receiving a window in a doubling round
-    moves it, ``S_in [D, J] @ Shift [J, J]`` (``D J^2``), and its backward takes the received
-    window's gradient, ``grad @ Shift^T`` (``D J^2``; the shift is a constant): ``2 D J^2`` per
-    round received. Rounds that also carry a map (``M``) are not modelled: ``ValueError``."""
+    one conv of ``channels`` channels (``D``), window ``J``, rounds as :func:`chain` plans them with
+    a segment closed where it starts on the rank or fills the window. A rank receiving a window
+    in a doubling round moves it, ``S_recv [D, J] @ M [J, J]`` (``D J^2``), with the received
+    window's gradient ``grad @ M^T`` and, once ``M`` carries a gradient, ``S_recv^T @ grad``; a
+    round that also brings the sender's map composes ``M_recv [J, J] @ M`` (``J^3``), with
+    ``M_recv``'s gradient and, again once ``M`` carries one, ``M``'s. The rank's own ``M`` (the
+    shift by its last segment's tokens) is a constant; it carries a gradient from the first map
+    received on. Per round: ``(2 or 3) D J^2`` + ``(2 or 3) J^3`` where a map comes along."""
     closed = [f["last_starts_here"] or f["last_len"] >= j for f in facts]
     rounds, _ = chain(facts, closed)
     out = [0] * len(facts)
+    graded = [False] * len(facts)
     for _, receiver, with_m in (p for rnd in rounds for p in rnd):
-        if with_m:
-            raise ValueError("a conv doubling round carrying a map: the per-rank dispatched model does not cover it")
-        out[receiver] += 2 * channels * j * j
+        times = 3 if graded[receiver] else 2
+        out[receiver] += times * channels * j * j + (times * j ** 3 if with_m else 0)
+        graded[receiver] = graded[receiver] or with_m
     return out
 
 
@@ -425,17 +434,115 @@ def _longest_in(cover: list[int], lo: int, hi: int) -> int:
     return max([min(b, hi) - max(a, lo) for a, b in zip(cover[:-1], cover[1:]) if min(b, hi) > max(a, lo)] or [0])
 
 
+def _run_width(n: int) -> int:
+    """The padded length of a run of ``n`` tokens in :func:`mixers.ops.common.grouped.buckets`: the
+    next power of two (runs are batched by that length, padding included in every product)."""
+    return 1 << (int(n) - 1).bit_length()
+
+
+def _last_chunk_runs(pieces, steps_per_token: int, chunk: int) -> list[int]:
+    """Per non-empty piece ``(a, b)`` (tokens of one call), the steps of its run inside its last
+    chunk (``varlen_states.doc_final_states``: from ``max(start, last chunk's start)`` to its end),
+    a token being ``steps_per_token`` steps (Gated DeltaProduct's sub-steps)."""
+    runs = []
+    for a, b in pieces:
+        if b > a:
+            end = steps_per_token * b
+            runs.append(end - max(steps_per_token * a, (end - 1) // chunk * chunk))
+    return runs
+
+
+def _delta_keep_macs(steps: int, runs, *, heads: int, key_dim: int, value_dim: int, chunk: int, channel: bool,
+                     init: bool, final_used: bool) -> int:
+    """Multiply-adds of forward + backward one call of the chunked delta rule on the reference's
+    keep-intermediates path (``reference._chunked`` with ``keep_intermediates``: per-document final
+    states asked for; ``PrepFunction``, ``_composed`` and ``varlen_states``), one row of ``steps``
+    steps whose documents end in last-chunk runs of ``runs`` steps (:func:`_last_chunk_runs`).
+
+        C = ceil(n / L) chunks, n = steps, L = chunk, H = heads, N = C H chunk-heads, K = key dim,
+        V' = value_dim (the call's value columns), Kg = K (``channel``: KDA's gate) or 1,
+        p(x) = x rounded up to a power of two (:func:`_run_width`)
+
+    Per chunk-head, ``Gk + 6 L^2 Kg + 2 I(L) + 4 L^2 (K + V') + 3 L^2 V'``
+    (``PrepFunction``: its backward recomputes the whole preparation, then ``prep_backward``):
+
+    * ``Gk``, the Grams: scalar gate ``8 L^2 K``, ``[q; beta k] [2L, K] @ k^T`` in the forward and
+      in the recompute (2 + 2) and the backward's ``dS [2L, L] @ k``, ``dS^T @ [q; beta k]``
+      (2 + 2); per-channel gate ``Gc(L)`` (:func:`_channel_gram_macs`: the levels in the forward
+      and the recompute, and their backward, as on the fast path);
+    * ``6 L^2 Kg``: the segmented sums ``sums [2L, L] @ g [L, H Kg]`` per chunk (forward,
+      recompute) and their backward ``sums^T [L, 2L] @ [dG | dsuf]``;
+    * ``2 I(L)``: the blocked WY inverse (:func:`_wy_inverse_macs`), forward and recompute;
+    * ``4 L^2 (K + V')``: ``[W | U] = T [L, L] @ R [L, K + V']`` (forward, recompute) and its
+      backward ``T^T @ [dW | dU]``, ``dR_W [L, K] @ W^T``, ``dR_U [L, V'] @ U^T``;
+    * ``3 L^2 V'``: ``qk [L, L] @ delta [L, V']`` and its two gradients.
+
+    The recurrence (``_composed``, chunk by chunk) and the reads: ``(9 C - 3) H L K V'``
+    (``5 H L K V'`` for one chunk):
+
+    * ``w_read [L, K] @ S [K, V']`` per chunk and its two gradients, but the first chunk's state
+      (zeros) has none: ``3 C - 1``;
+    * ``k_out^T [K, L] @ delta [L, V']`` per chunk and its two gradients, but the state leaving the
+      last chunk feeds nothing (the final states are rebuilt from the chunks): ``3 C - 2``;
+    * ``q_read [L, K] @ S_enter [K, V']``, all chunks in one product, the gradient of ``q_read``
+      and, with more than one chunk (the stacked entering states then carry a gradient), of
+      ``S_enter``: ``3 C`` (``2`` for one chunk).
+
+    Per document, on runs padded to powers of two (``mixers.ops.common.grouped.buckets``):
+
+    * the final state (``doc_final_states``): ``keys^T [K, p(n)] @ delta [p(n), V']`` over its run
+      of ``n`` steps in its last chunk, ``H K V' p(n)``, and its two gradients where the call's
+      final states reach the loss (``final_used``: the state sent on to the next rank), else
+      forward only;
+    * ``init`` (one document from step 0 with an initial state ``S0``: the CP continuing call's
+      ``[0 | I]``): the corrections ``W [p(m), K] @ S0 [K, V']`` and the reads
+      ``(exp(G) q) [p(m), K] @ S0`` on its first-chunk run of ``m = min(n, L)`` steps, each with
+      the rows' gradient only (``S0`` is a constant): ``4 H K V' p(m)``."""
+    L, h, k, v = int(chunk), int(heads), int(key_dim), int(value_dim)
+    c = _chunks(steps, L)
+    kg = k if channel else 1
+    grams = _channel_gram_macs(L, k) if channel else 8 * L * L * k
+    per = grams + 6 * L * L * kg + 2 * _wy_inverse_macs(L) + 4 * L * L * (k + v) + 3 * L * L * v
+    total = c * h * per + (9 * c - (3 if c > 1 else 4)) * h * L * k * v
+    if init:
+        total += 4 * h * k * v * _run_width(min(steps, L))
+    return total + (3 if final_used else 1) * h * k * v * sum(_run_width(n) for n in runs)
+
+
+def _delta_rank_scan(kind: str, spec: dict, cover: list[int], facts: list[dict], bounds, rank: int, t1: int,
+                     received: list[bool]) -> int:
+    """The delta rule's ``scan`` on one CP rank (``mixers.ops.delta_rule.cp.delta_rule_cp``), the
+    conv exchange apart: see :func:`dispatched_rank_parts`. ``received``: per doubling round this
+    rank receives in, whether a map came along."""
+    nh = int(spec.get("num_householder", 1))
+    h, k, v, L = int(spec["heads"]), int(spec["key_dim"]), int(spec["value_dim"]), int(spec["chunk"])
+    f, start, end = facts[rank], bounds[rank], bounds[rank + 1]
+    closed = f["last_starts_here"]
+    sizes = dict(heads=h, key_dim=k, chunk=L, channel=kind == "kda")
+    scan = 0
+    if t1:           # the continuing segment apart, K more value columns, from [0 | I]
+        scan += _delta_keep_macs(nh * t1, _last_chunk_runs([(0, t1)], nh, L), value_dim=v + k, init=True,
+                                 final_used=f["continues_out"] and not closed, **sizes)
+        scan += 3 * h * t1 * k * v                          # o1 [T1, K] @ S_in [K, V] per head, two gradients
+    if t1 < end - start:  # the documents starting here (and the tail), one call
+        lo = start + t1
+        pieces = [(max(a, lo) - lo, min(b, end) - lo) for a, b in zip(cover[:-1], cover[1:])]
+        scan += _delta_keep_macs(nh * (end - lo), _last_chunk_runs(pieces, nh, L), value_dim=v, init=False,
+                                 final_used=f["continues_out"] and closed, **sizes)
+    for with_m in received:       # S <- M @ S_recv (+ M <- M @ M_recv), each with two gradients
+        scan += 3 * h * k * k * v + (3 * h * k * k * k if with_m else 0)
+    return scan
+
+
 def dispatched_rank_parts(geo: dict, hidden: int, boundaries, lengths, bounds) -> list[dict]:
     """Per rank ``{"projections", "attention", "scan"}``: what one forward + backward of one layer
-    dispatches on each context-parallel rank (``bounds``) of one packed row (document slots starting
-    at ``boundaries``, ``bounds[-1]`` tokens; ``lengths`` unused, for ``work_parts``' signature),
-    as :class:`benchmarks.op_counts.MatmulCounter` counts it there. Exact per rank (checked on the
-    gloo runs of ``tests/benchmarks/test_cost_model.py``, fp64) for **Mamba2** and **attention**
-    (plain and windowed); other kinds raise ``ValueError`` (their ideal ``work_parts`` is a lower
-    bound): the delta rule's CP pass asks its local calls for per-document final states, which
-    takes the reference's keep-intermediates path (not the one-process fast path that
-    ``dispatched_delta_macs`` models) and ``doc_final_states``, whose products follow the
-    documents' runs per chunk, not the token count alone. ``T_r`` = a rank's tokens, ``T1`` = its
+    (a training step: no initial states, no final states asked for) dispatches on each
+    context-parallel rank (``bounds``) of one packed row (document slots starting at
+    ``boundaries``, ``bounds[-1]`` tokens; ``lengths`` unused, for ``work_parts``' signature), as
+    :class:`benchmarks.op_counts.MatmulCounter` counts it there. Exact per rank (checked on the
+    gloo runs of ``tests/benchmarks/test_cost_model.py``, fp64, and on single-rank layouts there)
+    for **Mamba2**, **GatedDeltaNet**, **KDA**, **Gated DeltaProduct** and **attention** (plain
+    and windowed); another kind raises ``ValueError``. ``T_r`` = a rank's tokens, ``T1`` = its
     first segment's tokens where that continues a document from earlier ranks (else 0), ``T_pre``
     its keys on earlier ranks a query can reach.
 
@@ -444,7 +551,28 @@ def dispatched_rank_parts(geo: dict, hidden: int, boundaries, lengths, bounds) -
       start, one call over all its segments), + the entering state's correction
       ``einsum(C1 [T1, H, Ns], S_in [H, P, Ns])`` and its two gradients: ``3 H T1 P Ns``; the
       state chain's products are elementwise (a scalar decay per head); + the conv exchange
-      (:func:`_conv_exchange_macs`, ``2 D J^2`` per doubling round received);
+      (:func:`_conv_exchange_macs`, per short conv call: ``2 D J^2`` per doubling round
+      received, more where windows are composed over shards shorter than ``J``);
+    * delta rule ``scan`` (``mixers.ops.delta_rule.cp``; ``H`` value heads, ``K`` / ``V`` head
+      dims, ``nh`` steps per token: Gated DeltaProduct's ``num_householder``, else 1): the local
+      calls ask for per-document final states, so they take the reference's keep-intermediates
+      path (:func:`_delta_keep_macs`, not the one-process fast path of ``dispatched_delta_macs``),
+      whose per-document products follow where the documents end inside the chunks (a rank's
+      16 tokens, its last document going on, count 74,752 as one document and 80,896 as four of
+      3, 5, 3 and 5 tokens: GatedDeltaNet, 4 value heads of ``K = 4``, ``V = 8``, ``L = 8``):
+
+      - a continuing rank runs its first segment apart, ``nh T1`` steps with ``V + K`` value
+        columns (the extra K carry the map ``M``) from the initial state ``[0 | I]``:
+        ``_delta_keep_macs(nh T1, value_dim=V + K, init)``, its final state's gradient taken where
+        that segment leaves the rank; + the entering state's correction
+        ``o1 [T1, K] @ S_in [K, V]`` per head and its two gradients: ``3 H T1 K V``;
+      - the tokens after it (all of them on a rank whose first segment starts there), one call
+        over their documents and the tail: ``_delta_keep_macs(nh (T_r - T1), value_dim=V)``, the
+        final states' gradients taken where the rank's last segment starts on it and leaves it;
+      - the state chain (``chain_scan``): per doubling round received, ``M [K, K] @ S_recv [K, V]``
+        per head (``3 H K^2 V`` with its gradients) and, where a map comes along,
+        ``M @ M_recv`` (``3 H K^3``); the final shift only hands ``S_in`` over;
+      - + the conv exchange of its three short convs (:func:`_conv_exchange_macs`);
     * attention: a rank whose first segment starts on it runs the blockwise reference over the
       shard, ``dispatched_attention_macs(T_r, span)`` with ``span`` its longest local segment; a
       continuing rank runs that on the ``T_r - T1`` tokens after the segment (0 if none) and the
@@ -454,13 +582,15 @@ def dispatched_rank_parts(geo: dict, hidden: int, boundaries, lengths, bounds) -
       the four gradients ``do v^T``, ``p^T do``, ``ds k``, ``ds^T q``)."""
     spec = dict(geo.get("dispatch") or {})
     kind = spec.pop("kind", None)
-    if kind not in ("ssd", "attention"):
-        raise ValueError(f"no per-rank dispatched model for {kind!r} (exact per rank: ssd, attention)")
+    if kind not in ("ssd", "delta", "kda", "delta_product", "attention"):
+        raise ValueError(f"no per-rank dispatched model for {kind!r} (exact per rank: ssd, delta, kda, "
+                         "delta_product, attention)")
     cover = cover_of(boundaries, bounds[-1])
     facts = rank_facts(cover, bounds)
     conv = [0] * len(facts)
     for channels in geo["convs"]:
         conv = [a + b for a, b in zip(conv, _conv_exchange_macs(facts, channels, geo["width"] - 1))]
+    rounds, _ = chain(facts, [f["last_starts_here"] for f in facts])
     parts = []
     for r, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         f, tokens = facts[r], end - start
@@ -469,6 +599,9 @@ def dispatched_rank_parts(geo: dict, hidden: int, boundaries, lengths, bounds) -
         if kind == "ssd":
             h, p, ns = spec["heads"], spec["head_dim"], spec["state_size"]
             rank["scan"] = dispatched_ssd_macs(tokens, **spec) + 3 * h * t1 * p * ns + conv[r]
+        elif kind != "attention":
+            received = [with_m for rnd in rounds for _, j, with_m in rnd if j == r]
+            rank["scan"] = _delta_rank_scan(kind, spec, cover, facts, bounds, r, t1, received) + conv[r]
         else:
             rest = tokens - t1
             if rest:

@@ -11,7 +11,9 @@ equal those counted from the attention spec's own mask. Dispatched work: on one 
 part of ``dispatched_parts`` (the scans' and attention's products too) equals the counted
 multiply-adds on packed rows (a 1-token document, one longer than a chunk and not a multiple of
 it, a padding tail), and the ideal figures do not; per CP rank, ``dispatched_rank_parts`` equals
-the counted multiply-adds on every rank of the gloo runs for Mamba2 and (windowed) attention.
+the counted multiply-adds on every rank of the gloo runs for every subject, and, for the delta
+rule (whose CP pass depends on where the shard's documents end inside the chunks), on every rank
+of more layouts, each rank counted in one process with the exchange answering random numbers.
 The plan's arithmetic also equals ``bench_context_parallel``'s plan (built on the real layout) on
 many rows without any run.
 """
@@ -131,17 +133,18 @@ def test_the_scan_and_attention_parts_are_lower_bounds(measured, subject):
     assert all(c >= m["scan"] + m["attention"] > 0 for c, m in zip(counted, model))
 
 
-RANK_EXACT = ("M", "A", "Aw")       # ``dispatched_rank_parts`` is exact per rank for these
+RANK_EXACT = SUBJECTS               # ``dispatched_rank_parts`` is exact per rank for these
 
 
 @pytest.mark.parametrize("subject", [pytest.param(s, id=s) for s in RANK_EXACT])
 def test_dispatched_rank_model_equals_the_counted_matmuls(measured, subject):
     """Per CP rank, every part of ``dispatched_rank_parts`` == the counted matmuls on the gloo run
     (``attention + scan`` is the count's ``other``): the local chunked pass on the shard plus the
-    exchange's products (the SSD's entering-state correction and conv windows; attention's
-    continuing segment over the received keys). Negative controls: the one-process model of the
-    shard alone (no exchange products) misses the continuing ranks, and the model of the same
-    row on shards one token off differs."""
+    exchange's products (the SSD's entering-state correction and conv windows; the delta rule's
+    keep-intermediates calls, state chain and correction; attention's continuing segment over the
+    received keys). Negative controls: the one-process model of the shard alone (no exchange
+    products; for the delta rule, the fast path) misses the continuing ranks (every rank for the
+    delta rule), and the model of the same row on shards one token off differs."""
     config = measured[0][subject]["config"]
     geo = _geometry(subject, config)
     boundaries = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
@@ -150,18 +153,126 @@ def test_dispatched_rank_model_equals_the_counted_matmuls(measured, subject):
     rest = "attention" if subject.startswith("A") else "scan"
     assert model == [{"projections": c["projections"], "attention": 0, "scan": 0, rest: c["other"]} for c in counted]
     alone = [cm.dispatched_parts(geo, config.hidden_size, [0, hi - a], hi - a) for a, hi in zip(BOUNDS, BOUNDS[1:])]
-    assert [a[rest] == c["other"] for a, c in zip(alone, counted)] == [True, False, False]
+    fast_path_alone = subject[0] in "MA"          # the delta rule's CP calls never take the fast path
+    assert [a[rest] == c["other"] for a, c in zip(alone, counted)] == [fast_path_alone, False, False]
     shifted = cm.dispatched_rank_parts(geo, config.hidden_size, boundaries, LENGTHS, (0, 9, 10, 36))
     assert [p[rest] for p in shifted] != [c["other"] for c in counted]
 
 
 def test_dispatched_rank_model_refuses_what_it_does_not_model():
-    geo = {**GEO, "dispatch": {"kind": "delta", "heads": 1, "key_dim": 4, "value_dim": 4, "chunk": 8}}
-    with pytest.raises(ValueError, match="no per-rank dispatched model"):
-        cm.dispatched_rank_parts(geo, 16, [0, 8], [8], (0, 4, 8))
-    ssd = {**GEO, "dispatch": {"kind": "ssd", "heads": 1, "head_dim": 4, "state_size": 4, "groups": 1, "chunk": 8}}
-    with pytest.raises(ValueError, match="carrying a map"):        # one document over 4 shards of 1 < J tokens
-        cm.dispatched_rank_parts(ssd, 16, [0, 4], [4], (0, 1, 2, 3, 4))
+    with pytest.raises(ValueError, match="no per-rank dispatched model for None"):       # no dispatch at all
+        cm.dispatched_rank_parts(GEO, 16, [0, 8], [8], (0, 4, 8))
+    with pytest.raises(ValueError, match="no per-rank dispatched model for 'rg_lru'"):
+        cm.dispatched_rank_parts({**GEO, "dispatch": {"kind": "rg_lru"}}, 16, [0, 8], [8], (0, 4, 8))
+
+
+# ------------------------------------------------------------------ per CP rank, one process: the delta rule
+def _fake_all_to_all(out, buffer, recv_splits, send_splits, group=None):
+    """The exchange of a single rank: what arrives is random (the products do not depend on it)."""
+    with torch.no_grad():
+        out.copy_(torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(out.numel())))
+
+
+def _rank_counts(subject, lengths, total, bounds, monkeypatch, traffic=None) -> tuple[list[dict], object]:
+    """Per rank, the multiply-adds one forward + backward of the subject's layer dispatches on that
+    rank's shard, every rank run alone in this process (a stand-in group, the exchange answering
+    random numbers: the same calls and products as on a gloo run); ``traffic``: a list that gets
+    each rank's exchange events (``record_traffic``)."""
+    from benchmarks.op_counts import MatmulCounter
+    from mixers.ops.common import cp_exchange
+    from ssm_pack import PackedSeqParams, shard_for_context_parallel
+    from tests.context_parallel.cases import HIDDEN
+    from tests.context_parallel.test_shard import FakeGroup
+    monkeypatch.setattr(cp_exchange.dist, "all_to_all_single", _fake_all_to_all)
+    module, world, counted = _module(subject), len(bounds) - 1, []
+    for rank in range(world):
+        params = PackedSeqParams.from_lengths(lengths, total_tokens=total)
+        start, end, local = shard_for_context_parallel(params, rank, world, bounds=bounds)
+        local.cp_group = FakeGroup(world)
+        x = torch.randn(1, end - start, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+        with cp_exchange.record_traffic() as sent, MatmulCounter(module) as counter:
+            module(x.requires_grad_(), packed_seq_params=local).square().sum().backward()
+        assert not counter.unknown
+        counted.append(dict(counter.macs))
+        if traffic is not None:
+            traffic.append(sent.events)
+    return counted, module.config
+
+
+# chunks of 8 steps (Gated DeltaProduct: 4 tokens of 2 sub-steps), conv window J = 3 (every shard
+# holds at least 3 tokens: ``test_conv_windows_composed_over_ranks`` has the shorter ones)
+RANK_ROWS = [
+    pytest.param([1, 12, 1, 7], 24, (0, 5, 13, 24), id="short_docs_long_doc_tail"),   # 1-token documents,
+    # a 12-token one from rank 0 into rank 1 (which starts mid-document), a 3-token tail
+    pytest.param([20, 3], 26, (0, 4, 9, 15, 26), id="one_doc_over_four_ranks"),       # doubling rounds with maps
+    pytest.param([6, 7, 9, 2], 30, (0, 11, 30), id="chunk_edges"),                    # documents across chunk edges
+    pytest.param([5, 3], 20, (0, 6, 12, 20), id="tail_over_ranks"),                   # the padding tail continues
+    pytest.param([8, 8, 16], 32, (0, 16, 32), id="whole_chunks"),                     # runs of exactly a chunk
+    pytest.param([17, 5], 22, (0, 16, 22), id="one_doc_in_16"),                       # rank 0: one document,
+    pytest.param([3, 5, 3, 7, 4], 22, (0, 16, 22), id="four_docs_in_16"),             # or four, going on
+]
+
+
+@pytest.mark.parametrize("lengths, total, bounds", RANK_ROWS)
+@pytest.mark.parametrize("subject", [pytest.param(s, id=s) for s in ("G", "K", "P")])
+def test_delta_rank_model_equals_the_counted_matmuls_per_layout(subject, lengths, total, bounds, monkeypatch):
+    """Per rank of each layout, ``dispatched_rank_parts`` == the counted matmuls of the rank's
+    forward + backward (the continuing segment's call with K more value columns, the call over the
+    documents starting on the rank, per-document final states on runs padded to powers of two, the
+    state chain's ``M @ S`` and ``M @ M``, the entering state's correction, the conv windows).
+    Negative controls: the same shards read as one segment (the layout ignored) and the one-process
+    fast-path model of each shard alone do not match."""
+    counted, config = _rank_counts(subject, lengths, total, bounds, monkeypatch)
+    geo, boundaries = _geometry(subject, config), [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    model = cm.dispatched_rank_parts(geo, config.hidden_size, boundaries, lengths, bounds)
+    assert model == [{"projections": c["projections"], "attention": 0, "scan": c["other"]} for c in counted]
+    blind = cm.dispatched_rank_parts(geo, config.hidden_size, [0], [], bounds)
+    assert [p["scan"] for p in blind] != [c["other"] for c in counted]
+    alone = [cm.dispatched_parts(geo, config.hidden_size, [0, hi - a], hi - a)["scan"]
+             for a, hi in zip(bounds, bounds[1:])]
+    assert all(a < c["other"] for a, c in zip(alone, counted))
+
+
+def test_the_delta_rank_work_follows_the_documents(monkeypatch):
+    """The figures of ``dispatched_rank_parts``' docstring: rank 0's 16 tokens, its last document going
+    on, counted as one document and as four (3, 5, 3, 5 tokens); the model gives both."""
+    got = []
+    for lengths in ([17, 5], [3, 5, 3, 7, 4]):
+        counted, config = _rank_counts("G", lengths, 22, (0, 16, 22), monkeypatch)
+        boundaries = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        model = cm.dispatched_rank_parts(_geometry("G", config), config.hidden_size, boundaries, lengths, (0, 16, 22))
+        assert model[0]["scan"] == counted[0]["other"]
+        got.append(counted[0]["other"])
+    assert (config.num_v_heads, config.head_dim, config.head_v_dim, config.chunk_size) == (4, 4, 8, 8)
+    assert got == [74_752, 80_896]
+
+
+@pytest.mark.parametrize("lengths, total, bounds", [
+    pytest.param([4], 4, (0, 1, 2, 3, 4), id="one_token_shards"),
+    pytest.param([2, 9], 14, (0, 3, 4, 5, 6, 7, 9, 14), id="short_shards_mid_document"),
+])
+@pytest.mark.parametrize("subject", [pytest.param(s, id=s) for s in ("M", "G", "K", "P")])
+def test_conv_windows_composed_over_ranks(subject, lengths, total, bounds, monkeypatch):
+    """Shards shorter than the conv window J = 3 inside one document: the conv's doubling rounds
+    carry maps (``M_recv @ M``, and ``S_recv @ M`` with ``M``'s gradient once it carries one).
+    Per rank, the dispatched model and the conv bytes equal the count, each short conv call (Mamba2's
+    x, B and C apart) exchanging its own window. Negative control: Mamba2's conv as one call of all
+    its channels sends and multiplies less than the run."""
+    traffic = []
+    counted, config = _rank_counts(subject, lengths, total, bounds, monkeypatch, traffic)
+    geo, boundaries = _geometry(subject, config), [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    cover, facts = cm.cover_of(boundaries, total), cm.rank_facts(cm.cover_of(boundaries, total), bounds)
+    assert any(m for rnd in cm.chain(facts, [f["last_starts_here"] or f["last_len"] >= 3 for f in facts])[0]
+               for _, _, m in rnd)                                               # a round carries a map
+    model = cm.dispatched_rank_parts(geo, config.hidden_size, boundaries, lengths, bounds)
+    assert model == [{"projections": c["projections"], "attention": 0, "scan": c["other"]} for c in counted]
+    sent = [_by_kind(events)["conv"] for events in traffic]
+    assert [rank["conv"] for rank in cm.ours_bytes(cover, bounds, geo, 8, 8)] == sent
+    if subject == "M":
+        one = {**geo, "convs": [sum(geo["convs"])]}
+        assert [p["scan"] for p in cm.dispatched_rank_parts(one, config.hidden_size, boundaries, lengths, bounds)
+                ] != [c["other"] for c in counted]
+        assert [rank["conv"] for rank in cm.ours_bytes(cover, bounds, one, 8, 8)] != sent
 
 
 def test_the_layout_exercises_every_branch():
