@@ -58,6 +58,14 @@ def test_position_ids_restart_at_every_document_and_the_tail(lengths, tail):
     assert pos.dtype == torch.int64 and pos.tolist() == [want]
 
 
+
+def test_unpack_of_no_document_is_empty():
+    """``cu_seqlens = [0]`` (no document): ``[0, 0, ...]`` padded, any ``max_length`` kept as the width."""
+    x = torch.randn(1, 3, 2)
+    assert sp.unpack_to_padded(x, torch.tensor([0])).shape == (0, 0, 2)
+    assert sp.unpack_to_padded(x, torch.tensor([0]), max_length=4).shape == (0, 4, 2)
+
+
 @given(st.lists(st.integers(0, 9), min_size=1, max_size=8), st.integers(0, 3))
 def test_attention_mask_round_trip(lengths, extra):
     mask = sp.attention_mask_from_lengths(lengths, max(lengths) + extra)

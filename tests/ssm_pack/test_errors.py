@@ -91,6 +91,8 @@ CASES = [
      ValueError, r"position_ids must hold at least one token, got shape \(0, 5\)"),
     ("pack_padded lengths count", lambda: sp.pack_padded(torch.zeros(2, 4), [1, 2, 3]),
      ValueError, r"lengths must have one entry per row of x \(2\), got 3"),
+    ("pack_padded 1-D", lambda: sp.pack_padded(torch.zeros(4), [4]),
+     ValueError, r"x must be \[B, S, ...\], got shape \(4,\)"),
     ("pack_padded too long", lambda: sp.pack_padded(torch.zeros(2, 4), [1, 5]),
      ValueError, r"lengths must be <= the row length 4, got 5"),
     ("unpack not packed", lambda: sp.unpack_to_padded(torch.zeros(2, 4), torch.tensor([0, 4])),
