@@ -210,7 +210,8 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
 def write_report(results: list[dict], args, started: str) -> Path:
     REPORTS.mkdir(exist_ok=True)
     base = REPORTS / f"mutants-{started}"
-    Path(f"{base}.json").write_text(json.dumps({"args": vars(args), "modules": results}, indent=1, default=str))
+    Path(f"{base}.json").write_text(json.dumps({"args": vars(args), "commit": _commit(), "modules": results},
+                                               indent=1, default=str))
     lines = [f"# Generated mutants, {started}", "", f"command: python -m tests.mutation.run {' '.join(sys.argv[1:])}",
              "", "| module | score | killed / counted | generated | equivalent | sampled | seconds |",
              "|---|---|---|---|---|---|---|"]
@@ -226,6 +227,71 @@ def write_report(results: list[dict], args, started: str) -> Path:
                              f"`{m['old']}` -> `{m['new']}`")
     Path(f"{base}.md").write_text("\n".join(lines) + "\n")
     return Path(f"{base}.md")
+
+
+def _commit(root: Path = ROOT) -> str:
+    """``HEAD``'s short hash, ``+`` when the tree has uncommitted changes (the scratch copy holds them)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True)
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
+FINAL = ("killed", "survived", "uncovered")
+
+
+def combine(reports: list[Path], root: Path = ROOT, equivalent=None) -> list[dict]:
+    """One row per product module from the lane's dated JSON ``reports`` (read oldest first): per
+    mutant, the latest final status (``killed``/``survived``/``uncovered``; a later ``budget`` row
+    does not erase an earlier result), kept only while today's tree still generates that mutant
+    (same fingerprint) and the allow-list does not name it. A module no report ran has ``score``
+    ``None``. This is how the whole product gets a score from runs of parts of it (``--all`` over
+    every module takes hours on two cores): each result was measured, on the commit its report
+    names; a survivor a newer test kills stays one until its module runs again."""
+    equivalent = read_equivalent() if equivalent is None else equivalent
+    latest: dict[str, dict[str, tuple[dict, str]]] = {}
+    for path in sorted(reports, key=lambda p: Path(p).name):
+        data = json.loads(Path(path).read_text())
+        for module in data.get("modules", []):
+            rows = latest.setdefault(module["module"], {})
+            for row in module["mutants"]:
+                if row["status"] in FINAL:
+                    rows[row["fingerprint"]] = (row, Path(path).stem.removeprefix("mutants-"))
+    out = []
+    for module in product_modules(root):
+        now = {m.fingerprint: m for m in mutants_of(root, module)}
+        listed = {f for f in now if (module, f) in equivalent}
+        kept = {f: v for f, v in latest.get(module, {}).items() if f in now and f not in listed}
+        killed = sum(row["status"] == "killed" for row, _ in kept.values())
+        survivors = sorted(f"{now[f].id} {f}" for f, (row, _) in kept.items() if row["status"] != "killed")
+        out.append({"module": module, "generated": len(now), "equivalent": len(listed), "killed": killed,
+                    "counted": len(kept), "score": round(killed / len(kept), 3) if kept else None,
+                    "runs": sorted({run for _, run in kept.values()}), "survivors": survivors})
+    return out
+
+
+def write_combined(rows: list[dict], started: str) -> Path:
+    """``mutation-reports/product-<date>.md``: :func:`combine`'s table, the modules below 90% first."""
+    REPORTS.mkdir(exist_ok=True)
+    scored = [r for r in rows if r["score"] is not None]
+    below = [r for r in scored if r["score"] < 0.9]
+    lines = [f"# Generated mutants over the product, {started}", "",
+             f"{len(scored)} of {len(rows)} product modules measured; {len(scored) - len(below)} at >= 90%, "
+             f"{sum(r['score'] == 1 for r in scored)} at 100%; "
+             f"{sum(r['killed'] for r in scored)} killed of {sum(r['counted'] for r in scored)} mutants run "
+             f"({sum(r['generated'] for r in rows)} generated, {sum(r['equivalent'] for r in rows)} allow-listed).",
+             "", "| module | score | killed / run | generated | allow-listed | from runs |",
+             "|---|---|---|---|---|---|"]
+    order = sorted(rows, key=lambda r: (r["score"] is None, r["score"] if r["score"] is not None else 0, r["module"]))
+    for r in order:
+        score = "not run" if r["score"] is None else f"{r['score']:.0%}"
+        lines.append(f"| {r['module']} | {score} | {r['killed']} / {r['counted']} | {r['generated']} | "
+                     f"{r['equivalent']} | {', '.join(r['runs'])} |")
+    lines += ["", "## Survivors (and uncovered lines)", ""]
+    lines += [f"- `{s}`" for r in order for s in r["survivors"]]
+    path = REPORTS / f"product-{started}.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def choose_modules(args) -> list[str]:

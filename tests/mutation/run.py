@@ -6,6 +6,7 @@
     python -m tests.mutation.run --changed-since REF            # generated mutants of the modules REF..now changed
     python -m tests.mutation.run --all [--budget S]             # generated mutants of every product module
     python -m tests.mutation.run --module PATH [--max-per-module N]
+    python -m tests.mutation.run --combine                      # one product-wide table from the lane's reports
 
 Generated mutants (``lane.py``, ``generate.py``, ``coverage_map.py``) run against the tests that
 cover each mutated line and write a dated report under ``mutation-reports/``; the rest of this
@@ -225,6 +226,8 @@ def main(argv=None) -> int:
     which.add_argument("--changed-since", metavar="REF", help="the product modules git diff REF touches")
     which.add_argument("--all", action="store_true", help="every product module (budgeted)")
     which.add_argument("--module", action="append", metavar="PATH", help="this module (repeatable; any .py file)")
+    which.add_argument("--combine", action="store_true",
+                       help="no run: one product-wide table from the dated lane reports, re-checked against the tree")
     lane.add_argument("--max-per-module", type=int, default=40, help="mutants sampled per module")
     lane.add_argument("--module-budget", type=float, default=300.0, help="seconds per module (tracing included)")
     lane.add_argument("--budget", type=float, default=3600.0, help="seconds for the whole lane")
@@ -234,6 +237,12 @@ def main(argv=None) -> int:
                       help="covering tests run per mutant (file by file in turn, fastest first)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)
+    if args.combine:
+        from tests.mutation import lane as lane_mod
+        reports = sorted(lane_mod.REPORTS.glob("mutants-*.json"))
+        path = lane_mod.write_combined(lane_mod.combine(reports), time.strftime("%Y-%m-%d-%H%M%S"))
+        print(f"{len(reports)} lane reports combined: {path}")
+        return 0
     if args.changed_since or args.all or args.module:
         from tests.mutation import lane as lane_mod
         try:

@@ -232,3 +232,33 @@ def test_an_uncovered_sampled_line_traces_the_next_candidate_files(monkeypatch, 
     assert runs == traced and files == [f for batch in traced for f in batch]
     assert (7 in by_line) == (len(traced) == 2) and by_line[2] == {"f0::a"}
     assert lane.next_files(["f0", "f1", "f2"], 2, 2, {2: {"t"}, 7: set()}, {7}) == ["f2"]    # an empty set is uncovered
+
+
+def test_combined_reports_keep_the_latest_result_of_each_mutant_still_generated(tmp_path):
+    """Two dated lane reports over ``ssm_pack/m.py``: the later run's kill replaces the earlier
+    survivor, a later ``budget`` row erases nothing, a mutant the tree no longer generates (its
+    line changed) and one the allow-list names leave the count, a module no report ran is ``None``."""
+    import json
+
+    from tests.mutation import lane
+    (tmp_path / "ssm_pack").mkdir()
+    (tmp_path / "ssm_pack" / "m.py").write_text(SOURCE)
+    (tmp_path / "ssm_pack" / "other.py").write_text("X = 1\n")
+    a, b, c, d = mutants_of(tmp_path, "ssm_pack/m.py")[:4]
+
+    def report(name, rows):
+        path = tmp_path / f"mutants-{name}.json"
+        path.write_text(json.dumps({"modules": [{"module": "ssm_pack/m.py", "mutants": [
+            {"fingerprint": f, "status": status} for f, status in rows]}]}))
+        return path
+    older = report("2026-01-01-000000", [(a.fingerprint, "survived"), (b.fingerprint, "killed"),
+                                         (c.fingerprint, "uncovered"), ("0000000000", "killed")])
+    newer = report("2026-01-02-000000", [(a.fingerprint, "killed"), (b.fingerprint, "budget"),
+                                         (d.fingerprint, "survived")])
+    equivalent = {("ssm_pack/m.py", d.fingerprint): (d.id, "reason")}
+    rows = {r["module"]: r for r in lane.combine([newer, older], tmp_path, equivalent)}
+    assert rows["ssm_pack/other.py"]["score"] is None and rows["ssm_pack/other.py"]["counted"] == 0
+    m = rows["ssm_pack/m.py"]
+    assert (m["killed"], m["counted"], m["score"], m["equivalent"]) == (2, 3, 0.667, 1)
+    assert m["survivors"] == [f"{c.id} {c.fingerprint}"]
+    assert m["runs"] == ["2026-01-01-000000", "2026-01-02-000000"]
