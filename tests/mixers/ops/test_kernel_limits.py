@@ -112,6 +112,17 @@ def capability(monkeypatch):
     device_policy.forget_capabilities()
 
 
+@pytest.mark.parametrize("cuda", [pytest.param(True, id="cuda-seen"), pytest.param(False, id="no-cuda")])
+def test_the_driver_is_asked_for_a_cuda_device_only(monkeypatch, cuda):
+    """``read_capability`` asks the driver for a CUDA device where torch sees CUDA, never for the host."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: asked.append(device) or (9, 0))
+    assert device_policy.read_capability(torch.device("cuda", 1)) == ((9, 0) if cuda else None)
+    assert device_policy.read_capability(torch.device("cpu")) is None
+    assert asked == ([torch.device("cuda", 1)] if cuda else [])
+
+
 @pytest.mark.parametrize("cap,kernel", [
     pytest.param((7, 5), None, id="sm75-reference"),
     pytest.param((8, 0), "torch_varlen", id="sm80-torch"),
