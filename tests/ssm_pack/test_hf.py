@@ -87,6 +87,49 @@ def test_ambiguous_position_resets_are_refused(positions, match):
     assert "return_flash_attn_kwargs=True" in str(caught.value)
 
 
+
+def mrope(temporal, height):
+    """MRoPE ``[3, 1, T]`` positions: the temporal plane, then height and width planes of ``height``."""
+    return torch.tensor([[temporal], [height], [height]])
+
+
+def test_mrope_positions_are_read_from_the_temporal_plane():
+    """Only the temporal plane restarts at 0 per document; the other planes may start anywhere."""
+    params = sp.PackedSeqParams.from_hf_batch({"position_ids": mrope([0, 1, 2, 0, 1], [4, 4, 5, 4, 4])})
+    assert params.cu_seqlens_q.tolist() == [0, 3, 5] and params.total_tokens == 5
+
+
+def test_mrope_positions_whose_temporal_plane_starts_elsewhere_are_refused():
+    with pytest.raises(ValueError, match=r"position_ids'\] is MRoPE \[3, B, S\] starting at 2: its temporal plane"):
+        sp.PackedSeqParams.from_hf_batch({"position_ids": mrope([2, 3, 4, 2, 3], [0, 0, 1, 0, 0])})
+
+
+def test_position_resets_need_one_flattened_row():
+    from ssm_pack.formats.hf import cu_seqlens_from_position_resets
+    assert cu_seqlens_from_position_resets(torch.tensor([0, 1, 0])).tolist() == [0, 2, 3]
+    assert cu_seqlens_from_position_resets(torch.tensor([[0, 1, 0]])).tolist() == [0, 2, 3]
+    with pytest.raises(ValueError, match=r"must be one flattened row \[1, T\], got shape \(2, 3\); "
+                                         "DataCollatorWithFlattening emits batch size 1"):
+        cu_seqlens_from_position_resets(torch.tensor([[0, 1, 2], [0, 1, 2]]))
+
+
+@pytest.mark.parametrize("batch,cu,total", [
+    pytest.param({"seq_idx": torch.tensor([0, 0, 1, 1, 1])}, [0, 2, 5], 5, id="seq-idx-1d"),
+    pytest.param({"seq_idx": torch.tensor([[0, 0, 1, 1, 1]])}, [0, 2, 5], 5, id="seq-idx-2d"),
+    pytest.param({"cu_seq_lens_q": torch.tensor([0, 2, 5])}, [0, 2, 5], 5, id="cu-alone-ends-at-its-last-offset"),
+    pytest.param({"cu_seq_lens_q": torch.tensor([0, 2, 5]), "input_ids": torch.zeros(1, 7, dtype=torch.long)},
+                 [0, 2, 5], 7, id="cu-with-a-tail"),
+])
+def test_the_packed_length_is_the_rows_else_the_last_boundary(batch, cu, total):
+    params = sp.PackedSeqParams.from_hf_batch(batch)
+    assert params.cu_seqlens_q.tolist() == cu and params.total_tokens == total
+
+
+def test_boundaries_beyond_the_packed_row_are_refused():
+    batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "cu_seq_lens_q": torch.tensor([0, 2, 5])}
+    with pytest.raises(ValueError, match=r"^cu_seq_lens_q\[-1\]=5 is beyond the 4 packed tokens$"):
+        sp.PackedSeqParams.from_hf_batch(batch)
+
 def test_single_token_documents_at_any_start():
     params = sp.PackedSeqParams.from_hf_batch({"position_ids": torch.tensor([[5, 5, 6, 5]])})
     assert params.lengths().tolist() == [1, 2, 1]

@@ -77,3 +77,21 @@ def test_pack_language_shard_without_lengths_is_a_no_op():
 def test_pack_language_shard_refuses_mis_shaped_lengths():
     with pytest.raises(ValueError, match=r"lengths must be \[B\] = \[2\]"):
         sp.pack_language_shard({"input_ids": torch.ones(2, 3, dtype=torch.long)}, lengths=[1, 2, 3])
+
+
+@pytest.mark.parametrize("mrope", [pytest.param(False, id="2d"), pytest.param(True, id="mrope")])
+def test_pack_language_shard_of_positions_alone_counts_rows_from_them(mrope):
+    """A stage that holds only positions (no tokens, labels or loss mask) takes B from them."""
+    *_, pos = padded_batch()
+    pos = pos.expand(3, 3, 4) if mrope else pos
+    packed, kwargs = sp.pack_language_shard({"position_ids": pos}, lengths=[3, 2, 4])
+    assert packed["position_ids"].shape == ((3, 1, 9) if mrope else (1, 9))
+    assert packed["position_ids"].reshape(-1, 9)[0].tolist() == [0, 1, 2, 0, 1, 0, 1, 2, 3]
+    assert kwargs["cu_seqlens_q"].tolist() == [0, 3, 5, 9] and kwargs["max_seqlen_q"] == 4
+    with pytest.raises(ValueError, match=r"lengths must be \[B\] = \[3\] for this batch, got shape \(2,\)"):
+        sp.pack_language_shard({"position_ids": pos}, lengths=[3, 2])
+
+
+def test_pack_language_shard_of_no_tensor_is_refused():
+    with pytest.raises(ValueError, match="needs at least one of tokens / labels / loss_mask / position_ids"):
+        sp.pack_language_shard({"modality_inputs": {}}, lengths=[3, 2])

@@ -83,6 +83,32 @@ def test_replace_rebuilds_seq_idx():
     assert longer.seq_idx.tolist() == [[0, 0, 1, 1, 2, 2]] and params.seq_idx.shape == (1, 4)
 
 
+
+@pytest.mark.parametrize("built,cu,longest", [
+    pytest.param(lambda: PackedSeqParams.from_lengths([3, 5]), [0, 6, 8], 6, id="unpadded-real-boundaries"),
+    pytest.param(lambda: PackedSeqParams.from_lengths([3, 5], pad_to_multiple_of=4), [0, 2, 5], 8,
+                 id="padded-slots-are-the-physical-layout"),
+])
+def test_replace_recomputes_max_seqlen_from_the_physical_boundaries(built, cu, longest):
+    """New boundaries without a max_seqlen: the longest physical document, as a fresh build gives."""
+    cu = torch.tensor(cu, dtype=torch.int32)
+    moved = built().replace(cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    assert moved.max_seqlen_q == moved.max_seqlen_kv == longest
+    fresh = PackedSeqParams.from_cu_seqlens(cu, cu_seqlens_padded=moved.cu_seqlens_q_padded)
+    assert fresh.max_seqlen_q == longest
+
+
+@pytest.mark.parametrize("kv,match", [
+    pytest.param([0, 4], r"^cu_seqlens_q and cu_seqlens_kv must describe the same number of documents, got 2 and 1$",
+                 id="fewer-kv-documents"),
+    pytest.param([0, 1, 2, 6], r"same number of documents, got 2 and 3$", id="more-kv-documents"),
+])
+def test_cross_attention_boundaries_must_count_the_same_documents(kv, match):
+    q = torch.tensor([0, 2, 4], dtype=torch.int32)
+    assert PackedSeqParams(qkv_format="thd", cu_seqlens_q=q, cu_seqlens_kv=torch.tensor([0, 3, 6])).num_docs == 2
+    with pytest.raises(ValueError, match=match):
+        PackedSeqParams(qkv_format="thd", cu_seqlens_q=q, cu_seqlens_kv=torch.tensor(kv))
+
 def test_repr_is_short():
     text = repr(PackedSeqParams.from_lengths([2, 2]))
     assert "cu_seqlens_q=tensor(dtype=torch.int32, shape=(3,))" in text and "validate" not in text

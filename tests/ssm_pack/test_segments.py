@@ -57,3 +57,13 @@ def test_segment_errors():
         sp.packed_masks(torch.tensor([[0, 1]]), torch.arange(2), torch.arange(2), 0)
     with pytest.raises(ValueError, match="token_indices must be"):
         sp.segment_of(torch.tensor([[0, 1]]), torch.tensor([1, 0]))
+
+
+@pytest.mark.parametrize("seq_idx,last", [
+    pytest.param(torch.zeros(2, 0, dtype=torch.int32), [-1, -1], id="no-token-no-segment"),
+    pytest.param(torch.tensor([[0, 0, 1], [2, 2, 2]]), [1, 2], id="last-segment-of-each-row"),
+])
+def test_last_segment_of_every_row(seq_idx, last):
+    from ssm_pack.formats.segments import segments_from_seq_idx
+    batch, length = seq_idx.shape
+    assert segments_from_seq_idx(seq_idx).last_in_row(batch, length).tolist() == last

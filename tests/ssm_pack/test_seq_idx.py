@@ -84,6 +84,20 @@ def test_torch_path_equals_numpy_path(lengths, tail):
     assert plain.dtype == fast.dtype == torch.int32 and torch.equal(plain, fast)
 
 
+
+def test_checked_boundaries_without_numpy_take_the_torch_path(monkeypatch):
+    import ssm_pack.formats.seq_idx as mod
+    monkeypatch.setattr(mod, "_np", None)
+    params = PackedSeqParams.from_lengths([2, 0, 3], total_tokens=7)
+    assert params.seq_idx.tolist() == [[0, 0, 2, 2, 2, 3, 3]] and params.seq_idx.dtype == torch.int32
+
+
+def test_checked_boundaries_off_the_cpu_are_never_read():
+    """``meta`` stands in for a GPU: numpy cannot take its tensor, the torch path reads no value."""
+    from ssm_pack.formats.seq_idx import seq_idx_of_checked
+    seq = seq_idx_of_checked(torch.tensor([0, 2, 5], dtype=torch.int32, device="meta"), 7)
+    assert seq.device.type == "meta" and seq.shape == (1, 7) and seq.dtype == torch.int32
+
 # ----------------------------------------------------------------- padded boundaries, no cache to hide behind
 def padded():
     # documents of 3, 5, 0 and 2 tokens in slots of 4, 8, 0 and 4: physical [0, 4, 12, 12, 16]
