@@ -1,8 +1,9 @@
 """Which tests run which lines of a module: the selection of the generated-mutant lane.
 
 Two steps per module. Candidate test files are found statically (the ``tests/`` files that name
-the module's dotted path or one of its public names, the files mirroring its path first; then, to
-fill the limit, those naming a product module that imports it). Those
+the module's dotted path or one of its public names, the files mirroring its path first; then
+those naming a product module that imports it; then those naming a module importing one of
+those). Those
 files then run once under :class:`LineRecorder`, a pytest plugin that traces only the target
 modules' files (``sys.settrace``; every other frame is left untraced, so the cost stays near a
 plain run) and writes, per test, its outcome, its seconds and the target lines it executed. A
@@ -90,15 +91,20 @@ def _imports(rel: str, tree: ast.Module) -> set[str]:
     return out
 
 
-def _importers(root: Path, module: str) -> list[str]:
-    """Product modules that import ``module`` (absolutely or relatively)."""
-    target = dotted(module)
-    found = []
+def _import_graph(root: Path) -> dict[str, set[str]]:
+    """``{product module: the dotted names its imports name}``, every module parsed once."""
+    out = {}
     for path in sorted(p for top in ("ssm_pack", "mixers") for p in (Path(root) / top).rglob("*.py")):
         rel = str(path.relative_to(root))
-        if rel != module and target in _imports(rel, ast.parse(path.read_text())):
-            found.append(rel)
-    return found
+        out[rel] = _imports(rel, ast.parse(path.read_text()))
+    return out
+
+
+def _importers(root: Path, module: str, graph: dict | None = None) -> list[str]:
+    """Product modules that import ``module`` (absolutely or relatively)."""
+    target = dotted(module)
+    graph = _import_graph(root) if graph is None else graph
+    return [rel for rel, names in graph.items() if rel != module and target in names]
 
 
 def _naming(root: Path, module: str) -> re.Pattern:
@@ -107,13 +113,17 @@ def _naming(root: Path, module: str) -> re.Pattern:
 
 
 def candidate_tests(root: Path, module: str, limit: int | None) -> list[str]:
-    """Up to ``limit`` (``None``: all) test files (relative paths) for ``module``: those that name it
-    or one of its public names, the closest mirrors of its path first, then by how many of its names
-    they use; when fewer than ``limit`` do, the files naming a product module that imports it (the
-    entry points a private helper is tested through), by the same order."""
+    """Up to ``limit`` (``None``: all) test files (relative paths) for ``module``, in three tiers,
+    each by how closely the file mirrors the module's path, then by how many of its names it uses:
+    the files that name it or one of its public names; then the files naming a product module that
+    imports it (the entry points a private helper is tested through); then those naming a module
+    that imports one of those (a shared check reached through an op's ``_validate``)."""
     root = Path(root)
+    graph = _import_graph(root)
     direct = _naming(root, module)
-    by_importer = [(m, _naming(root, m)) for m in _importers(root, module)]
+    first = _importers(root, module, graph)
+    second = sorted({m for i in first for m in _importers(root, i, graph)} - set(first) - {module})
+    tiers = [[(m, _naming(root, m)) for m in first], [(m, _naming(root, m)) for m in second]]
     scored = []
     for path in sorted((root / "tests").rglob("test_*.py")):
         rel = str(path.relative_to(root))
@@ -123,11 +133,13 @@ def candidate_tests(root: Path, module: str, limit: int | None) -> list[str]:
         hits, mirror = set(direct.findall(text)), _mirrors(module, rel)
         if hits or mirror:
             scored.append((0, -mirror, -len(hits), rel))
-        else:
-            indirect = [(_mirrors(m, rel), len(set(p.findall(text)))) for m, p in by_importer]
-            best = max((i for i in indirect if i[1]), default=None)
+            continue
+        for tier, importers in enumerate(tiers, 1):
+            best = max(((_mirrors(m, rel), len(set(p.findall(text)))) for m, p in importers if p.search(text)),
+                       default=None)
             if best:
-                scored.append((1, -best[0], -best[1], rel))
+                scored.append((tier, -best[0], -best[1], rel))
+                break
     return [rel for *_, rel in sorted(scored)[:limit]]
 
 

@@ -158,6 +158,29 @@ def select_tests(by_line: dict, seconds: dict, line: int, limit: int, body_line:
     return sorted(chosen, key=lambda n: (seconds.get(n, 0.0), n))
 
 
+def _attempt(repo: Path, mutant: Generated, row: dict, batches, args, pytest_run, seconds: dict, start: float) -> None:
+    """Run ``mutant`` against each batch of tests in turn until one kills it (``row`` updated)."""
+    for batch in batches:
+        left = args.module_budget - (time.monotonic() - start)
+        if not batch or row.get("status") in ("uncovered", "killed"):
+            break
+        if left <= 0:
+            row["status"] = row.get("status") or "budget"
+            break
+        natural = min(args.timeout, 30 + 3 * sum(seconds.get(n, 1.0) for n in batch))
+        limit = min(natural, left)
+        status, output, spent = plant(repo, mutant, lambda: pytest_run(repo, batch, timeout=limit,
+                                                                       first_failure=True))
+        row["seconds"] = round(row["seconds"] + spent, 1)
+        row["tests"] += len(batch)
+        if status == "timeout" and limit < natural:      # cut by the budget: no evidence either way
+            row["status"] = row.get("status") or "budget"
+            break
+        failing = [line.split()[1] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+        row.update(status={"failed": "killed", "timeout": "killed", "error": "killed"}.get(status, "survived"),
+                   killed_by="(time limit)" if status == "timeout" else (failing or [""])[0])
+
+
 def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
     start = time.monotonic()
     every = mutants_of(repo, module)
@@ -171,35 +194,32 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
         body_line = signatures.get(mutant.line)
         tests = select_tests(by_line, seconds, mutant.line, args.tests_per_mutant, body_line)
         row = {"id": mutant.id, "fingerprint": mutant.fingerprint, "old": mutant.old.strip(),
-               "new": mutant.new.strip(), "tests": len(tests), "killed_by": "", "seconds": 0.0}
+               "new": mutant.new.strip(), "tests": 0, "killed_by": "", "seconds": 0.0}
         if not tests:
             row["status"] = "uncovered"
         # a survivor of the selection runs the other covering tests too (within the budget): a
         # "survived" then means every test that ran its line passed
         rest = sorted(covering_tests(by_line, mutant.line, body_line) - set(tests),
                       key=lambda n: (seconds.get(n, 0.0), n))
-        for batch in (tests, rest):
-            left = args.module_budget - (time.monotonic() - start)
-            if not batch or row.get("status") in ("uncovered", "killed"):
-                break
-            if left <= 0:
-                row["status"] = row.get("status") or "budget"
-                break
-            natural = min(args.timeout, 30 + 3 * sum(seconds.get(n, 1.0) for n in batch))
-            limit = min(natural, left)
-            status, output, spent = plant(repo, mutant, lambda: pytest_run(repo, batch, timeout=limit,
-                                                                           first_failure=True))
-            row["seconds"] = round(row["seconds"] + spent, 1)
-            if batch is rest:
-                row["tests"] += len(rest)
-            if status == "timeout" and limit < natural:      # cut by the budget: no evidence either way
-                row["status"] = row.get("status") or "budget"
-                break
-            failing = [line.split()[1] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
-            row.update(status={"failed": "killed", "timeout": "killed", "error": "killed"}.get(status, "survived"),
-                       killed_by="(time limit)" if status == "timeout" else (failing or [""])[0])
+        _attempt(repo, mutant, row, (tests, rest), args, pytest_run, seconds, start)
         rows.append(row)
         print(f"  {row['status']:9} {mutant.id:48} {row['killed_by'][:60]}", flush=True)
+    # survivors and uncovered lines: the next candidate files are traced and their covering tests run
+    open_rows = [(m, r) for m, r in zip(chosen, rows) if r["status"] in ("survived", "uncovered")]
+    ranked = candidate_tests(repo, module, None) if open_rows else []
+    more = ranked[len(files):len(files) + args.max_test_files]
+    left = args.module_budget - (time.monotonic() - start)
+    if more and left > 10:
+        extra, extra_seconds = _trace_files(repo, module, more, left / 2, pytest_run)
+        seconds.update(extra_seconds)
+        files = files + more
+        for mutant, row in open_rows:
+            body_line = signatures.get(mutant.line)
+            new = sorted(covering_tests(extra, mutant.line, body_line), key=lambda n: (seconds.get(n, 0.0), n))
+            if new:
+                row["status"] = "survived" if row["status"] == "uncovered" else row["status"]
+                _attempt(repo, mutant, row, (new,), args, pytest_run, seconds, start)
+                print(f"  {row['status']:9} {mutant.id:48} {row['killed_by'][:60]} (next files)", flush=True)
     counted = [r for r in rows if r["status"] in ("killed", "survived", "uncovered")]
     killed = sum(r["status"] == "killed" for r in counted)
     return {"module": module, "generated": len(every), "equivalent": len(listed), "sampled": len(chosen),

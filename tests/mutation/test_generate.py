@@ -191,7 +191,8 @@ def _lane_run(tmp_path, monkeypatch, killer: str | None):
     def pytest_run(repo, tests, timeout, first_failure):
         runs.append(list(tests))
         return ("failed", f"FAILED {killer} - boom", 0.1) if killer in tests else ("passed", "", 0.1)
-    args = argparse.Namespace(max_per_module=None, tests_per_mutant=12, module_budget=100.0, timeout=60.0)
+    args = argparse.Namespace(max_per_module=None, tests_per_mutant=12, module_budget=100.0, timeout=60.0,
+                              max_test_files=8)
     result = lane.run_module(tmp_path, "m.py", args, pytest_run, {})
     return result["mutants"], runs
 
@@ -262,3 +263,47 @@ def test_combined_reports_keep_the_latest_result_of_each_mutant_still_generated(
     assert (m["killed"], m["counted"], m["score"], m["equivalent"]) == (2, 3, 0.667, 1)
     assert m["survivors"] == [f"{c.id} {c.fingerprint}"]
     assert m["runs"] == ["2026-01-01-000000", "2026-01-02-000000"]
+
+
+def test_a_survivor_runs_the_tests_of_the_next_candidate_files(tmp_path, monkeypatch):
+    """Every mutant of line 2 survives the traced files' test; the next candidate file (beyond
+    ``--max-test-files``) has a test that runs line 2 and fails on every mutant: they end killed."""
+    import argparse
+
+    from tests.mutation import lane
+    (tmp_path / "m.py").write_text("def f(x):\n    return x + 1\n")
+    monkeypatch.setattr(lane, "trace", lambda repo, module, args, run, wanted=(): ({2: {"a.py::t"}}, {}, ["a.py"]))
+    monkeypatch.setattr(lane, "candidate_tests", lambda repo, module, limit: ["a.py", "far.py", "other.py"])
+    traced = []
+
+    def trace_files(repo, module, files, timeout, run):
+        traced.append(list(files))
+        return {2: {"far.py::t"}}, {"far.py::t": 0.5}
+    monkeypatch.setattr(lane, "_trace_files", trace_files)
+
+    def pytest_run(repo, tests, timeout, first_failure):
+        return ("failed", "FAILED far.py::t - boom", 0.1) if "far.py::t" in tests else ("passed", "", 0.1)
+    args = argparse.Namespace(max_per_module=None, tests_per_mutant=12, module_budget=100.0, timeout=60.0,
+                              max_test_files=1)
+    result = lane.run_module(tmp_path, "m.py", args, pytest_run, {})
+    assert traced == [["far.py"]] and result["test_files"] == ["a.py", "far.py"]
+    assert result["mutants"] and all(r["status"] == "killed" and r["killed_by"] == "far.py::t" and r["tests"] == 2
+                                     for r in result["mutants"])
+
+
+def test_candidate_tests_reach_a_helper_two_imports_away(tmp_path):
+    """``check`` is imported by ``_validate``, which ``op`` imports: a test naming only ``op``'s
+    public function is a candidate, after one naming ``_validate``'s, and an unrelated test is not."""
+    pkg = tmp_path / "ssm_pack"
+    pkg.mkdir()
+    (pkg / "check.py").write_text("def check_thing(x):\n    return x\n")
+    (pkg / "_validate.py").write_text("from .check import check_thing\n\n\ndef validate_call(x):\n"
+                                      "    return check_thing(x)\n")
+    (pkg / "op.py").write_text("from ._validate import validate_call\n\n\ndef public_op(x):\n"
+                               "    return validate_call(x)\n")
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_op.py").write_text("from ssm_pack.op import public_op\n")
+    (tests / "test_calls.py").write_text("from ssm_pack._validate import validate_call\n")
+    (tests / "test_other.py").write_text("import torch\n")
+    assert candidate_tests(tmp_path, "ssm_pack/check.py", 8) == ["tests/test_calls.py", "tests/test_op.py"]
