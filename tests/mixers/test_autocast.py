@@ -167,3 +167,36 @@ def test_hybrid_lm_trains_under_autocast(packed):
                     total += float(model(doc, labels=doc)["loss"]) * (n - 1)
                     count += n - 1
         assert abs(float(out["loss"].detach()) - total / count) <= FORWARD_RTOL * total / count
+
+
+# ----------------------------------------------------------------------------- the switch itself
+def test_op_called_by_keyword_finds_its_tensors_device():
+    """The device is that of the first tensor argument, whatever comes before it (here a string, by keyword):
+    under CPU autocast the fp32 op then computes in fp32, as outside it."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 8, 6, generator=g), torch.randn(8, 4, generator=g)
+    plain = causal_conv1d_fn(activation="silu", x=x, weight=w)
+    with autocast():
+        cast = causal_conv1d_fn(activation="silu", x=x, weight=w)
+    assert cast.dtype == torch.float32 and torch.equal(cast, plain)
+
+
+@pytest.mark.parametrize("device", [None, "meta"], ids=["no-tensor", "meta"])
+def test_autocasting_is_false_where_autocast_does_not_exist(device):
+    from mixers.ops.common.autocast import autocasting
+    with autocast():
+        assert autocasting(device) is False
+        assert autocasting("cpu") is True
+    assert autocasting("cpu") is False
+
+
+@pytest.mark.parametrize("args", [pytest.param((), id="no-tensor"),
+                                  pytest.param((torch.empty(2, device="meta"),), id="meta")])
+def test_decorated_op_off_cpu_and_cuda_runs_as_it_is(args):
+    """Without a CPU or CUDA tensor there is no autocast to switch off: the op runs unwrapped
+    (``torch.autocast`` itself refuses such a device)."""
+    from mixers.ops.common.autocast import outside_autocast
+    op = outside_autocast(lambda *a, **k: (a, k, torch.is_autocast_enabled("cpu")))
+    with autocast():
+        assert op(*args, scale=2) == (args, {"scale": 2}, True)
+        assert op(torch.ones(1))[2] is False         # a CPU tensor: switched off for the body

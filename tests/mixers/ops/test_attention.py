@@ -100,3 +100,31 @@ def test_bad_input(kwargs, match):
 def test_heads_must_group():
     with pytest.raises(ValueError, match="query heads Hq=3 must be a multiple of key/value heads Hk=2"):
         varlen_attention(torch.randn(6, 3, 4), torch.randn(6, 2, 4), torch.randn(6, 2, 4), torch.tensor([0, 6]), 6)
+
+
+def test_no_token_call_is_empty_without_a_kernel(monkeypatch):
+    """T == 0: ``[0, Hq, Dv]`` zeros on the graph of q (Hq, D and Dv all differ here), no kernel launched."""
+    from tests.support import fakes
+    calls = fakes.install(monkeypatch)
+    q = torch.randn(0, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+    k, v = torch.randn(0, 2, 8, dtype=torch.bfloat16), torch.randn(0, 2, 16, dtype=torch.bfloat16)
+    out = varlen_attention(q, k, v, torch.tensor([0, 0], dtype=torch.int32), 0)
+    assert calls == []
+    assert out.shape == (0, 4, 16) and out.dtype == torch.bfloat16 and out.grad_fn is not None
+
+
+def test_context_parallel_call_goes_to_the_cp_path_with_the_op(monkeypatch):
+    """A ``VarlenBatch`` carrying a CP run is handed to the CP version (stubbed: it needs several ranks) as
+    ``(call, varlen_attention)``: the op itself runs each rank's local pieces."""
+    import dataclasses
+
+    from mixers.ops.attention import cp
+    from ssm_pack import VarlenBatch
+    seen = []
+    monkeypatch.setattr(cp, "varlen_attention_cp", lambda call, local_op: seen.append((call, local_op)) or "cp")
+    run = object()
+    varlen = dataclasses.replace(VarlenBatch.build(lengths_to_cu_seqlens([3, 4]), 7), cp=run)
+    q = torch.randn(7, 2, 4)
+    assert varlen_attention(q, q, q, varlen) == "cp"
+    (call, local_op), = seen
+    assert call.varlen.cp is run and call.q is q and local_op is varlen_attention

@@ -241,3 +241,42 @@ def test_perturbing_a_document_leaves_the_others_bitwise_unchanged():
     inputs = {"x": (x, 2)}
     assert perturbation_report(packed, inputs, spans, 2) == []
     assert perturbation_report(unpacked, inputs, spans, 2), "the check cannot fail: no leak without metadata"
+
+
+def test_no_token_call_launches_no_kernel(monkeypatch):
+    """T == 0 on (pretended) CUDA with causal-conv1d installed: an empty output, no kernel launched (the fake,
+    as the device, refuses a launch over zero tokens)."""
+    from tests.support import fakes
+    calls = fakes.install(monkeypatch)
+    x = torch.randn(1, 0, DIM).transpose(1, 2)
+    out = causal_conv1d_fn(x, torch.randn(DIM, 4), activation="silu")
+    assert calls == [] and out.shape == (1, DIM, 0)
+
+
+def test_kernel_without_metadata_reads_one_segment_per_row(monkeypatch):
+    """No seq_idx and no cu_seqlens on (pretended) CUDA: causal-conv1d's kernel gets all-zero seq_idx (each row
+    one segment) and computes the plain causal conv."""
+    from tests.support import fakes
+    calls = fakes.install(monkeypatch)
+    x = torch.randn(2, 9, DIM, dtype=torch.float64).float().transpose(1, 2)     # channel-last, as the kernel reads
+    w, b = torch.randn(DIM, 4), torch.randn(DIM)
+    out = causal_conv1d_fn(x, w, b)
+    (given,) = fakes.of_kind(calls, "conv")
+    assert torch.equal(given["seq_idx"], torch.zeros(2, 9, dtype=torch.int32))
+    ref = F.conv1d(x.double(), w.double().unsqueeze(1), b.double(), padding=3, groups=DIM)[..., :9]
+    check_close(out, ref, torch.float32, what="out")
+
+
+def test_fla_conv_gets_the_forwards_layout(monkeypatch):
+    """With a ``VarlenBatch`` (width 6: causal-conv1d cannot, fla's Triton conv runs) fla is handed the
+    boundaries and chunk indices the forward built once (:attr:`ssm_pack.VarlenBatch.fla_conv_layout`)."""
+    from ssm_pack import VarlenBatch
+    from tests.support import fakes
+    calls = fakes.install(monkeypatch)
+    cu, (x, w, b) = make([5, 70], 3, 6, torch.float32, init=False)
+    varlen = VarlenBatch.build(cu, 78)
+    out = causal_conv1d_fn(x, w, b, cu_seqlens=varlen)
+    (given,) = fakes.of_kind(calls, "fla_conv")
+    layout_cu, chunk_indices = varlen.fla_conv_layout
+    assert given["cu_seqlens"] is layout_cu and given["chunk_indices"] is chunk_indices
+    check_close(out, causal_conv1d_fn(x, w, b, cu_seqlens=cu, backend="reference"), torch.float32, what="out")

@@ -367,3 +367,52 @@ def test_peer_fla_naive_agrees_fp32():
                                                t["g"][:, s:e], t["beta"][:, s:e],
                                                initial_state=t["initial_state"][i:i + 1].clone())
         check_close(out[:, s:e].detach(), ref.to(torch.float64), torch.float32, what=f"fla KDA doc {i}")
+
+
+OPS = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda, "gdp": chunk_gated_delta_product}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_context_parallel_call_goes_to_the_cp_path_with_its_op(kind, monkeypatch):
+    """A ``VarlenBatch`` carrying a CP run is handed to the CP version (stubbed: it needs several ranks) with
+    the public op of its kind, which runs each rank's local pieces; its result is the op's."""
+    import dataclasses
+
+    from mixers.ops.delta_rule import cp
+    from ssm_pack import VarlenBatch
+    seen = []
+    monkeypatch.setattr(cp, "delta_rule_cp", lambda call, local_op: seen.append((call, local_op)) or "cp")
+    run = object()
+    cu, leaves = make(kind, [3, 4], 0, torch.float64, init=False)
+    varlen = dataclasses.replace(VarlenBatch.build(cu.long(), 7), cp=run)
+    assert call(kind, leaves, varlen, 16) == "cp"
+    (given, local_op), = seen
+    assert given.varlen.cp is run and given.kind == kind and local_op is OPS[kind]
+
+
+@pytest.mark.parametrize("heads,grouped", [
+    pytest.param((2, 2, 4, 4), False, id="HV==H"),        # V != H and HV != K: only HV against H counts
+    pytest.param((2, 4, 4, 2), True, id="HV>H"),          # V == H and HV == K: likewise
+])
+@pytest.mark.parametrize("varlen", [True, False], ids=["cu_seqlens", "rows"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+def test_kernel_support_is_asked_for_the_calls_features(heads, grouped, varlen, grad, monkeypatch):
+    """On (pretended) CUDA fla is asked for exactly the features the call needs: varlen with cu_seqlens,
+    grouped values when HV != H, the backward minimum when autograd records."""
+    from ssm_pack.support import requirements
+    from tests.support import fakes
+    h, hv, kd, vd = heads
+    calls = fakes.install(monkeypatch)
+    asked = []
+    monkeypatch.setattr(fakes.dispatch, "cached_support", lambda name, features=(): asked.append((name, features))
+                        or (True, None))
+    g_ = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 7, h, kd, generator=g_) for _ in range(2))
+    v = torch.randn(1, 7, hv, vd, generator=g_).requires_grad_(grad)
+    g, beta = F.logsigmoid(torch.randn(1, 7, hv, generator=g_)), torch.rand(1, 7, hv, generator=g_)
+    cu = torch.tensor([0, 3, 7]) if varlen else None
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
+    want = (("varlen",) if varlen else ()) + (("grouped_values",) if grouped else ()) \
+        + ((requirements.BACKWARD,) if grad else ())
+    assert [f for name, f in asked if name == "fla"] == [want]
+    assert [kind for kind, _ in calls] == ["gdn"] and o.shape == (1, 7, hv, vd)
