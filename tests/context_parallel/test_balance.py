@@ -227,6 +227,13 @@ def test_a_shard_is_refused_and_so_are_bad_kinds():
         work_imbalance(torch.ones(4), [0, 3, 2, 4])
 
 
+def test_work_imbalance_takes_an_empty_shard():
+    """Non-decreasing bounds: a rank with no token does no work and still counts in the mean."""
+    costs = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    assert work_imbalance(costs, [0, 2, 2, 4]) == pytest.approx(7.0 / (10.0 / 3.0), rel=1e-12)
+    assert work_imbalance(costs, [0, 0, 4]) == pytest.approx(2.0, rel=1e-12)
+
+
 # ------------------------------------------------------------------ exact under balanced bounds (gloo)
 EXACT = {"tail": ((3, 40, 0, 6), 52, 1), "padded": ((5, 0, 29, 2, 7), 54, 4)}   # lengths, T, pad_to
 WEIGHTS = dict(linear=0.5, attention=1.0)

@@ -155,3 +155,13 @@ def test_a_bad_mode_is_refused(mode, monkeypatch):
     monkeypatch.setenv("SSM_PACK_CP_LAYOUT_CHECK", "sometimes")
     with pytest.raises(ValueError, match="SSM_PACK_CP_LAYOUT_CHECK must be one of"):
         layout_check_mode()
+
+
+def test_the_mode_set_overrides_the_environment(monkeypatch):
+    monkeypatch.setitem(layout_check._state, "mode", None)          # restored after the test
+    monkeypatch.setenv("SSM_PACK_CP_LAYOUT_CHECK", "always")
+    assert layout_check_mode() == "always"
+    assert set_layout_check("off") == "always"
+    assert layout_check_mode() == "off"
+    assert set_layout_check("first") == "off"
+    assert layout_check_mode() == "first"

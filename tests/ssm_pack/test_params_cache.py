@@ -149,3 +149,18 @@ def test_params_of_inference_tensors_build_each_time(builds):
         first = VarlenBatch.build(params, 66)
         again = VarlenBatch.build(params, 66)
     assert again is not first and len(builds) == 2
+
+
+@pytest.mark.parametrize("change", [pytest.param("added", id="field-added"),
+                                    pytest.param("removed", id="field-removed")])
+def test_a_field_added_or_removed_builds_anew(builds, change):
+    """A public field more or less is another snapshot, also when the others read the same."""
+    params = megatron_copy(PackedSeqParams.from_lengths(LENGTHS, total_tokens=66))
+    if change == "removed":
+        params.zz_note = "x"
+    first = VarlenBatch.build(params, 66)
+    if change == "added":
+        params.zz_note = "x"                         # sorts after every other field
+    else:
+        del params.zz_note
+    assert VarlenBatch.build(params, 66) is not first and len(builds) == 2

@@ -132,3 +132,11 @@ def test_assemble_refuses_documents_that_do_not_match_the_plan():
         plan.packed_seq_params(5)
     with pytest.raises(TypeError, match="tokens must be a padded"):
         plan.assemble(0, "not documents")
+
+
+@pytest.mark.parametrize("lengths", [pytest.param([4, 4], id="rows-full"), pytest.param([], id="no-documents")])
+def test_no_padding_to_remove_reports_zero(lengths):
+    plan = sp.plan_packs(lengths, 8)
+    assert plan.padding_removed == 0.0
+    assert plan.padding_fraction_padded == 0.0
+    assert "0.0% of it removed" in plan.summary()
