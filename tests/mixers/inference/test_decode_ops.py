@@ -59,6 +59,8 @@ def test_conv_update_one_token_form_and_errors():
         causal_conv1d_update(x, pool, w, cache_seqlens=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"conv_state_indices must be \[N\] = \[2\]"):
         causal_conv1d_update(x, pool, w, conv_state_indices=torch.tensor([0]))
+    with pytest.raises(TypeError, match="conv_state_indices must have an integer dtype"):
+        causal_conv1d_update(x, pool, w, conv_state_indices=torch.tensor([1.0, 0.0]))
     with pytest.raises(ValueError, match="conv_state must be"):
         causal_conv1d_update(x, pool[..., :1], w)
 
