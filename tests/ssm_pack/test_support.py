@@ -1,5 +1,7 @@
 """Support checks under faked package metadata: every state they must tell apart."""
 
+import re
+
 import pytest
 
 import ssm_pack as sp
@@ -375,3 +377,66 @@ def test_report_names_an_fla_backend_the_user_switched_on(fla_switches_unset, mo
     monkeypatch.setenv("FLA_TILELANG", "1")
     assert installed.pin_fla_triton() == ["FLA_TILELANG=1"]
     assert "NOT pinned to Triton, set here: FLA_TILELANG=1" in support_report()
+
+
+def _section(text: str, title: str) -> list[str]:
+    """The lines of ``text`` after the line ``title``, up to the next blank line."""
+    return text.split(f"{title}\n", 1)[1].split("\n\n", 1)[0].splitlines()
+
+
+@pytest.mark.parametrize("cuda, device", [pytest.param(True, "Fake GPU 0", id="device-0-named"),
+                                          pytest.param(False, "none", id="no-device")])
+def test_report_header_names_the_device_and_each_package(fake, monkeypatch, cuda, device):
+    import torch
+    fake(FakeProbe({"causal-conv1d": "1.7.0", "triton": "3.4.0", "flash-attn": "2.8.0"}, {"causal_conv1d_cuda"},
+                   cuda=cuda))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: f"Fake GPU {index}")
+    text = support_report()
+    assert f"\n  CUDA device              {device}\n" in text
+    assert _section(text, "optional packages:") == [
+        "  causal-conv1d            1.7.0 (CUDA extension present)",
+        "  mamba-ssm                not installed",
+        "  flash-linear-attention   not installed",
+        "  triton                   3.4.0",
+        "  flash-attn               2.8.0 (CUDA extension 'flash_attn_2_cuda' MISSING)",
+    ]
+
+
+def _states(text: str) -> dict[tuple[str, str], str]:
+    """``(kernel, feature) -> state`` (the last column) of the report's kernel feature lines."""
+    lines = _section(text, "kernel features (the requirements table; training needs the backward minimum):")
+    return {tuple(line.split()[:2]): re.split(r"\s{2,}", line.strip())[-1] for line in lines}
+
+
+@pytest.mark.parametrize("versions, changed", [
+    pytest.param(ALL_GOOD.versions, {}, id="all-available"),
+    pytest.param({**ALL_GOOD.versions, "mamba-ssm": "2.2.0"},
+                 {("mamba_ssd", "seq_idx"): "forward only here", ("mamba_ssd", "packed_inference"): "unavailable",
+                  ("mamba_decode", "state_batch_indices"): "unavailable"}, id="mamba-2.2.0-forward-only-here"),
+])
+def test_report_states_which_kernel_features_run_here(fake, versions, changed):
+    fake(FakeProbe(versions, ALL_GOOD.modules))
+    want = {key: changed.get(key, "available") for key in requirements.FEATURES}
+    assert _states(support_report()) == want
+
+
+def test_report_with_nothing_installed_marks_every_feature_unavailable(fake):
+    fake(FakeProbe())
+    assert _states(support_report()) == {key: "unavailable" for key in requirements.FEATURES}
+
+
+def test_report_without_a_device_asks_for_one(fake):
+    fake(FakeProbe(ALL_GOOD.versions, ALL_GOOD.modules, cuda=False))
+    assert _section(support_report(), "to get every kernel:") == [
+        "  - a CUDA device: every kernel above needs one (the reference path runs anywhere)"]
+
+
+def test_a_single_feature_may_be_named_by_a_string(fake):
+    assert requirements.requirements("causal_conv1d", "padding_seq_idx") == \
+        requirements.requirements("causal_conv1d", ("padding_seq_idx",)) == [
+            ("causal_conv1d", "1.5.3.post1", "negative seq_idx marking padding [padding_seq_idx]"),
+            ("causal_conv1d", "1.2.0", "causal-conv1d's CUDA short convolution")]
+    fake(FakeProbe({"causal-conv1d": "1.5.3"}, {"causal_conv1d_cuda"}))
+    ok, reason = sp.check_causal_conv1d_support("padding_seq_idx")
+    assert not ok and "needs >= 1.5.3.post1" in reason and "padding_seq_idx" in reason

@@ -10,6 +10,8 @@ fails if the helper's corresponding check is removed or weakened.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -368,6 +370,9 @@ def test_bitwise_equal_is_bitwise():
                  r"one packed row \[1, T, D\]", id="leakage-2d-input"),
     pytest.param(lambda x, p: assert_no_cross_document_leakage(PerToken(), x, None), TypeError,
                  "packed_seq_params must be", id="leakage-no-metadata"),
+    pytest.param(lambda x, p: document_spans(None, x.shape[1]), TypeError,
+                 re.escape("packed_seq_params must be a PackedSeqParams, a Megatron-style PackedSeqParams or a "
+                           "VarlenBatch describing the packed row, got None"), id="spans-no-metadata"),
     pytest.param(lambda x, p: assert_packed_equals_unpacked(PerToken(), x.numpy(), p), TypeError,
                  "hidden_states must be a torch.Tensor", id="packed-numpy-input"),
     pytest.param(lambda x, p: assert_no_cross_document_leakage(PerToken(), x[:, :5], PackedSeqParams.from_lengths([5])),

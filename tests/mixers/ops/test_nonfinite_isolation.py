@@ -465,3 +465,25 @@ def test_a_guard_without_tokens_leaves_unread_states_alone(guard_form):
     iso.scan_states(states, owner)
     assert torch.equal(iso.clean_states(torch.ones(2, 3), owner), torch.ones(2, 3))
     assert torch.equal(iso.poison_states(torch.ones(2, 3), owner), torch.ones(2, 3))
+
+
+def test_the_guard_computes_its_masks_once_for_every_output(guard_form, monkeypatch):
+    """The masks are computed once, at the first output, and reused by the others (the op's outputs and
+    final states read the same masks; no second pass over the tokens)."""
+    seg = torch.tensor([[0, 0, 1, 1, 1]])
+    iso = isolation.Isolation(seg)
+    computed = []
+    slots = iso._segment_slots
+    monkeypatch.setattr(iso, "_segment_slots", lambda: computed.append(1) or slots())
+    x = torch.ones(1, 5, 2, dtype=torch.float64)
+    x[0, 1, 0] = float("nan")                               # enters document 0's state at its second token
+    iso.scan(x)
+    y = iso.poison_tokens(torch.ones(1, 5, 2, dtype=torch.float64))
+    states = iso.poison_states(torch.ones(2, 3, dtype=torch.float64), torch.tensor([0, 1]))
+    after = iso.state_bad_after(torch.tensor([0, 1, 4, -1]), torch.tensor([0, 0, 1, 1]))
+    assert torch.equal(torch.isnan(y[0, :, 0]), torch.tensor([False, True, False, False, False]))
+    assert torch.equal(torch.isnan(y[0, :, 1]), torch.tensor([False, True, False, False, False]))
+    assert torch.equal(torch.isnan(states).all(1), torch.tensor([True, False]))
+    assert not torch.isnan(states[1]).any()
+    assert torch.equal(after, torch.tensor([False, True, False, False]))
+    assert computed == [1]
