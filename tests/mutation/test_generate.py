@@ -236,7 +236,7 @@ def test_an_uncovered_sampled_line_traces_the_next_candidate_files(monkeypatch, 
 
 
 def test_combined_reports_keep_the_latest_result_of_each_mutant_still_generated(tmp_path):
-    """Two dated lane reports over ``ssm_pack/m.py``: the later run's kill replaces the earlier
+    """Two dated lane reports over ``ssm_pack/m.py``: the newer report's kill replaces the earlier
     survivor, a later ``budget`` row erases nothing, a mutant the tree no longer generates (its
     line changed) and one the allow-list names leave the count, a module no report ran is ``None``."""
     import json
