@@ -101,12 +101,12 @@ def next_files(ranked: list[str], traced: int, limit: int, by_line: dict, wanted
     return ranked[traced:traced + limit]
 
 
-def trace(repo: Path, module: str, args, pytest_run, wanted=()) -> tuple[dict, dict, list[str]]:
-    """The coverage map of ``module`` from its candidate test files (within half the module budget):
-    the first ``--max-test-files`` of them, then, if a line in ``wanted`` is still uncovered, the
-    next as many in the budget left."""
+def trace(repo: Path, module: str, args, pytest_run, wanted=(), ranked=None) -> tuple[dict, dict, list[str]]:
+    """The coverage map of ``module`` from its candidate test files (``ranked``, else found here;
+    within half the module budget): the first ``--max-test-files`` of them, then, if a line in
+    ``wanted`` is still uncovered, the next as many in the budget left."""
     start, limit = time.monotonic(), args.max_test_files
-    ranked = candidate_tests(repo, module, None)
+    ranked = candidate_tests(repo, module, None) if ranked is None else ranked
     files = ranked[:limit]
     if not files:
         return {}, {}, []
@@ -188,7 +188,8 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
     chosen = sample([m for m in every if (module, m.fingerprint) not in equivalent], args.max_per_module, module)
     signatures = signature_body_lines((repo / module).read_text())
     wanted = {signatures.get(m.line, m.line) for m in chosen}
-    by_line, seconds, files = trace(repo, module, args, pytest_run, wanted)
+    ranked = candidate_tests(repo, module, None)            # parses the product's imports: once per module
+    by_line, seconds, files = trace(repo, module, args, pytest_run, wanted, ranked)
     rows = []
     for mutant in chosen:
         body_line = signatures.get(mutant.line)
@@ -206,8 +207,7 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
         print(f"  {row['status']:9} {mutant.id:48} {row['killed_by'][:60]}", flush=True)
     # survivors and uncovered lines: the next candidate files are traced and their covering tests run
     open_rows = [(m, r) for m, r in zip(chosen, rows) if r["status"] in ("survived", "uncovered")]
-    ranked = candidate_tests(repo, module, None) if open_rows else []
-    more = ranked[len(files):len(files) + args.max_test_files]
+    more = ranked[len(files):len(files) + args.max_test_files] if open_rows else []
     left = args.module_budget - (time.monotonic() - start)
     if more and left > 10:
         extra, extra_seconds = _trace_files(repo, module, more, left / 2, pytest_run)

@@ -185,7 +185,7 @@ def _lane_run(tmp_path, monkeypatch, killer: str | None):
     from tests.mutation import lane
     (tmp_path / "m.py").write_text("def f(x):\n    return x + 1\n")
     covering = {f"t{i:02d}.py::test" for i in range(13)}
-    monkeypatch.setattr(lane, "trace", lambda repo, module, args, run, wanted=(): ({2: covering}, {}, ["t.py"]))
+    monkeypatch.setattr(lane, "trace", lambda *a, **k: ({2: covering}, {}, ["t.py"]))
     runs = []
 
     def pytest_run(repo, tests, timeout, first_failure):
@@ -272,7 +272,7 @@ def test_a_survivor_runs_the_tests_of_the_next_candidate_files(tmp_path, monkeyp
 
     from tests.mutation import lane
     (tmp_path / "m.py").write_text("def f(x):\n    return x + 1\n")
-    monkeypatch.setattr(lane, "trace", lambda repo, module, args, run, wanted=(): ({2: {"a.py::t"}}, {}, ["a.py"]))
+    monkeypatch.setattr(lane, "trace", lambda *a, **k: ({2: {"a.py::t"}}, {}, ["a.py"]))
     monkeypatch.setattr(lane, "candidate_tests", lambda repo, module, limit: ["a.py", "far.py", "other.py"])
     traced = []
 
