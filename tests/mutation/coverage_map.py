@@ -112,33 +112,46 @@ def _naming(root: Path, module: str) -> re.Pattern:
     return re.compile(r"\b(" + "|".join(map(re.escape, [dotted(module)] + names)) + r")\b")
 
 
+def _importer_tiers(root: Path, module: str, graph: dict) -> list[list[str]]:
+    """The product modules importing ``module``, by import distance: tier 1 imports it, tier 2 imports
+    a tier-1 module, and so on until no new importer appears (the package ``__init__`` files that
+    re-export an op end the chain)."""
+    seen, tiers, frontier = {module}, [], [module]
+    while frontier:
+        found = sorted({m for f in frontier for m in _importers(root, f, graph)} - seen)
+        if found:
+            tiers.append(found)
+        seen.update(found)
+        frontier = found
+    return tiers
+
+
 def candidate_tests(root: Path, module: str, limit: int | None) -> list[str]:
-    """Up to ``limit`` (``None``: all) test files (relative paths) for ``module``, in three tiers,
-    each by how closely the file mirrors the module's path, then by how many of its names it uses:
-    the files that name it or one of its public names; then the files naming a product module that
-    imports it (the entry points a private helper is tested through); then those naming a module
-    that imports one of those (a shared check reached through an op's ``_validate``)."""
+    """Up to ``limit`` (``None``: all) test files (relative paths) for ``module``, in tiers, each by how
+    closely the file mirrors a module's path, then by how many of its names the file uses: tier 0 names
+    the module or one of its public names; tier k names a product module k imports away from it (the
+    entry points a private helper is tested through: a shared check reached through an op's
+    ``_validate``, a grouped-state helper reached through the op package that re-exports the op). A file
+    names a module by its dotted path, by ``from package import module``, or by a public name."""
     root = Path(root)
     graph = _import_graph(root)
-    direct = _naming(root, module)
-    first = _importers(root, module, graph)
-    second = sorted({m for i in first for m in _importers(root, i, graph)} - set(first) - {module})
-    tiers = [[(m, _naming(root, m)) for m in first], [(m, _naming(root, m)) for m in second]]
+    tiers = [[module]] + _importer_tiers(root, module, graph)
+    patterns = {m: _naming(root, m) for tier in tiers for m in tier}
     scored = []
     for path in sorted((root / "tests").rglob("test_*.py")):
         rel = str(path.relative_to(root))
         if "/mutation/" in rel:
             continue
         text = path.read_text()
-        hits, mirror = set(direct.findall(text)), _mirrors(module, rel)
-        if hits or mirror:
-            scored.append((0, -mirror, -len(hits), rel))
-            continue
-        for tier, importers in enumerate(tiers, 1):
-            best = max(((_mirrors(m, rel), len(set(p.findall(text)))) for m, p in importers if p.search(text)),
+        imported = _imports(rel, ast.parse(text))
+        for tier, members in enumerate(tiers):
+            best = max(((_mirrors(m, rel) if tier == 0 else 0,
+                         len(set(patterns[m].findall(text))) + (dotted(m) in imported), _mirrors(m, rel))
+                        for m in members
+                        if (tier == 0 and _mirrors(m, rel)) or dotted(m) in imported or patterns[m].search(text)),
                        default=None)
             if best:
-                scored.append((tier, -best[0], -best[1], rel))
+                scored.append((tier, -best[0], -best[2], -best[1], rel))
                 break
     return [rel for *_, rel in sorted(scored)[:limit]]
 

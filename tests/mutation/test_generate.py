@@ -123,7 +123,8 @@ def test_candidate_tests_mirror_the_module_first():
 def test_candidate_tests_reach_a_helper_through_the_modules_importing_it(module, want, never):
     files = candidate_tests(ROOT, module, None)          # as the lane asks (lane.py): every candidate, ranked
     assert want in files, files
-    assert never not in files
+    if never is not None:           # reached only far down the import chain: ranked after the importers' tests
+        assert never not in files or files.index(never) > files.index(want), files
 
 
 def test_the_coverage_map_gives_import_lines_to_every_test_of_the_module(tmp_path):
@@ -307,3 +308,21 @@ def test_candidate_tests_reach_a_helper_two_imports_away(tmp_path):
     (tests / "test_calls.py").write_text("from ssm_pack._validate import validate_call\n")
     (tests / "test_other.py").write_text("import torch\n")
     assert candidate_tests(tmp_path, "ssm_pack/check.py", 8) == ["tests/test_calls.py", "tests/test_op.py"]
+
+
+def test_candidate_tests_follow_imports_to_the_package_and_resolve_from_package_import_module(tmp_path):
+    """``grouped`` -> ``states`` -> ``reference`` -> the package ``__init__`` that re-exports the op: a
+    test calling the op through the package is a candidate, three imports away; so is a test that
+    names the module only as ``from package import module``, one import away; an unrelated test is not."""
+    pkg = tmp_path / "mixers" / "ops"
+    pkg.mkdir(parents=True)
+    (pkg / "grouped.py").write_text("def _bucket(x):\n    return x\n")
+    (pkg / "states.py").write_text("from .grouped import _bucket\n\n\ndef _doc_states(x):\n    return _bucket(x)\n")
+    (pkg / "reference.py").write_text("from .states import _doc_states\n\n\ndef _ref(x):\n    return _doc_states(x)\n")
+    (pkg / "__init__.py").write_text("from .reference import _ref as chunk_scan_op\n")
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_public.py").write_text("from mixers.ops import chunk_scan_op\n")
+    (tests / "test_module.py").write_text("from mixers.ops import states\n\nstates._doc_states(1)\n")
+    (tests / "test_other.py").write_text("import torch\n")
+    assert candidate_tests(tmp_path, "mixers/ops/grouped.py", None) == ["tests/test_module.py", "tests/test_public.py"]
