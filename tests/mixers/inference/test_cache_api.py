@@ -114,6 +114,35 @@ def test_reset_default_list_tensor_and_repeats():
     assert cache.lengths.tolist() == [0, 0, 0, 0] and nonzero_slots(cache) == [] and cache.free_slots() == [0, 1, 2, 3]
 
 
+def test_lengths_is_a_copy():
+    """``cache.lengths`` is a host copy: a later forward does not change a copy taken before it, and
+    writing into a copy changes neither the cache's lengths nor what the next forward continues from."""
+    m = model("GA")
+    cache = filled(m)
+    taken = cache.lengths
+    with torch.no_grad():
+        m(torch.tensor([[11, 12, 13, 14]]), PackedSeqParams.from_lengths([3, 1]), cache=cache, cache_slots=[2, 0])
+    assert taken.tolist() == [2, 1, 0, 3], f"a copy taken before the forward changed: {taken.tolist()}"
+    assert cache.lengths.tolist() == [3, 1, 3, 3]
+    cache.lengths[1] = 7
+    assert cache.lengths.tolist() == [3, 1, 3, 3], "writing into the copy changed the cache's lengths"
+    assert cache.free_slots() == []
+
+
+def test_advance_refuses_slots_resolved_for_another_cache():
+    """A :class:`SlotBatch` of one cache advances that cache only: another cache refuses it and keeps
+    its lengths and states."""
+    m = model("GA")
+    mine, other = filled(m), filled(m)
+    before = snapshot(other)
+    batch = mine.resolve([2, 0], rows=2, steps=3, varlen=None, device="cpu")
+    with pytest.raises(ValueError, match="cache_slots were resolved for another cache"):
+        other.advance(batch)
+    assert same(before, snapshot(other)), "the refused advance changed the other cache"
+    mine.advance(batch)                                  # negative control: its own cache takes it
+    assert mine.lengths.tolist() == [5, 1, 3, 3]
+
+
 @pytest.mark.parametrize("slots,error,match", [
     pytest.param(torch.tensor([True, False]), TypeError, "slots must be a 1-D integer tensor", id="bool-tensor"),
     pytest.param([0, True], TypeError, "slots must hold ints", id="bool-element"),

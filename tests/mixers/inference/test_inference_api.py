@@ -1,6 +1,6 @@
 """The inference API's refusals: ``generate(cache=)`` checks the cache before touching it, token ids
-outside the vocabulary, non-finite temperatures, and a cache under context parallelism; each
-refused call leaves the cache bitwise unchanged."""
+outside the vocabulary, non-finite temperatures, prompts of the wrong form, and a cache under context
+parallelism; each refused call leaves the cache bitwise unchanged."""
 
 import math
 
@@ -110,6 +110,31 @@ def test_token_ids_at_the_vocabulary_edges_are_accepted():
 def test_generate_refuses_bad_temperatures(temperature, error):
     with pytest.raises(error, match="temperature must be a finite number >= 0"):
         model("G").generate([[1, 2]], 2, temperature=temperature)
+
+
+@pytest.mark.parametrize("form", [
+    pytest.param(torch.tensor, id="int64-tensor"),
+    pytest.param(lambda p: torch.tensor(p, dtype=torch.int32), id="int32-tensor"),
+    pytest.param(tuple, id="tuple"),
+    pytest.param(bytes, id="bytes"),
+])
+def test_generate_takes_prompts_as_tensors_and_sequences(form):
+    """A prompt may be a 1-D integer tensor or any sequence of ints: the same tokens as a list."""
+    m = model("GA")
+    ps = [[5, 17, 3, 40, 9], [2], [33, 8, 61]]
+    want = m.generate(ps, max_new_tokens=3)
+    got = m.generate([form(p) for p in ps], max_new_tokens=3)
+    assert got == want, f"prompts given as {form} generated {got}, as lists {want}"
+
+
+@pytest.mark.parametrize("prompt", [
+    pytest.param(torch.tensor([[1, 2, 3]]), id="2-D-tensor"),
+    pytest.param(torch.tensor([1.0, 2.0]), id="float-tensor"),
+    pytest.param(torch.tensor(4), id="0-D-tensor"),
+])
+def test_generate_refuses_prompt_tensors_of_the_wrong_form(prompt):
+    with pytest.raises(TypeError, match=r"prompts\[1\] must be a 1-D integer tensor or a sequence of ints"):
+        model("G").generate([[1, 2], prompt], 2)
 
 
 def cp_shard():

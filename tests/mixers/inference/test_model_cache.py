@@ -78,6 +78,38 @@ def test_continuous_batching_equals_solo_runs():
     assert swapped["max_abs"] > 1e-3
 
 
+def test_check_against_recompute_flags_tokens_that_are_not_the_argmax():
+    """``greedy_match`` is whether every generated token is the full forward's argmax: a last token
+    swapped for another (its logits unchanged, so the differences stay 0) turns it False."""
+    m = model("MGA")
+    ps = prompts([6, 1, 9], seed=12)
+    batcher = ContinuousBatcher(m, max_batch_size=2, record_logits=True)
+    outputs = batcher.run(ps, max_new_tokens=4)
+    check = check_against_recompute(m, ps, outputs, batcher.logits)
+    assert check["greedy_match"] and check["tokens"] == 12 and check["sequences"] == 3
+    swapped = [out[:-1] + [(out[-1] + 1) % 64] if i == 1 else out for i, out in enumerate(outputs)]
+    bad = check_against_recompute(m, ps, swapped, batcher.logits)
+    assert not bad["greedy_match"], "a token that is not the argmax passed as greedy"
+    assert bad["max_abs"] == check["max_abs"] and bad["tokens"] == 12
+
+
+def test_check_against_recompute_skips_sequences_without_tokens():
+    """A sequence that generated nothing (``max_new_tokens=0``, or an empty output next to others)
+    adds no token and no difference; the others are compared as before."""
+    m = model("MGA")
+    ps = prompts([5, 8, 2], seed=13)
+    none = ContinuousBatcher(m, record_logits=True)
+    empty = check_against_recompute(m, ps, none.run(ps, max_new_tokens=0), none.logits)
+    assert empty == {"sequences": 0, "tokens": 0, "max_abs": 0.0, "rel_rms": 0.0, "greedy_match": True}
+    batcher = ContinuousBatcher(m, record_logits=True)
+    outputs = batcher.run(ps, max_new_tokens=3)
+    logits = list(batcher.logits)
+    outputs[1], logits[1] = [], torch.zeros(0)
+    check = check_against_recompute(m, ps, outputs, logits)
+    assert check["sequences"] == 2 and check["tokens"] == 6 and check["greedy_match"]
+    assert check["max_abs"] <= EXACT
+
+
 def test_continuous_batching_fp32_within_tolerance():
     m = model(dtype=torch.float32)
     ps = prompts([9, 2, 14], seed=5)
@@ -228,6 +260,7 @@ def test_generate_resumes_prefilled_slots():
     batcher = ContinuousBatcher(m, prefill_chunk=4, record_logits=True, cache=cache)
     got = batcher.run(ps, max_new_tokens=5, prefilled={3: (2, last[0][-1]), 0: (0, last[1][-1])})
     assert got == expected and batcher.slots_reused >= 2
+    assert batcher.admitted == len(ps), f"{batcher.admitted} prompts admitted, {len(ps)} given (2 of them prefilled)"
     assert max(max_error(a, b) for a, b in zip(batcher.logits, want.logits)) <= EXACT
     # negative control: the slots' tokens taken as fresh prompts' logits (wrong logits) change the tokens
     cache = m.allocate_inference_cache(3, 32)
