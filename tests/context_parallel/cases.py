@@ -263,6 +263,10 @@ def run_op(subject, inputs, varlen, lo, hi) -> dict:
     loss.backward()
     result = {"out": out.detach(), "states": None if states is None else states.detach(),
               "row_state": None if row_state is None else row_state.detach()}
+    if subject == "rg_lru":     # output_final_state left at its default: (out, None), as on one process
+        with torch.no_grad():
+            result["unasked_states"] = rg_lru(row["x"], row["gate_x"], row["gate_a"], shared["recurrent_param"],
+                                              initial_state=shared["h0"], continues=continues, cu_seqlens=varlen)[1]
     if subject in KERNEL_ATTENTION and calls is not None:
         result["kernels"] = [(kind, [b.tolist() for b in given] if isinstance(given, tuple) else [given.tolist()])
                              for kind, given in calls]

@@ -8,7 +8,8 @@ outputs and row-input gradients slice for slice, shared
 gradients (initial states, weights, parameters) and final states summed over the ranks (each
 rank returns the documents it ends and reads the initial states of those it starts), and the
 model's loss shares summed. Negative control: the same shards without the exchange differ
-wherever a segment crosses a rank boundary (and equal it where none does).
+wherever a segment crosses a rank boundary (and equal it where none does). ``rg_lru`` asked for
+no final state returns none under CP either.
 
 One spawn per world size runs every case (``worker.launch``), so the suite pays the process
 start-up twice; each case's test then reads its ranks' results.
@@ -132,6 +133,18 @@ def test_without_the_exchange_cp_differs(ranks, world, case_id, subject, kind, s
         assert _max_err(alone, ref) <= TOL
     if subject in KERNEL_ATTENTION:         # the CP run itself is within FP16_REL of the row (rel. RMS)
         assert _rel_rms(alone, ref) > 10 * FP16_REL or not crosses(lay, world)
+
+
+@pytest.mark.parametrize("world, case_id, subject, kind, seed",
+                         [pytest.param(*c, id=c[1]) for c in CASES if c[2] == "rg_lru"])
+def test_cp_returns_no_final_state_unless_asked(ranks, world, case_id, subject, kind, seed):
+    """``rg_lru`` under CP with ``output_final_state`` left at its default returns ``(out, None)`` on
+    every rank, as the single-process call does."""
+    per_rank = _load(ranks(world), case_id, world)
+    lay = layout(kind, world, seed)
+    assert run_subject(subject, lay, lay.params(), 0, lay.total, seed)["unasked_states"] is None
+    given = [r for r, result in enumerate(per_rank) if result["unasked_states"] is not None]
+    assert not given, f"ranks {given} returned a final state that was not asked for"
 
 
 @pytest.mark.parametrize("world, case_id, subject, kind, seed",

@@ -88,6 +88,28 @@ def test_packed_equals_each_document_alone(lengths, chunk, tail):
         assert float((a - b).abs().max()) <= 1e-12, name
 
 
+@pytest.mark.parametrize(("lengths", "tail"), [
+    pytest.param([0, 5, 0, 1, 9, 0], 0, id="empty-docs"),
+    pytest.param([4, 0, 7], 3, id="empty-middle-tail"),
+])
+def test_document_states_without_initial_states(lengths, tail):
+    """``initial_states`` left out: every document starts from zero, so an empty document's state is
+    zeros and every other one's is the state after its own tokens (the step oracle from zero)."""
+    total = sum(lengths) + tail
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    inp = _inputs(total, len(lengths))
+    out, states = selective_scan_fn(inp["u"], inp["delta"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"],
+                                    inp["delta_bias"], True, cu_seqlens=cu, return_varlen_states=True)
+    assert states.shape == (len(lengths), E, NS), f"one state per document, got {list(states.shape)}"
+    dt, zero = F.softplus(inp["delta"][0] + inp["delta_bias"][:, None]), torch.zeros(E, NS, dtype=F64)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        sl = slice(s, e)
+        want_out, want_state = step_oracle(inp["u"][0, :, sl], dt[:, sl], inp["A"], inp["B"][0, :, sl],
+                                           inp["C"][0, :, sl], inp["D"], inp["z"][0, :, sl], zero)
+        assert _err(out[0, :, sl], want_out) <= 1e-12, f"document {i} ({e - s} tokens): outputs differ"
+        assert _err(states[i], want_state) <= 1e-12, f"document {i} ({e - s} tokens): state differs"
+
+
 @pytest.mark.parametrize(("lengths", "chunk", "tail"), CASES)
 def test_backend_equals_the_spec(lengths, chunk, tail):
     total = sum(lengths) + tail
