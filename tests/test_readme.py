@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 import re
 import socket
 import subprocess
@@ -21,6 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -122,7 +123,7 @@ def _torchrun(code: str, procs: int, script: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = child_env(ROOT, OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}",
                           f"--master-port={port}", "--master-addr=127.0.0.1", str(script)],
                          capture_output=True, text=True, env=env, timeout=600)

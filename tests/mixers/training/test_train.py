@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.child_env import child_env
+
 ROOT = Path(__file__).resolve().parents[3]
 SMALL = ["--model.hidden_size=32", "--data.max_tokens=256", "--data.batch_packs=4", "--train.steps=5",
          "--train.warmup_steps=2", "--train.lr=1e-2", "--checkpoint.export=false", "--metrics.plot=false",
@@ -28,7 +30,7 @@ TOLERANCE = {"dp2": 2e-6, "cp2": 2e-6, "dp2xcp2": 2e-6}
 
 
 def _env(**extra) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
+    env = child_env(ROOT, OMP_NUM_THREADS="1", **extra)
     env.pop("SSM_PACK_TRAIN_FAULT", None)
     env.update(extra)
     return env
