@@ -145,13 +145,10 @@ def candidate_tests(root: Path, module: str, limit: int | None) -> list[str]:
         text = path.read_text()
         imported = _imports(rel, ast.parse(text))
         for tier, members in enumerate(tiers):
-            best = max(((_mirrors(m, rel) if tier == 0 else 0,
-                         len(set(patterns[m].findall(text))) + (dotted(m) in imported), _mirrors(m, rel))
-                        for m in members
-                        if (tier == 0 and _mirrors(m, rel)) or dotted(m) in imported or patterns[m].search(text)),
-                       default=None)
+            named = [(_mirrors(m, rel), len(set(patterns[m].findall(text))) + (dotted(m) in imported)) for m in members]
+            best = max(((mirror, hits) for mirror, hits in named if hits or (tier == 0 and mirror)), default=None)
             if best:
-                scored.append((tier, -best[0], -best[2], -best[1], rel))
+                scored.append((tier, -best[0], -best[1], rel))
                 break
     return [rel for *_, rel in sorted(scored)[:limit]]
 

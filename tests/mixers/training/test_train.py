@@ -30,7 +30,7 @@ TOLERANCE = {"dp2": 2e-6, "cp2": 2e-6, "dp2xcp2": 2e-6}
 
 
 def _env(**extra) -> dict:
-    env = child_env(ROOT, OMP_NUM_THREADS="1", **extra)
+    env = child_env(ROOT, OMP_NUM_THREADS="1")
     env.pop("SSM_PACK_TRAIN_FAULT", None)
     env.update(extra)
     return env
