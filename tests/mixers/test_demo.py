@@ -4,13 +4,17 @@ reports every bad flag as one clear line before any work."""
 import io
 import json
 import re
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from mixers.cli import main as cli_main
-from mixers.demo import build_parser, check_args, main
+from mixers.demo import build_parser, check_args, corpus, main
 from mixers.demo.corpus import load_documents
+from mixers.demo.plot import require_matplotlib, write_png
 from mixers.demo.train import Progress, make_batches
 
 README = Path(__file__).resolve().parents[2] / "docs" / "demo.md"      # its sample output
@@ -20,6 +24,24 @@ def test_corpus_is_real_and_deterministic():
     docs = load_documents(50)
     assert len(docs) == 50 and docs == load_documents(50)
     assert all(24 <= len(d) <= 1024 for d in docs) and len(set(docs)) > 40
+
+
+def _stdlib_of(tmp_path, monkeypatch, *docstrings):
+    """A standard library of one file holding a function per docstring."""
+    path = tmp_path / "lib.py"
+    path.write_text("".join(f"def f{i}():\n    {d!r}\n" for i, d in enumerate(docstrings)), encoding="utf-8")
+    monkeypatch.setattr(corpus, "stdlib_files", lambda: (path,))
+
+
+def test_corpus_keeps_documents_of_24_bytes_and_cuts_at_1024(tmp_path, monkeypatch):
+    _stdlib_of(tmp_path, monkeypatch, "x" * 23, "y" * 24, "z" * 1500, "w" * 25)
+    assert load_documents(10) == [b"y" * 24, b"z" * 1024, b"w" * 25]
+
+
+def test_corpus_without_docstrings_is_an_error_naming_the_folder(tmp_path, monkeypatch):
+    _stdlib_of(tmp_path, monkeypatch, "too short")
+    with pytest.raises(RuntimeError, match="found no docstrings under"):
+        load_documents(10)
 
 
 def test_demo_runs_on_one_stream_and_writes_its_outputs(tmp_path, capsys):
@@ -68,6 +90,13 @@ def test_demo_batches_hold_every_document_once_and_carry_the_long_ones():
     assert figures.tokens == sum(map(len, docs)) and 0 < figures.padding_packed < figures.padding_padded
 
 
+def test_demo_figures_count_the_documents_that_hold_tokens():
+    docs = [b"a" * 40, b"", b"b" * 300, b"", b"c" * 17]
+    _, figures = make_batches(docs, 256, 8, "cpu")
+    assert figures.documents == 3 and figures.tokens == 357, figures
+    assert figures.summary().startswith("3 documents, 357 tokens -> ")
+
+
 class FakeClock:
     def __init__(self, durations):
         self.t, self.durations = 0.0, iter(durations)
@@ -95,6 +124,72 @@ def test_progress_shows_the_recent_rate_not_the_average_since_step_one():
     assert len(lines) == 1 + 6                              # a line every sixth of the run
     assert lines[-1].endswith("step 12/12  loss 12.500  1,000 tok/s")   # 200 tokens in 0.2 s; not 1200 / 11.1 s
     assert lines[1].endswith("step 2/12  loss 2.500  20 tok/s")         # the first window holds the warm-up
+
+
+def test_progress_bar_is_as_wide_as_the_docs_show():
+    sample = [line for line in README.read_text().splitlines() if line.startswith("  [")]
+    width = len(sample[0].split("]")[0]) - len("  [")
+    log = Log()
+    progress = Progress(12, stream=log, clock=FakeClock([0.1] * 13))
+    for step in range(12):
+        progress.step(loss=1.0, tokens=10)
+    bars = [line.split("]")[0] for line in log.getvalue().splitlines()[1:]]
+    assert width == 28 and all(len(bar) == len("  [") + width for bar in bars), (width, bars)
+    assert bars[-1] == "  [" + "#" * width
+
+
+def test_progress_with_a_window_of_one_step_shows_each_step_alone():
+    # 6 steps: a line per step, each over its own step; step 1 ends 5 s after the start, step 2 0.5 s later
+    log = Log()
+    progress = Progress(6, stream=log, clock=FakeClock([5.0, 0.5] + [0.25] * 5))
+    for step in range(6):
+        progress.step(loss=1.0 + step, tokens=100)
+    lines = log.getvalue().splitlines()
+    assert lines[0].endswith("both over the last 1 step") and len(lines) == 1 + 6
+    assert lines[1].endswith("step 1/6  loss 1.000  20 tok/s")          # 100 tokens in 5 s
+    assert lines[2].endswith("step 2/6  loss 2.000  200 tok/s"), lines[2]   # 100 tokens in 0.5 s, not in 5.5 s
+
+
+def test_the_picture_is_written_into_a_new_folder_with_labelled_axes(tmp_path, monkeypatch):
+    plt = require_matplotlib()
+    from matplotlib.figure import Figure
+    drawn, real_savefig = [], Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        drawn.append([(ax.get_xlabel(), ax.get_ylabel(), ax.get_title()) for ax in fig.axes])
+        return real_savefig(fig, *args, **kwargs)
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    open_before = plt.get_fignums()
+    path = tmp_path / "out" / "run 1" / "demo.png"
+    assert write_png(path, [5.8, 4.9, 3.9, 3.2], {"packed": 433.0, "padded": 280.0}, "title") == path
+    assert plt.get_fignums() == open_before, "the figure is closed once written"
+    header = path.read_bytes()[:24]
+    docs_picture = (README.parent / "demo-short.png").read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", header[16:24]) == struct.unpack(">II", docs_picture[16:24]) == (1210, 440)
+    assert drawn == [[("step", "next-byte cross-entropy (nats)", "training loss (packed)"),
+                      ("", "real tokens / s (forward + backward + step)", "training throughput")]]
+
+
+@pytest.mark.parametrize("argv,ok", [
+    pytest.param(["--docs", "4", "--max-tokens", "64"], True, id="smallest"),
+    pytest.param(["--docs", "3"], False, id="docs-3"),
+    pytest.param(["--max-tokens", "63"], False, id="max-tokens-63"),
+])
+def test_the_smallest_corpus_and_pack_are_accepted(argv, ok):
+    args = build_parser().parse_args(argv)
+    if ok:
+        assert check_args(args).docs == int(argv[1])
+    else:
+        with pytest.raises(ValueError, match="need --steps >= 1, --hidden >= 16, --docs >= 4, --max-tokens >= 64"):
+            check_args(args)
+
+
+def test_python_m_mixers_demo_exits_with_the_demo_status(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mixers.demo", "--steps", "0", "--out", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("ssm-pack demo failed: ValueError: need --steps >= 1"), done.stderr
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -158,6 +158,22 @@ def test_megatron_extra_state_is_no_weight_but_a_fused_norm_is_refused():
         from_state_dict(sd, "megatron", MAMBA)
 
 
+@pytest.mark.parametrize(("value", "passed_over"), [
+    pytest.param(torch.empty(0), True, id="empty-float-tensor"),
+    pytest.param(torch.zeros(3, dtype=torch.uint8), True, id="uint8-bytes"),
+    pytest.param(torch.ones(1), False, id="one-float"),
+])
+def test_megatron_extra_state_tensors(value, passed_over):
+    # Transformer Engine stores an empty tensor (no FP8 state) or uint8 bytes; a float value is a weight
+    sd = to_state_dict(_random_mixer("megatron"), "megatron")
+    sd["in_proj._extra_state"] = value
+    if passed_over:
+        assert from_state_dict(sd, "megatron", MAMBA) is not None
+    else:
+        with pytest.raises(ValueError, match=r"unexpected keys \['in_proj._extra_state'\]"):
+            from_state_dict(sd, "megatron", MAMBA)
+
+
 def test_d_per_channel_is_refused_with_the_reason():
     sd = to_state_dict(_random_mixer("mamba_ssm"), "mamba_ssm")
     sd["D"] = torch.ones(MAMBA.d_inner)
@@ -232,6 +248,35 @@ def test_our_options_upstream_lacks_are_refused_going_back():
                       "hf_qwen3_next")
 
 
+def test_qwen3_next_refusal_names_the_source_and_the_family():
+    with pytest.raises(ValueError, match=r"^hf_qwen3_next: our config has allow_neg_eigval=True; .*"
+                                         r"Qwen3-Next has no negative-eigenvalue beta"):
+        to_state_dict(GatedDeltaNetMixer(config=GatedDeltaNetConfig(32, head_dim=16, allow_neg_eigval=True)),
+                      "hf_qwen3_next")
+
+
+def _kimi_conv_bias(m):
+    m.conv1d.bias = torch.nn.Parameter(torch.zeros(m.conv1d.out_channels))
+
+
+def _kimi_gate_bias(m):
+    m.g_b_proj.bias = torch.nn.Parameter(torch.zeros(m.g_b_proj.out_features))
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    pytest.param(_kimi_conv_bias, "the conv has a bias; .*nothing was converted. Only bias-free convolutions convert",
+                 id="conv-bias"),
+    pytest.param(_kimi_gate_bias, "g_b_proj has a bias; .*nothing was converted. Only the bias-free gate converts",
+                 id="gate-bias"),
+])
+def test_kimi_linear_options_our_mixer_cannot_represent_are_refused(monkeypatch, edit, match):
+    module = BUILDERS["hf_kimi_linear"](monkeypatch)
+    assert from_module(module) is not None                                       # negative control
+    edit(module)
+    with pytest.raises(ValueError, match=f"^KimiLinearDeltaAttention: {match}$"):
+        from_module(module)
+
+
 def test_to_module_refuses_a_layer_of_other_sizes_or_eps(monkeypatch):
     upstream = BUILDERS["hf_qwen3_next"](monkeypatch)
     ours = GatedDeltaNetMixer(config=GatedDeltaNetConfig(32, head_dim=16, num_heads=2, num_v_heads=4, expand_v=1.5))
@@ -280,6 +325,24 @@ def test_safetensors_shards(tmp_path):
         load_checkpoint(tmp_path)
     with pytest.raises(FileNotFoundError):
         load_checkpoint(tmp_path / "nope.safetensors")
+
+
+def test_safetensors_files_are_read_by_safetensors_not_the_pickle_loader(tmp_path, monkeypatch):
+    st = pytest.importorskip("safetensors.torch")
+    sd = to_state_dict(_random_mixer("fla_gdn"), "fla_gdn")
+    st.save_file(sd, str(tmp_path / "model.safetensors"))
+
+    def pickle_loader(*args, **kwargs):              # an older torch.load cannot read a .safetensors file
+        raise pickle.UnpicklingError("invalid load key")
+    monkeypatch.setattr(torch, "load", pickle_loader)
+    _assert_identical(sd, load_checkpoint(tmp_path / "model.safetensors"))
+    _assert_identical(sd, load_checkpoint(tmp_path))
+
+
+def test_a_lightning_checkpoint_is_read_through_its_state_dict(tmp_path):
+    sd = to_state_dict(_random_mixer("fla_gdn"), "fla_gdn")
+    torch.save({"state_dict": sd, "epoch": 3, "global_step": 120}, tmp_path / "last.ckpt")
+    _assert_identical(sd, load_checkpoint(tmp_path / "last.ckpt"))
 
 
 def _lfm2_with(monkeypatch, edit):

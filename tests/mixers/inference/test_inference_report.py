@@ -41,6 +41,15 @@ def test_report_lists_the_inference_backends(probe):
     assert {b for _, _, b, _ in inference_backends()} == {"causal_conv1d", "mamba_decode", "fla", "flash_attn"}
 
 
+def test_report_rows_whose_kernel_runs_end_at_the_backend(probe):
+    from mixers.report import full_report
+    probe(ALL_GOOD)
+    lines = full_report().splitlines()
+    inference = lines[lines.index(next(line for line in lines if line.startswith("inference backends per mixer"))):]
+    assert ["Mamba2Mixer", "conv", "decode", "causal_conv1d"] in [line.split() for line in inference]
+    assert not any("(None)" in line for line in lines), [line for line in lines if "(None)" in line]
+
+
 def test_kernel_backend_checks_the_decode_kernels_when_a_cache_is_allocated(probe):
     probe(FakeProbe({**ALL_GOOD.versions, "mamba-ssm": "2.2.2"}, ALL_GOOD.modules))
     layer = make_mixer("M", backend="kernel")              # training kernels are there: construction passes

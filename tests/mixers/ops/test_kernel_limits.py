@@ -210,6 +210,16 @@ def test_auto_choice_states_the_limit(both_kernels, capability, dtype, d, cap, k
         assert part in text
 
 
+def test_the_default_report_shows_each_attention_choice(both_kernels, capability, monkeypatch):
+    # bf16 D=64/128: torch's varlen_attn; D=12 (not a multiple of 8): flash-attn; D=320 and fp32: the reference
+    capability((9, 0))
+    monkeypatch.setattr(installed.probe, "cuda_available", lambda: True)
+    rows = [line.split()[:3] for line in attention_limit_lines()[1:]]
+    assert rows == [["bfloat16", "D=64", "torch_varlen"], ["bfloat16", "D=128", "torch_varlen"],
+                    ["bfloat16", "D=12", "flash_attn"], ["bfloat16", "D=320", "reference"],
+                    ["float32", "D=128", "reference"]], rows
+
+
 def test_the_report_states_the_limits(both_kernels, capability, monkeypatch):
     capability((9, 0))
     monkeypatch.setattr(installed.probe, "cuda_available", lambda: True)
