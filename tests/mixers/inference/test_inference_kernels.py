@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from mixers import HybridLM
-from mixers.ops import causal_conv1d_update, dispatch, fused_recurrent_gated_delta_rule, selective_state_update
+from mixers.ops import (
+    attention_with_kvcache,
+    causal_conv1d_update,
+    dispatch,
+    fused_recurrent_gated_delta_rule,
+    selective_state_update,
+)
 from ssm_pack import PackedSeqParams
 from tests.mixers.inference.common import SMALL
 from tests.support import decode_fakes as fakes
@@ -125,3 +131,21 @@ def test_missing_packages_mean_reference_in_auto_and_an_error_with_kernel(monkey
     assert dispatch.select_backend("x", "auto", on_cuda=True, support_state=lambda: (True, None),
                                    missing_feature=None) == "kernel"
     assert math.isfinite(float(selective_state_update(*args).sum()))
+
+
+def test_kvcache_with_a_cache_of_another_dtype_takes_the_reference(monkeypatch):
+    """bf16 queries over an fp32 KV cache: flash-attn needs one dtype, so ``auto`` runs the reference
+    (the new keys appended to the cache as there) and ``kernel`` names the mismatch."""
+    calls = fakes.install(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 1, 2, 8, generator=g).to(BF16) for _ in range(3))
+    caches = [torch.randn(3, 6, 2, 8, generator=g) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    lens, idx = torch.tensor([2, 4], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32)
+    out = attention_with_kvcache(q, *caches, k, v, cache_seqlens=lens, cache_batch_idx=idx, causal=True)
+    want = attention_with_kvcache(q, *ref_caches, k, v, cache_seqlens=lens, cache_batch_idx=idx, causal=True,
+                                  backend="reference")
+    assert calls == [] and torch.equal(out, want)
+    assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches)), "the caches must hold the same keys"
+    with pytest.raises(ValueError, match=r"a torch\.float32 cache with torch\.bfloat16 queries"):
+        attention_with_kvcache(q, *caches, k, v, cache_seqlens=lens, cache_batch_idx=idx, backend="kernel")

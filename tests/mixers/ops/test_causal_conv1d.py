@@ -1,6 +1,7 @@
 """causal_conv1d_fn against a per-document F.conv1d oracle: outputs, final states, every gradient."""
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -280,3 +281,25 @@ def test_fla_conv_gets_the_forwards_layout(monkeypatch):
     layout_cu, chunk_indices = varlen.fla_conv_layout
     assert given["cu_seqlens"] is layout_cu and given["chunk_indices"] is chunk_indices
     check_close(out, causal_conv1d_fn(x, w, b, cu_seqlens=cu, backend="reference"), torch.float32, what="out")
+
+
+def test_long_documents_backward_without_warnings():
+    """Documents longer than the weight gradient's block of rows (1024): the backward equals autograd
+    through ``F.conv1d`` per document and issues no warning (no output buffer of the wrong size)."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [1300, 2, 1297]
+    x = torch.randn(1, 6, sum(lengths), generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(3, 6, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    cot = torch.randn(1, 6, sum(lengths), generator=g, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = causal_conv1d_fn(x, w, initial_states=h0, cu_seqlens=lengths_to_cu_seqlens(lengths))
+        got = torch.autograd.grad((out * cot).sum(), (x, w, h0))
+    starts = [0, 1300, 1302]
+    want_out = torch.cat([F.conv1d(torch.cat([h0[i:i + 1], x[:, :, s:s + n]], 2), w[:, None], groups=6)
+                          for i, (s, n) in enumerate(zip(starts, lengths))], 2)
+    want = torch.autograd.grad((want_out * cot).sum(), (x, w, h0))
+    assert (out - want_out).abs().max() < 1e-12
+    for name, a, b in zip(("x", "weight", "initial_states"), got, want):
+        assert (a - b).abs().max() < 1e-10, f"{name} gradient differs"

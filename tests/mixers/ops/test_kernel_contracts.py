@@ -68,6 +68,22 @@ def test_conv_final_states_use_varlen_states_without_grad(fake_cuda, fake_conv):
     assert len(of_kind(fake_conv, "states")) == 1 and torch.equal(states, ref)
 
 
+@pytest.mark.parametrize("grad", [pytest.param(False, id="no-grad"), pytest.param(True, id="grad")])
+def test_conv_final_states_without_upstream_varlen_states(fake_cuda, monkeypatch, grad):
+    """A causal-conv1d release without ``causal_conv1d_varlen_states``: the kernel runs the conv and the
+    per-document final states (an empty document's: zeros) are gathered from ``x`` as the reference does."""
+    calls = []
+    monkeypatch.setattr(conv_kernel, "load_upstream", lambda: (fakes.fake_conv(calls), None))
+    x, w, b, cu = conv_case()
+    x = x.requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        out, states = causal_conv1d_fn(x, w, b, return_final_states=True, cu_seqlens=cu)
+    ref_out, ref = causal_conv1d_fn(x, w, b, return_final_states=True, cu_seqlens=cu, backend="reference")
+    assert len(of_kind(calls, "conv")) == 1, calls
+    assert states is not None and states.shape == ref.shape == (5, 16, 3), "final states must come back"
+    assert torch.allclose(out, ref_out) and torch.equal(states, ref)
+
+
 def test_conv_row_initial_states_need_the_1_7_feature(fake_cuda, fake_conv):
     x, w, b, _ = conv_case()
     init = torch.randn(1, 16, 3)

@@ -220,6 +220,34 @@ def test_the_default_report_shows_each_attention_choice(both_kernels, capability
                     ["float32", "D=128", "reference"]], rows
 
 
+def _varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """The signature of torch 2.10's ``varlen_attn`` (no ``scale=``): only read, never called."""
+    raise AssertionError("auto_choice must not launch a kernel")
+
+
+@pytest.mark.parametrize("scale,kernel,reason", [
+    pytest.param(None, "torch_varlen", None, id="default-scale"),
+    pytest.param(64 ** -0.5, "torch_varlen", None, id="explicit-default-scale"),
+    pytest.param(0.3, "flash_attn", "softmax_scale=0.3", id="scale-0.3"),
+])
+def test_auto_choice_weighs_the_given_scale(both_kernels, capability, monkeypatch, scale, kernel, reason):
+    """A ``varlen_attn`` without ``scale=`` runs the default scale ``D ** -0.5`` only: any other scale
+    passes it over for flash-attn, and the reason names that scale."""
+    capability((9, 0))
+    monkeypatch.setattr(tv, "load_upstream", lambda: _varlen_attn_2_10)
+    got, why = auto_choice(torch.bfloat16, 64, "cuda", scale=scale)
+    assert got == kernel, why
+    assert (why == []) if reason is None else (len(why) == 1 and reason in why[0]), why
+
+
+def test_auto_choice_without_varlen_attn_takes_flash_attn(both_kernels, capability, monkeypatch):
+    """A torch without ``torch.nn.attention.varlen`` (before 2.10): flash-attn, and the reason says so."""
+    capability((9, 0))
+    monkeypatch.setattr(tv, "load_upstream", lambda: None)
+    got, why = auto_choice(torch.bfloat16, 64, "cuda")
+    assert got == "flash_attn" and len(why) == 1 and "has no varlen_attn this wrapper knows" in why[0], why
+
+
 def test_the_report_states_the_limits(both_kernels, capability, monkeypatch):
     capability((9, 0))
     monkeypatch.setattr(installed.probe, "cuda_available", lambda: True)

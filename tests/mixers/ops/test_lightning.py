@@ -195,3 +195,17 @@ def _bad(**change):
 def test_bad_input_is_refused(change, error, words):
     with pytest.raises(error, match=words.replace("[", r"\[")):
         chunk_simple_gla(**_bad(**change))
+
+
+def test_the_spec_returns_what_the_op_returns():
+    """The spec's contract is the op's: no final state unless asked, and ``[B, H, K, V]`` final states
+    for zero rows too (key and value dims differ here)."""
+    q, k = (torch.randn(2, 6, 2, 4, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(2, 6, 2, 3, dtype=torch.float64)
+    gg = -torch.rand(2, dtype=torch.float64)
+    o, final = simple_gla_naive(q, k, v, gg)
+    assert final is None and chunk_simple_gla(q, k, v, g_gamma=gg)[1] is None, "a final state nobody asked for"
+    assert_close(o, chunk_simple_gla(q, k, v, g_gamma=gg)[0], "output")
+    o, final = simple_gla_naive(q[:0], k[:0], v[:0], gg, output_final_state=True)
+    assert tuple(o.shape) == (0, 6, 2, 3), f"output {list(o.shape)}"
+    assert tuple(final.shape) == (0, 2, 4, 3), f"final states must be [B, H, K, V], got {list(final.shape)}"

@@ -91,6 +91,18 @@ def test_no_token_conv_without_metadata(monkeypatch):
     assert tuple(out.shape) == (1, 16, 0) and calls == []
 
 
+def test_no_row_conv_on_fla(monkeypatch):
+    """Zero rows of 5 tokens, 6 channels (causal-conv1d needs a multiple of 8, so fla's conv is the
+    kernel): ``[0, D, T]`` outputs and ``[0, D, W-1]`` final states, as the reference returns."""
+    calls = fakes.install(monkeypatch)
+    x, w = torch.randn(0, 6, 5), torch.randn(6, 4)
+    out, final = causal_conv1d_fn(x, w, return_final_states=True)
+    ref_out, ref_final = causal_conv1d_fn(x, w, return_final_states=True, backend="reference")
+    assert tuple(out.shape) == tuple(ref_out.shape) == (0, 6, 5), f"output {list(out.shape)}"
+    assert tuple(final.shape) == tuple(ref_final.shape) == (0, 6, 3), f"final states {list(final.shape)}"
+    assert calls == []
+
+
 def test_fakes_refuse_zero_tokens():
     """Negative control: the fakes stop a launch over T == 0 as the device would."""
     x = torch.randn(1, 0, 16).transpose(1, 2)

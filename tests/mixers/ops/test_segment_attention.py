@@ -68,3 +68,13 @@ def test_non_finite_values_stay_in_their_segment():
     grads_dirty = torch.autograd.grad(dirty, (q, k_bad, v), g)
     for a, b in zip(grads_clean, grads_dirty):
         assert torch.equal(a[:, :, others], b[:, :, others])
+
+
+def test_a_window_of_one_token_attends_only_itself():
+    """``local_window=1``: each query sees its own key alone, so the output is its own value (each
+    query head reading its key/value head)."""
+    pos = reset_positions([3, 9, 1, 5]).unsqueeze(0)
+    q = torch.randn(1, 4, 18, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 18, 8, dtype=torch.float64) for _ in range(2))
+    got = segment_attention(q, k, v, pos, local_window=1)
+    assert (got - v.repeat_interleave(2, 1)).abs().max() < 1e-12, "a one-token window must return v itself"
