@@ -105,3 +105,20 @@ def test_upstream_gated_delta_product_refuses_fp32(upstream_calls):
     assert upstream_calls["gdp"] == calls
     with pytest.raises(ValueError, match="float32"):
         chunk_gated_delta_product(q, k, v, g, beta, 2, cu_seqlens=cu, backend="kernel")
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_fused_recurrent_decode_step(monkeypatch, kind):
+    """fla's fused recurrent kernel of each kind (decoding, one token per row; fla alone, no mamba-ssm):
+    three rows, per-row initial states, grouped values, in-kernel l2 norm, against the reference step."""
+    import mixers.ops.delta_rule.update_kernel as recurrent
+    from mixers.ops import fused_recurrent_gated_delta_rule, fused_recurrent_kda
+    loaded, load = [], recurrent.load_upstream
+    monkeypatch.setattr(recurrent, "load_upstream", lambda name: loaded.append(name) or load(name))
+    q, k, v, gate, beta, h0 = inputs(kind, 3, 1, 2 * H, 3)
+    op = fused_recurrent_kda if kind == "kda" else fused_recurrent_gated_delta_rule
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    (o, s), (ro, rs) = (op(q, k, v, gate, beta, backend=backend, **kw) for backend in ("kernel", "reference"))
+    assert loaded == [kind]
+    check_close(o, ro, torch.float32, what="out")
+    check_close(s, rs, torch.float32, what="state")

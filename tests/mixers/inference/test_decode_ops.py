@@ -140,6 +140,28 @@ def test_fused_recurrent_step_is_the_chunked_op(kind):
     assert (zero - o).abs().max() > 1e-3                          # negative control: without the state
 
 
+@pytest.mark.parametrize("layout", [pytest.param(None, id="rows-of-3-tokens"),
+                                    pytest.param([2, 0, 5, 1], id="packed-uneven")])
+@pytest.mark.parametrize("kind", [pytest.param(k, id=k) for k in DELTA])
+def test_fused_recurrent_beyond_one_token_is_the_chunked_op(kind, layout):
+    """Several tokens per row, or packed documents (``cu_seqlens``): the chunked op's result, the same call."""
+    step, chunk, groups = DELTA[kind]
+    g = torch.Generator().manual_seed(5)
+    rows, t = (2, 3) if layout is None else (1, sum(layout) + 1)          # packed: a one-token padding tail
+    h, kd, vd, nh = 2, 4, 5, 2 if kind == "gdp" else 1
+    hv = h * groups
+    q, k, v = rand(rows, t, h, kd, g=g), rand(rows, t * nh, h, kd, g=g), rand(rows, t * nh, hv, vd, g=g)
+    gate = F.logsigmoid(rand(rows, t, hv, kd, g=g) if kind == "kda" else rand(rows, t, hv, g=g))
+    beta = torch.rand(rows, t * nh, hv, generator=g, dtype=F64)
+    cu = None if layout is None else lengths_to_cu_seqlens(layout)
+    h0 = rand(rows if layout is None else len(layout), hv, kd, vd, g=g)
+    extra = (nh,) if kind == "gdp" else ()
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    o, s = step(q, k, v, gate, beta, *extra, **kw)
+    ro, rs = chunk(q, k, v, gate, beta, *extra, **kw)
+    assert torch.equal(o, ro) and torch.equal(s, rs), f"{kind}: not the chunked op's result"
+
+
 def full_attention(q, k, v, lengths, window):
     cu = lengths_to_cu_seqlens(lengths)
     return varlen_attention(q, k, v, cu, None, causal=True, window_size=window)

@@ -12,6 +12,7 @@ from mixers.ops import (
     attention_with_kvcache,
     causal_conv1d_update,
     dispatch,
+    fused_recurrent_gated_delta_product,
     fused_recurrent_gated_delta_rule,
     selective_state_update,
 )
@@ -149,3 +150,44 @@ def test_kvcache_with_a_cache_of_another_dtype_takes_the_reference(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches)), "the caches must hold the same keys"
     with pytest.raises(ValueError, match=r"a torch\.float32 cache with torch\.bfloat16 queries"):
         attention_with_kvcache(q, *caches, k, v, cache_seqlens=lens, cache_batch_idx=idx, backend="kernel")
+
+
+def test_ssd_decode_without_pool_rows_takes_a_kernel_lacking_state_batch_indices(monkeypatch):
+    """mamba-ssm before 2.2.3 has the decode kernel but no ``state_batch_indices``: row i updating state
+    i takes the kernel, a call naming pool rows the reference in ``auto`` and an error with ``kernel``."""
+    calls = fakes.install(monkeypatch)
+    monkeypatch.setattr(dispatch, "cached_support", lambda name, features=(): (
+        (False, f"mamba-ssm 2.2.2 is too old for {name} with state_batch_indices")
+        if "state_batch_indices" in features else (True, None)))
+    g = torch.Generator().manual_seed(3)
+    x, dt = torch.randn(2, 2, 3, generator=g), torch.randn(2, 2, 3, generator=g)
+    A, B, C = -torch.rand(2, 3, 4, generator=g), torch.randn(2, 1, 4, generator=g), torch.randn(2, 1, 4, generator=g)
+    pool = torch.randn(3, 2, 3, 4, generator=g)
+    state, ref_state = pool[:2].clone(), pool[:2].clone()
+    out = selective_state_update(state, x, dt, A, B, C, dt_softplus=True)
+    want = selective_state_update(ref_state, x, dt, A, B, C, dt_softplus=True, backend="reference")
+    assert [k for k, _ in calls] == ["state_update"], "row i updating state i must take the kernel"
+    assert torch.allclose(out, want) and torch.allclose(state, ref_state)
+    rows = torch.tensor([2, 0])
+    selective_state_update(pool.clone(), x, dt, A, B, C, dt_softplus=True, state_batch_indices=rows)
+    assert len(calls) == 1, "pool rows need state_batch_indices: the reference"
+    with pytest.raises(RuntimeError, match="too old for mamba_decode with state_batch_indices"):
+        selective_state_update(pool.clone(), x, dt, A, B, C, dt_softplus=True, state_batch_indices=rows,
+                               backend="kernel")
+
+
+def test_gated_delta_product_decode_without_gate_runs_gdn_kernel_on_sub_steps(monkeypatch):
+    """No gate: GDN's fused recurrent kernel gets zero log-decays on every row's sub-steps; three rows, the
+    result of the reference step."""
+    calls = fakes.install(monkeypatch)
+    g = torch.Generator().manual_seed(6)
+    rows, nh = 3, 2
+    q, k = torch.randn(rows, 1, 2, 4, generator=g), torch.randn(rows, nh, 2, 4, generator=g)
+    v, beta = torch.randn(rows, nh, 2, 5, generator=g), torch.rand(rows, nh, 2, generator=g)
+    h0 = torch.randn(rows, 2, 4, 5, generator=g)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, final = fused_recurrent_gated_delta_product(q, k, v, None, beta, nh, **kw)
+    assert [kind for kind, _ in calls] == ["fused_recurrent_gdn"]
+    want, want_final = fused_recurrent_gated_delta_product(q, k, v, None, beta, nh, backend="reference", **kw)
+    torch.testing.assert_close(out, want, msg="output of the ungated sub-steps")
+    torch.testing.assert_close(final, want_final, msg="final states of the ungated sub-steps")

@@ -246,6 +246,8 @@ def test_ssd_varlen_states_forward_only_is_the_kernel(fake_cuda, fake_ssd):
 @pytest.mark.parametrize("what,kwargs,grad", [
     pytest.param("a backward pass through varlen states", dict(return_varlen_states=True), True, id="varlen-grad"),
     pytest.param("per-document initial states", dict(initial_states=torch.zeros(4, 4, 3, 5)), False, id="per-doc"),
+    pytest.param("varlen states together with initial states",
+                 dict(initial_states=torch.ones(1, 4, 3, 5), return_varlen_states=True), False, id="row-init-varlen"),
 ])
 def test_ssd_features_upstream_lacks(fake_cuda, fake_ssd, what, kwargs, grad):
     (x, dt, A, B, C), cu = ssd_case(grad=grad)
@@ -292,6 +294,23 @@ def test_fla_gets_clean_boundaries_and_empty_documents_keep_their_state(fake_cud
                                             cu_seqlens=cu, backend="reference")
     assert torch.allclose(out.float(), ref.float()) and torch.allclose(final.float(), ref_final.float())
     assert torch.equal(final[1].float(), h0[1]) and torch.equal(final[3].float(), h0[3])
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_fla_unpacked_rows_with_row_states_match_the_reference(fake_cuda, fake_fla, kind):
+    """No cu_seqlens: two rows of 9 and one initial state per row go to fla as given (no layout)."""
+    from mixers.ops import chunk_gated_delta_rule, chunk_kda
+    op = chunk_kda if kind == "kda" else chunk_gated_delta_rule
+    q, k, v, gate, beta, h0, _ = delta_case(torch.float32)
+    q, k, v, beta = (t[:, :18].reshape(2, 9, *t.shape[2:]) for t in (q, k, v, beta))
+    gate = gate[:, :18].reshape(2, 9, 2)
+    if kind == "kda":
+        gate = gate.unsqueeze(-1).expand(2, 9, 2, 8) * torch.linspace(0.5, 1.5, 8)
+    out, final = op(q, k, v, gate, beta, initial_state=h0[:2], output_final_state=True)
+    assert [(name, cu) for name, cu in fake_fla] == [(kind, None)]
+    ref, ref_final = op(q, k, v, gate, beta, initial_state=h0[:2], output_final_state=True, backend="reference")
+    torch.testing.assert_close(out, ref, msg=f"{kind} output through fla")
+    torch.testing.assert_close(final, ref_final, msg=f"{kind} final states through fla")
 
 
 def test_fla_gated_delta_product_fp32_is_the_reference(fake_cuda, fake_fla):

@@ -10,6 +10,7 @@ import functools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixers.ops.common import chunks
 from mixers.ops.delta_rule import l2norm
@@ -69,3 +70,34 @@ def test_no_grad_decode_path_is_the_training_path(dtype):
     trained = l2_normalize(x.clone().requires_grad_())
     assert fast.grad_fn is None and trained.grad_fn is not None
     assert fast.dtype == dtype and torch.equal(fast, trained.detach())
+
+
+class _CountInputSized(TorchDispatchMode):
+    """Counts the fresh tensors of ``numel`` elements that ops return (in-place and ``out=`` results excluded)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {a.untyped_storage().data_ptr() for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)}
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor) and o.numel() == self.numel and o.untyped_storage().data_ptr() not in ins:
+                self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("shape", [pytest.param((1, 37, 3, 16), id="37-tokens-3-heads"),
+                                   pytest.param((2, 15, 1, 64), id="batch-2")])
+def test_training_pass_allocates_only_the_output_and_the_gradient(monkeypatch, shape):
+    """With autograd recording, forward and backward go over blocks of rows: the only full-size tensors
+    built are the output and the input's gradient (autograd through the plain steps builds more)."""
+    monkeypatch.setattr(l2norm, "row_blocks", functools.partial(chunks.row_blocks, elements=5 * shape[-1]))
+    torch.manual_seed(0)
+    x, g_out = torch.randn(shape, requires_grad=True), torch.randn(shape)
+    with _CountInputSized(x.numel()) as mode:
+        out = l2_normalize(x)
+        grad, = torch.autograd.grad(out, x, g_out)
+    assert mode.count == 2, f"{mode.count} full-size tensors built, want 2 (the output and the gradient)"
+    check_close(out, plain(x.detach()), torch.float32, what="out")

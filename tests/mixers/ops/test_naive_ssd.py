@@ -52,6 +52,28 @@ def test_torch_backend_matches_spec(lengths, tail, chunk):
     assert_same(backend, spec, inputs, what="ssd")
 
 
+@pytest.mark.parametrize("lengths, tail, chunk", CASES[:2])
+def test_torch_backend_matches_spec_with_dt_limit_and_per_channel_skip(lengths, tail, chunk):
+    """A clamped step size (both bounds reached) and a skip ``D`` of one value per head channel ``[H, P]``."""
+    cu, (x, dt, A, B, C, _, z, dt_bias, init) = _inputs(lengths, tail, seed=1)
+    D = torch.randn(H, P, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    limit = (0.3, 0.9)
+    steps = F.softplus(dt + dt_bias)
+    assert bool((steps < limit[0]).any() and (steps > limit[1]).any()), "the clamp must act at both bounds"
+
+    def backend(x, dt, A, B, C, D, z, dt_bias, init):
+        return mamba_chunk_scan_combined(x, dt, A, B, C, chunk, D=D, z=z, dt_bias=dt_bias, initial_states=init,
+                                         cu_seqlens=cu, dt_softplus=True, dt_limit=limit, return_final_states=True,
+                                         return_varlen_states=True, backend="reference")
+
+    def spec(x, dt, A, B, C, D, z, dt_bias, init):
+        return mamba_chunk_scan_naive(x, dt, A, B, C, chunk, D=D, z=z, dt_bias=dt_bias, initial_states=init,
+                                      cu_seqlens=cu, dt_softplus=True, dt_limit=limit, return_final_states=True,
+                                      return_varlen_states=True)
+
+    assert_same(backend, spec, (x, dt, A, B, C, D, z, dt_bias, init), what="ssd with dt_limit and D [H, P]")
+
+
 def test_default_call_matches_spec():
     """The default call: no initial states, no skip, no gate, rows as documents."""
     _, (x, dt, A, B, C, *_rest) = _inputs([5, 5], 0)

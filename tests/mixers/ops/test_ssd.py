@@ -152,6 +152,21 @@ def test_rows_over_blocks_fp64(elements, monkeypatch):
         check_close(a, r, torch.float64, grad=True, what=f"grad {name}")
 
 
+@pytest.mark.parametrize("lengths,chunk", [pytest.param([7, 30, 12], 8, id="blocks-of-7-chunks"),
+                                           pytest.param([3, 0, 2], 4, id="one-block-of-2-chunks")])
+def test_forward_and_backward_warn_nothing(lengths, chunk):
+    """The scan writes into its own block buffers: no output is resized (torch warns when one is)."""
+    import warnings
+    cu, leaves = make(lengths, 1, torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, states = mamba_chunk_scan_combined(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"],
+                                                chunk, D=leaves["D"], z=leaves["z"], cu_seqlens=cu,
+                                                initial_states=leaves["initial_states"], return_varlen_states=True)
+        (out.sum() + states.sum()).backward()
+    assert [str(w.message) for w in caught] == [], "the chunk scan warned"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_low_precision(dtype):
     cu, leaves = make([0, 15, 100, 300, 3], 4, dtype)
