@@ -51,7 +51,7 @@ def _run(call: ConvCall):
     if call.varlen is not None and call.varlen.cp is not None:
         from .cp import causal_conv1d_cp
         return causal_conv1d_cp(call, causal_conv1d_fn)
-    if no_tokens(call.x.shape[2]):
+    if no_tokens(call.x.shape[0], call.x.shape[2]):
         return empty_result(call)
     x, weight, bias, seq_idx, varlen = call.x, call.weight, call.bias, call.seq_idx, call.varlen
     choice = _choose(call)

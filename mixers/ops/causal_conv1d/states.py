@@ -75,11 +75,11 @@ def gather_final_states(call: ConvCall, segs: Segments | None, kernel: bool):
 
 
 def empty_result(call: ConvCall):
-    """No token (:mod:`mixers.ops.common.empty`): an empty output, every final state its initial state
-    (per document with ``cu_seqlens``, else per row) or zeros."""
+    """No token (:mod:`mixers.ops.common.empty`: no row or no position): an empty output, every final
+    state its initial state (per document with ``cu_seqlens``, else per row) or zeros."""
     x = call.x
     batch, dim, _ = x.shape
-    out = empty_output(x, (batch, dim, 0))
+    out = empty_output(x, x.shape)
     if not call.return_final_states:
         return out
     if call.varlen is not None:

@@ -35,7 +35,7 @@ def _run(call: DeltaCall):
         from .cp import delta_rule_cp
         return delta_rule_cp(call, _PUBLIC[call.kind])
     q, v = call.q, call.v
-    if no_tokens(q.shape[1]):
+    if no_tokens(q.shape[0], q.shape[1]):
         return empty_result(call)
     features = (("varlen",) if call.varlen is not None else ()) + (("grouped_values",) if v.shape[2] != q.shape[2]
                                                                   else ())

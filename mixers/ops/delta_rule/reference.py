@@ -113,11 +113,11 @@ def _chunked_call(call: DeltaCall):
 
 
 def empty_result(call: DeltaCall):
-    """No token (:mod:`mixers.ops.common.empty`): the output is empty and every state is its initial
-    state (or zeros), in the compute dtype as the reference returns them."""
+    """No token (:mod:`mixers.ops.common.empty`: no row or no position): the output is empty and every
+    state is its initial state (or zeros), in the compute dtype as the reference returns them."""
     q, v = call.q, call.v
-    b, _, _, kd = q.shape
-    o = v.new_zeros(b, 0, v.shape[2], v.shape[3])
+    b, length, _, kd = q.shape
+    o = v.new_zeros(b, length, v.shape[2], v.shape[3])
     if not call.output_final_state:
         return o, None
     rows = b if call.varlen is None else call.varlen.num_docs

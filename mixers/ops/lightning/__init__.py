@@ -41,7 +41,7 @@ def _route(call: SimpleGLACall) -> str:
     both reasons. ``"reference"``: the SSD op's torch scan. Context parallelism and the empty call
     are the SSD op's.
     """
-    if (call.varlen is not None and call.varlen.cp is not None) or no_tokens(call.q.shape[1]):
+    if (call.varlen is not None and call.varlen.cp is not None) or no_tokens(call.q.shape[0], call.q.shape[1]):
         return "ssd"
     on_cuda = dispatch.is_cuda(call.q)
     if call.backend == "reference" or (call.backend == "auto" and not on_cuda):

@@ -43,7 +43,7 @@ def _run(call: RGLRUCall):
     choice = dispatch.select_backend("rg_lru", call.backend, on_cuda=dispatch.is_cuda(call.x),
                                      support_state=lambda: dispatch.cached_support("fla_hgrn", features),
                                      missing_feature=unsupported(call))
-    if choice == "kernel" and not no_tokens(call.x.shape[1]):
+    if choice == "kernel" and not no_tokens(call.x.shape[0], call.x.shape[1]):
         return fla_kernel(call)
     return rg_lru_reference(call)
 

@@ -37,7 +37,7 @@ def _run(call: ScanCall):
     if call.varlen is not None and call.varlen.cp is not None:
         from .cp import selective_scan_cp
         return selective_scan_cp(call, selective_scan_fn)
-    if no_tokens(call.u.shape[2]):
+    if no_tokens(call.u.shape[0], call.u.shape[2]):
         return empty_result(call)
     return selective_scan_reference(call)
 

@@ -159,7 +159,8 @@ def _document_states(call, ends, picked, channels, state, compute) -> torch.Tens
 
 
 def empty_result(call: ScanCall):
-    """No token: zero outputs on the graph, every final state its initial state (or zeros)."""
+    """No token (no row or no position): zero outputs on the graph, every final state its initial state
+    (or zeros)."""
     from ..common.empty import empty_output, passed_through
     rows, channels, _ = call.u.shape
     state = call.A.shape[1]

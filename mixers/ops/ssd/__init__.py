@@ -32,7 +32,7 @@ def _run(call: SSDCall):
     if call.varlen is not None and call.varlen.cp is not None:
         from .cp import ssd_cp
         return ssd_cp(call, mamba_chunk_scan_combined)
-    if no_tokens(call.x.shape[1]):
+    if no_tokens(call.x.shape[0], call.x.shape[1]):
         return empty_result(call)
     features = ("seq_idx",) + dispatch.backward_of(call.x, call.dt, call.A, call.B, call.C, call.D, call.z,
                                                    call.dt_bias, call.initial_states)

@@ -87,11 +87,12 @@ def ssd_reference(call: SSDCall):
 
 
 def empty_result(call: SSDCall):
-    """No token (:mod:`mixers.ops.common.empty`): every state is its initial state (or zeros)."""
+    """No token (:mod:`mixers.ops.common.empty`: no row or no position): an empty output, every state its
+    initial state (or zeros)."""
     x, initial_states, per_doc = call.x, call.initial_states, call.per_doc
     batch, _, heads, p = x.shape
     ns = call.B.shape[-1]
-    results = [x.new_zeros(batch, 0, heads, p)]
+    results = [x.new_zeros(x.shape)]
     if call.return_final_states:
         results.append(passed_through(None if per_doc else initial_states, (batch, heads, p, ns), x))
     if call.return_varlen_states:
