@@ -107,6 +107,30 @@ def _importers(root: Path, module: str, graph: dict | None = None) -> list[str]:
     return [rel for rel, names in graph.items() if rel != module and target in names]
 
 
+def _with_support(root: Path, rel: str, text: str, imported: set[str]) -> tuple[str, set[str]]:
+    """A test file's text and imports together with those of the test-support modules it imports
+    (``tests/`` files not named ``test_*``, followed transitively): the context-parallel tests name
+    the ops they run only through ``tests/context_parallel/cases.py``, and a spawned worker's
+    imports count as the test's own."""
+    texts, names, seen = [text], set(imported), {rel}
+    frontier = imported
+    while frontier:
+        found = set()
+        for name in frontier:
+            path = Path(*name.split(".")).with_suffix(".py")
+            support = str(path)
+            if (name.split(".")[0] == "tests" and support not in seen and not path.name.startswith("test_")
+                    and (Path(root) / path).is_file()):
+                seen.add(support)
+                source = (Path(root) / path).read_text()
+                more = _imports(support, ast.parse(source))
+                texts.append(source)
+                found |= more - names
+                names |= more
+        frontier = found
+    return "\n".join(texts), names
+
+
 def _naming(root: Path, module: str) -> re.Pattern:
     names = public_names(Path(root) / module)
     return re.compile(r"\b(" + "|".join(map(re.escape, [dotted(module)] + names)) + r")\b")
@@ -132,7 +156,9 @@ def candidate_tests(root: Path, module: str, limit: int | None) -> list[str]:
     the module or one of its public names; tier k names a product module k imports away from it (the
     entry points a private helper is tested through: a shared check reached through an op's
     ``_validate``, a grouped-state helper reached through the op package that re-exports the op). A file
-    names a module by its dotted path, by ``from package import module``, or by a public name."""
+    names a module by its dotted path, by ``from package import module``, or by a public name; within a
+    tier, the files naming it in their own text come before those naming it only through a test-support
+    module they import."""
     root = Path(root)
     graph = _import_graph(root)
     tiers = [[module]] + _importer_tiers(root, module, graph)
@@ -142,13 +168,19 @@ def candidate_tests(root: Path, module: str, limit: int | None) -> list[str]:
         rel = str(path.relative_to(root))
         if "/mutation/" in rel:
             continue
-        text = path.read_text()
-        imported = _imports(rel, ast.parse(text))
+        own_text = path.read_text()
+        own = (own_text, _imports(rel, ast.parse(own_text)))
+        both = _with_support(root, rel, *own)
         for tier, members in enumerate(tiers):
-            named = [(_mirrors(m, rel), len(set(patterns[m].findall(text))) + (dotted(m) in imported)) for m in members]
-            best = max(((mirror, hits) for mirror, hits in named if hits or (tier == 0 and mirror)), default=None)
+            best = None
+            for via_support, (text, imported) in enumerate((own, both)):
+                named = [(_mirrors(m, rel), len(set(patterns[m].findall(text))) + (dotted(m) in imported))
+                         for m in members]
+                best = max(((mirror, hits) for mirror, hits in named if hits or (tier == 0 and mirror)), default=None)
+                if best:
+                    break
             if best:
-                scored.append((tier, -best[0], -best[1], rel))
+                scored.append((tier, via_support, -best[0], -best[1], rel))
                 break
     return [rel for *_, rel in sorted(scored)[:limit]]
 

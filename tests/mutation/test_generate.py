@@ -326,3 +326,20 @@ def test_candidate_tests_follow_imports_to_the_package_and_resolve_from_package_
     (tests / "test_module.py").write_text("from mixers.ops import states\n\nstates._doc_states(1)\n")
     (tests / "test_other.py").write_text("import torch\n")
     assert candidate_tests(tmp_path, "mixers/ops/grouped.py", None) == ["tests/test_module.py", "tests/test_public.py"]
+
+
+def test_candidate_tests_read_the_support_modules_a_test_imports(tmp_path):
+    """A test that runs ``op`` only through a support module (``tests/cp/cases.py`` names it, a
+    spawned-rank test imports ``worker``, which imports ``cases``) is a candidate; it comes after the
+    test naming ``op`` itself, and the support module itself is never a candidate."""
+    pkg = tmp_path / "ssm_pack"
+    pkg.mkdir()
+    (pkg / "op.py").write_text("def public_op(x):\n    return x\n")
+    support = tmp_path / "tests" / "cp"
+    support.mkdir(parents=True)
+    (support / "cases.py").write_text("from ssm_pack.op import public_op\n\nCASES = [public_op]\n")
+    (support / "worker.py").write_text("from tests.cp.cases import CASES\n")
+    (support / "test_ranks.py").write_text("from tests.cp.worker import CASES\n")
+    (support / "test_direct.py").write_text("from ssm_pack.op import public_op\n")
+    (support / "test_other.py").write_text("import torch\n")
+    assert candidate_tests(tmp_path, "ssm_pack/op.py", None) == ["tests/cp/test_direct.py", "tests/cp/test_ranks.py"]
