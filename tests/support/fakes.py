@@ -236,10 +236,25 @@ def fake_fla_conv(calls):
     return conv
 
 
+class _VarlenStatesNoBackward(torch.autograd.Function):
+    """``MambaChunkScanCombinedFn.backward`` asserts ``not ctx.return_varlen_states``: a call that returned
+    varlen states has no backward."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise AssertionError("return_varlen_states is not supported in backward")
+
+
 def fake_ssd(calls):
     """mamba-ssm's ``mamba_chunk_scan_combined`` (mamba_ssm/ops/triton/ssd_combined.py): the signature and
     returns of 2.2.5, the training minimum (unchanged up to 2.3.2.post1); the shape asserts of
-    ``_mamba_chunk_scan_combined_fwd``; every pointer on ``x``'s device (Triton)."""
+    ``_mamba_chunk_scan_combined_fwd``; every pointer on ``x``'s device (Triton). Two limits upstream
+    has with varlen states: ``chunk_state_varlen`` (ssd_chunk_state.py) never reads ``initial_states``,
+    so the first document's state would miss it (refused here), and the backward asserts."""
     def scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
              cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
              return_varlen_states=False):
@@ -258,14 +273,18 @@ def fake_ssd(calls):
             assert cu_seqlens.device == x.device
         if initial_states is not None:
             assert tuple(initial_states.shape) == (batch, nheads, headdim, B.shape[-1]), "per-row initial states only"
+            assert cu_seqlens is None, "chunk_state_varlen does not read initial_states"
         calls.append(("ssd", dict(seq_idx=seq_idx, cu_seqlens=cu_seqlens)))
         # with cu_seqlens the reference reads the boundaries from it (seq_idx is canonical, 0, 1, ...)
-        return mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+        result = mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
                                          initial_states=initial_states,
                                          seq_idx=None if cu_seqlens is not None else seq_idx, cu_seqlens=cu_seqlens,
                                          dt_softplus=dt_softplus, dt_limit=dt_limit,
                                          return_final_states=return_final_states,
                                          return_varlen_states=return_varlen_states, backend="reference")
+        if return_varlen_states and torch.is_grad_enabled():
+            return _VarlenStatesNoBackward.apply(*result)
+        return result
     return scan
 
 

@@ -257,6 +257,21 @@ def test_ssd_features_upstream_lacks(fake_cuda, fake_ssd, what, kwargs, grad):
         mamba_chunk_scan_combined(x, dt, A, B, C, 8, cu_seqlens=cu, backend="kernel", **kwargs)
 
 
+@pytest.mark.parametrize("kwargs,grad,match", [
+    pytest.param(dict(initial_states=torch.ones(1, 4, 3, 5)), False, "does not read initial_states", id="row-init"),
+    pytest.param({}, True, "not supported in backward", id="backward"),
+])
+def test_the_ssd_fake_refuses_what_upstream_gets_wrong_with_varlen_states(kwargs, grad, match):
+    """Negative control for the row above: the fake fails where mamba-ssm's varlen states would lose
+    the initial state or its backward asserts."""
+    (x, dt, A, B, C), cu = ssd_case(grad=grad)
+    seq_idx = torch.tensor([[0] * 5 + [1] * 11 + [2] * 4], dtype=torch.int32)
+    scan = fakes.fake_ssd([])
+    with pytest.raises(AssertionError, match=match):
+        out, states = scan(x, dt, A, B, C, 8, seq_idx=seq_idx, cu_seqlens=cu, return_varlen_states=True, **kwargs)
+        (out.sum() + states.sum()).backward()
+
+
 def test_select_backend_is_pure():
     never = lambda: pytest.fail("support must not be read on CPU")  # noqa: E731
     assert dispatch.select_backend("op", "auto", on_cuda=False, support_state=never) == "reference"
