@@ -91,6 +91,20 @@ def test_a_misshapen_tensor_is_named_and_nothing_is_written(monkeypatch, name, k
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_a_misshapen_tensor_loaded_into_a_submodule_is_reported_as_unpatched(monkeypatch):
+    """``load_state_dict`` on a part of the model (the backbone, without the model-level check):
+    a mis-shaped tensor of a swapped layer gives the unpatched backbone's report, nothing more."""
+    unpatched, patched, _ = _pair("mamba2", monkeypatch)
+    checkpoint = {k: v + 0.5 for k, v in unpatched.backbone.state_dict().items()}
+    key = "layers.1.mixer.in_proj.weight"
+    checkpoint[key] = checkpoint[key][:-1]
+    for strict in (True, False):
+        want, _ = _load(unpatched.backbone, dict(checkpoint), strict)
+        got, _ = _load(patched.backbone, dict(checkpoint), strict)
+        assert f"size mismatch for {key}" in want
+        assert got == want, f"strict={strict}: the patched backbone reports otherwise:\n{got}"
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_native_names_give_parameter_paths_and_round_trip(name, monkeypatch):
     """Inside ``native_names`` every key is a parameter path (what torch.distributed.checkpoint

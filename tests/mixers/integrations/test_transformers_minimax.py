@@ -51,3 +51,22 @@ def test_padded_batch_runs_as_packed_rows(monkeypatch):
         alone = model(input_ids=torch.tensor([d])).logits[0]
         assert rel_rms(got[i][mask[i].bool()], alone) <= 1e-5
     assert float((unmasked[0][mask[0].bool()] - model(input_ids=torch.tensor([docs[0]])).logits[0]).abs().max()) > 1e-2
+
+
+def test_a_misshapen_decay_table_is_refused_as_the_unpatched_model_refuses_it(monkeypatch):
+    """A checkpoint's decay table of another shape (one that broadcasts onto the model's): the same
+    size-mismatch error as the unpatched model, and the table the layer keeps is unchanged."""
+    import copy
+    model = build("minimax", monkeypatch)
+    patched = enable_packing(copy.deepcopy(model))
+    key = "model.layers.0.self_attn.diagonal_decay"
+    checkpoint = dict(model.state_dict())
+    checkpoint[key] = checkpoint[key][..., :1] + 1.0                # [1, 2, 8, 1]: broadcasts onto [1, 2, 8, 8]
+    before = patched.state_dict()[key].clone()
+    with pytest.raises(RuntimeError) as want:
+        model.load_state_dict(dict(checkpoint))
+    with pytest.raises(RuntimeError) as got:
+        patched.load_state_dict(dict(checkpoint))
+    assert f"size mismatch for {key}" in str(want.value)
+    assert str(got.value) == str(want.value), "the patched model reports the mis-shaped table otherwise"
+    assert torch.equal(patched.state_dict()[key], before), "the kept decay table was overwritten"

@@ -175,6 +175,35 @@ def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path, how):
     assert all(torch.equal(before[n], p) for n, p in model.state_dict().items())
 
 
+@pytest.mark.parametrize("text, shown", [pytest.param("[2]", r"\[2\]", id="a-list"),
+                                         pytest.param("2", "2", id="a-number")])
+def test_a_manifest_that_is_not_a_table_is_refused(tmp_path, text, shown):
+    saver = Checkpointer(tmp_path / "checkpoints", keep=1)
+    path = saver.directory / "step-00000001"
+    path.mkdir(parents=True)
+    (path / "COMPLETE").write_text(text)
+    assert saver.latest() is None
+    with pytest.raises(ValueError, match=rf"COMPLETE.*has checkpoint format {shown} but this version reads"):
+        ckpt.read_manifest(path)
+
+
+def test_step_0_saves_and_a_scheduler_absent_from_it_is_refused(tmp_path):
+    """A folder not made yet holds no checkpoint; step 0 (before any update) is a checkpoint; loading
+    it with a scheduler it was saved without is refused before any weight is written."""
+    saver = Checkpointer(tmp_path / "checkpoints", keep=1)
+    assert saver.latest() is None, "a checkpoints folder not made yet holds no checkpoint"
+    model = _model("MA")
+    saver.save(0, model, _optimizer(model), extra={"step": 0})
+    assert saver.latest() == saver.directory / "step-00000000"
+    fresh = _model("MA", seed=1)
+    opt = _optimizer(fresh)
+    before = {n: p.clone() for n, p in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match=r"scheduler\.pt' is missing: the checkpoint was saved without a scheduler"):
+        saver.load(saver.latest(), fresh, opt, scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    assert all(torch.equal(before[n], p) for n, p in fresh.state_dict().items()), "weights written before refusing"
+    assert saver.load(saver.latest(), fresh, _optimizer(fresh))[0] == {"step": 0}
+
+
 def _touched(model):
     opt = _optimizer(model)
     for p in model.parameters():

@@ -91,6 +91,7 @@ def test_neither_source_is_the_embedded_corpus():
     corpus = load_corpus(DataConfig())
     assert len(corpus.documents) > 100 and all(isinstance(d, bytes) for d in corpus.documents[:50])
     assert corpus.vocab_size == 256 and "standard-library docstrings" in corpus.description
+    assert corpus.description.endswith("; bytes"), f"byte-level tokens are named so: {corpus.description!r}"
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +172,14 @@ def test_a_parquet_file_without_the_column_is_refused(tmp_path):
 def test_a_bad_dataset_is_refused(tmp_path, splits, field, message):
     with pytest.raises(ValueError, match=message):
         load_corpus(DataConfig(dataset=_dataset(tmp_path, splits), text_field=field))
+
+
+@pytest.mark.parametrize("name", [pytest.param("missing", id="missing"), pytest.param("x.arrow", id="a-file")])
+def test_a_dataset_that_is_not_a_folder_is_refused(tmp_path, name):
+    pytest.importorskip("datasets")
+    (tmp_path / "x.arrow").write_bytes(b"not a dataset folder")
+    with pytest.raises(ValueError, match=rf"data\.dataset=.*{name}' is not a directory; .*Dataset\.save_to_disk"):
+        load_corpus(DataConfig(dataset=str(tmp_path / name)))
 
 
 def test_parquet_without_pyarrow_names_the_install(tmp_path, monkeypatch):

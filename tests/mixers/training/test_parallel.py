@@ -41,3 +41,38 @@ def test_compile_wraps_every_block():
     model = HybridLM(64, 32, "MGA")
     compile_blocks(model, backend="eager")
     assert all(block._compiled_call_impl is not None for block in model.blocks)
+
+
+def test_outside_torchruns_agent_store_the_process_group_reads_master_addr(monkeypatch):
+    import datetime
+
+    from mixers.training.parallel import attempt_store
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert attempt_store(2, datetime.timedelta(seconds=5)) is None
+
+
+def test_each_torchrun_attempt_keeps_its_keys_apart(monkeypatch):
+    """Under torchrun's agent store a restarted attempt writes under its own prefix: a key it sets
+    is not the key the attempt before set."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from mixers.training.parallel import attempt_store
+    from tests.context_parallel.worker import free_port
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=10),
+                          wait_for_workers=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    stores = {}
+    for attempt, value in (("0", b"first"), ("1", b"second")):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        stores[attempt] = attempt_store(2, datetime.timedelta(seconds=10))
+        assert stores[attempt] is not None, "under torchrun's agent store each attempt gets its own store"
+        stores[attempt].set("address", value)
+    assert stores["0"].get("address") == b"first" and stores["1"].get("address") == b"second"
+    assert agent.num_keys() >= 2
