@@ -80,15 +80,17 @@ def plant(repo: Path, mutant: Generated, run):
         path.write_text(original)
 
 
-def _trace_files(repo: Path, module: str, files: list[str], timeout: float, pytest_run) -> tuple[dict, dict]:
-    """``({line: {test, ...}}, {test: seconds})`` of ``module`` from one traced run of ``files``."""
+def _trace_files(repo: Path, module: str, files: list[str], timeout: float, pytest_run) -> tuple[dict, dict, bool]:
+    """``({line: {test, ...}}, {test: seconds}, cut)`` of ``module`` from one traced run of ``files``;
+    ``cut``: the run reached its time limit, so a line missing from the map may still be run by a
+    test it did not reach."""
     log = Path(tempfile.mkdtemp(prefix="ssm-pack-cover-")) / "lines.jsonl"
     children = log.parent / "children"          # spawned interpreters' lines (coverage_map's hook)
     recorder = LineRecorder([repo / module], log, children=children)
     recorder.pytest_configure = lambda config: recorder.start()
-    pytest_run(repo, files, timeout=timeout, first_failure=False, plugins=[recorder])
+    status, _, _ = pytest_run(repo, files, timeout=timeout, first_failure=False, plugins=[recorder])
     by_line, seconds = read_map(log, repo, children)
-    return by_line.get(module, {}), seconds
+    return by_line.get(module, {}), seconds, status == "timeout"
 
 
 def next_files(ranked: list[str], traced: int, limit: int, by_line: dict, wanted) -> list[str]:
@@ -101,25 +103,26 @@ def next_files(ranked: list[str], traced: int, limit: int, by_line: dict, wanted
     return ranked[traced:traced + limit]
 
 
-def trace(repo: Path, module: str, args, pytest_run, wanted=(), ranked=None) -> tuple[dict, dict, list[str]]:
+def trace(repo: Path, module: str, args, pytest_run, wanted=(), ranked=None) -> tuple[dict, dict, list[str], bool]:
     """The coverage map of ``module`` from its candidate test files (``ranked``, else found here;
     within half the module budget): the first ``--max-test-files`` of them, then, if a line in
-    ``wanted`` is still uncovered, the next as many in the budget left."""
+    ``wanted`` is still uncovered, the next as many in the budget left. The last item says whether a
+    traced run was cut by its time limit (a line it left unmapped is not known to be uncovered)."""
     start, limit = time.monotonic(), args.max_test_files
     ranked = candidate_tests(repo, module, None) if ranked is None else ranked
     files = ranked[:limit]
     if not files:
-        return {}, {}, []
-    by_line, seconds = _trace_files(repo, module, files, args.module_budget / 2, pytest_run)
+        return {}, {}, [], False
+    by_line, seconds, cut = _trace_files(repo, module, files, args.module_budget / 2, pytest_run)
     more = next_files(ranked, len(files), limit, by_line, wanted)
     left = args.module_budget / 2 - (time.monotonic() - start)
     if more and left > 10:
-        extra, extra_seconds = _trace_files(repo, module, more, left, pytest_run)
+        extra, extra_seconds, extra_cut = _trace_files(repo, module, more, left, pytest_run)
         for line, tests in extra.items():
             by_line.setdefault(line, set()).update(tests)
         seconds.update(extra_seconds)
-        files = files + more
-    return by_line, seconds, files
+        files, cut = files + more, cut or extra_cut
+    return by_line, seconds, files, cut
 
 
 def signature_body_lines(source: str) -> dict[int, int]:
@@ -189,15 +192,15 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
     signatures = signature_body_lines((repo / module).read_text())
     wanted = {signatures.get(m.line, m.line) for m in chosen}
     ranked = candidate_tests(repo, module, None)            # parses the product's imports: once per module
-    by_line, seconds, files = trace(repo, module, args, pytest_run, wanted, ranked)
+    by_line, seconds, files, cut = trace(repo, module, args, pytest_run, wanted, ranked)
     rows = []
     for mutant in chosen:
         body_line = signatures.get(mutant.line)
         tests = select_tests(by_line, seconds, mutant.line, args.tests_per_mutant, body_line)
         row = {"id": mutant.id, "fingerprint": mutant.fingerprint, "old": mutant.old.strip(),
                "new": mutant.new.strip(), "tests": 0, "killed_by": "", "seconds": 0.0}
-        if not tests:
-            row["status"] = "uncovered"
+        if not tests:              # no test ran the line, or the tracing run was cut before one did
+            row["status"] = "budget" if cut else "uncovered"
         # a survivor of the selection runs the other covering tests too (within the budget): a
         # "survived" then means every test that ran its line passed
         rest = sorted(covering_tests(by_line, mutant.line, body_line) - set(tests),
@@ -210,7 +213,7 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
     more = ranked[len(files):len(files) + args.max_test_files] if open_rows else []
     left = args.module_budget - (time.monotonic() - start)
     if more and left > 10:
-        extra, extra_seconds = _trace_files(repo, module, more, left / 2, pytest_run)
+        extra, extra_seconds, _ = _trace_files(repo, module, more, left / 2, pytest_run)
         seconds.update(extra_seconds)
         files = files + more
         for mutant, row in open_rows:

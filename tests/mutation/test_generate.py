@@ -186,7 +186,7 @@ def _lane_run(tmp_path, monkeypatch, killer: str | None):
     from tests.mutation import lane
     (tmp_path / "m.py").write_text("def f(x):\n    return x + 1\n")
     covering = {f"t{i:02d}.py::test" for i in range(13)}
-    monkeypatch.setattr(lane, "trace", lambda *a, **k: ({2: covering}, {}, ["t.py"]))
+    monkeypatch.setattr(lane, "trace", lambda *a, **k: ({2: covering}, {}, ["t.py"], False))
     runs = []
 
     def pytest_run(repo, tests, timeout, first_failure):
@@ -227,11 +227,13 @@ def test_an_uncovered_sampled_line_traces_the_next_candidate_files(monkeypatch, 
 
     def trace_files(repo, module, files, timeout, run):
         runs.append(list(files))
-        return ({2: {"f0::a"}}, {"f0::a": 1.0}) if files[0] == "f0" else ({7: {"f2::cp"}}, {"f2::cp": 3.0})
+        if files[0] == "f0":
+            return {2: {"f0::a"}}, {"f0::a": 1.0}, False
+        return {7: {"f2::cp"}}, {"f2::cp": 3.0}, False
     monkeypatch.setattr(lane, "_trace_files", trace_files)
     args = argparse.Namespace(max_test_files=2, module_budget=100.0)
-    by_line, seconds, files = lane.trace(Path("."), "m.py", args, None, wanted)
-    assert runs == traced and files == [f for batch in traced for f in batch]
+    by_line, seconds, files, cut = lane.trace(Path("."), "m.py", args, None, wanted)
+    assert runs == traced and files == [f for batch in traced for f in batch] and not cut
     assert (7 in by_line) == (len(traced) == 2) and by_line[2] == {"f0::a"}
     assert lane.next_files(["f0", "f1", "f2"], 2, 2, {2: {"t"}, 7: set()}, {7}) == ["f2"]    # an empty set is uncovered
 
@@ -273,13 +275,13 @@ def test_a_survivor_runs_the_tests_of_the_next_candidate_files(tmp_path, monkeyp
 
     from tests.mutation import lane
     (tmp_path / "m.py").write_text("def f(x):\n    return x + 1\n")
-    monkeypatch.setattr(lane, "trace", lambda *a, **k: ({2: {"a.py::t"}}, {}, ["a.py"]))
+    monkeypatch.setattr(lane, "trace", lambda *a, **k: ({2: {"a.py::t"}}, {}, ["a.py"], False))
     monkeypatch.setattr(lane, "candidate_tests", lambda repo, module, limit: ["a.py", "far.py", "other.py"])
     traced = []
 
     def trace_files(repo, module, files, timeout, run):
         traced.append(list(files))
-        return {2: {"far.py::t"}}, {"far.py::t": 0.5}
+        return {2: {"far.py::t"}}, {"far.py::t": 0.5}, False
     monkeypatch.setattr(lane, "_trace_files", trace_files)
 
     def pytest_run(repo, tests, timeout, first_failure):
@@ -343,3 +345,26 @@ def test_candidate_tests_read_the_support_modules_a_test_imports(tmp_path):
     (support / "test_direct.py").write_text("from ssm_pack.op import public_op\n")
     (support / "test_other.py").write_text("import torch\n")
     assert candidate_tests(tmp_path, "ssm_pack/op.py", None) == ["tests/cp/test_direct.py", "tests/cp/test_ranks.py"]
+
+
+@pytest.mark.parametrize("status, want", [
+    pytest.param("passed", "uncovered", id="trace-completed"),
+    pytest.param("timeout", "budget", id="trace-cut-by-its-time-limit"),
+])
+def test_a_line_a_cut_trace_left_unmapped_is_budget_not_uncovered(tmp_path, monkeypatch, status, want):
+    """The tracing run of the candidate files reaches its time limit before any test runs line 2 (a
+    spawned-rank test on a loaded machine): its mutants are reported cut by the budget, not
+    uncovered; a completed trace that maps no test to the line reports them uncovered."""
+    import argparse
+
+    from tests.mutation import lane
+    (tmp_path / "m.py").write_text("def f(x):\n    return x + 1\n")
+    monkeypatch.setattr(lane, "candidate_tests", lambda repo, module, limit: ["a.py"])
+    monkeypatch.setattr(lane, "read_map", lambda log, repo, children: ({}, {}))
+
+    def pytest_run(repo, tests, timeout, first_failure, plugins=()):
+        return status, "", timeout
+    args = argparse.Namespace(max_per_module=None, tests_per_mutant=12, module_budget=100.0, timeout=60.0,
+                              max_test_files=1)
+    result = lane.run_module(tmp_path, "m.py", args, pytest_run, {})
+    assert result["mutants"] and {r["status"] for r in result["mutants"]} == {want}
