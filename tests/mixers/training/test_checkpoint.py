@@ -324,3 +324,51 @@ def test_world1_checkpoint_loads_at_world2_under_fsdp(world2):
         assert _equal(rank["before"], want1)                              # different before the load
         assert _equal(rank["loaded"], want1) == []
         assert rank["extra"] == {"step": 2} and rank["per_rank"] == {"by_rank": {0: {"rank": 0}}}
+
+
+def _late_rank_main(rank: int, port: int, root: str) -> None:
+    """Rank 1 writes its per-rank file a second late; every rank then reads the checkpoint it saved."""
+    import time
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    try:
+        if rank == 1:
+            save = torch.save
+
+            def late_save(obj, f, *args, **kwargs):
+                if str(f).endswith("rank-00001.pt"):
+                    time.sleep(1.0)
+                return save(obj, f, *args, **kwargs)
+            torch.save = late_save
+        model = _model(pattern="MG")
+        opt = _optimizer(model)
+        _train(model, opt, 1)
+        saver = Checkpointer(os.path.join(root, "late"), keep=1, rank=rank, world=2)
+        returned = saver.save(1, model, opt, extra={"step": 1}, per_rank={"rank": rank})
+        latest = saver.latest()
+        result = {"returned": str(returned), "latest": str(latest),
+                  "files": json.loads((latest / "COMPLETE").read_text())["files"] if latest else []}
+        torch.save(result, os.path.join(root, f"rank{rank}.pt"))
+    except Exception:
+        with open(os.path.join(root, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_world2_save_returns_once_every_rank_has_written(tmp_path):
+    """A rank that writes its files late still lands in the checkpoint, and no rank returns from
+    save before the checkpoint is complete."""
+    from tests.context_parallel.worker import free_port
+    try:
+        mp.start_processes(_late_rank_main, args=(free_port(), str(tmp_path)), nprocs=2, join=True,
+                           start_method="spawn")
+    finally:
+        errors = [p.read_text() for p in sorted(tmp_path.glob("*.err"))]
+    assert not errors, errors[0]
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert result["latest"] == result["returned"], f"rank {rank} returned before its checkpoint was complete"
+        assert {"rank-00000.pt", "rank-00001.pt"} <= set(result["files"]), f"rank {rank}: {result['files']}"

@@ -76,3 +76,51 @@ def test_each_torchrun_attempt_keeps_its_keys_apart(monkeypatch):
         stores[attempt].set("address", value)
     assert stores["0"].get("address") == b"first" and stores["1"].get("address") == b"second"
     assert agent.num_keys() >= 2
+
+
+def _world2_main(rank: int, port: int, root: str) -> None:
+    """One rank of a cp=1 world of 2: its process groups, and a bf16 / fp32 model under FSDP2."""
+    import os
+    import traceback
+
+    from mixers.training.parallel import World, shard_model
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    world = World(rank=rank, world=2, local_rank=rank, cp=1, device=torch.device("cpu"))
+    try:
+        world.start(timeout_s=120)
+        result = {"cp_group": None if world.cp_group is None else repr(world.cp_group)}
+        ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(rank))
+        params = PackedSeqParams.from_lengths([17, 9, 14], total_tokens=40)
+        for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+            torch.manual_seed(0)
+            model = HybridLM(64, 32, "MGA")
+            shard_model(model, world, dtype)
+            result[name] = model(ids, params)["logits"].dtype
+        torch.save(result, os.path.join(root, f"rank{rank}.pt"))
+    except Exception:
+        with open(os.path.join(root, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        world.stop()
+
+
+def test_a_world_of_2_computes_in_the_training_dtype_and_starts_no_cp_group_at_cp1(tmp_path):
+    """FSDP2 casts the parameters to a bf16 run's dtype (fp32 stays fp32), and a world without
+    context parallelism starts no cp process group."""
+    import torch.multiprocessing as mp
+
+    from tests.context_parallel.worker import free_port
+    try:
+        mp.start_processes(_world2_main, args=(free_port(), str(tmp_path)), nprocs=2, join=True,
+                           start_method="spawn")
+    finally:
+        errors = [p.read_text() for p in sorted(tmp_path.glob("*.err"))]
+    assert not errors, errors[0]
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert result["bfloat16"] == torch.bfloat16, f"rank {rank}: a bf16 run computed in {result['bfloat16']}"
+        assert result["float32"] == torch.float32, f"rank {rank}: an fp32 run computed in {result['float32']}"
+        assert result["cp_group"] is None, f"rank {rank}: cp=1 started a cp group {result['cp_group']}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -210,3 +211,100 @@ def test_the_command_prints_its_usage_and_its_keys(capsys):
     from mixers.training.config import keys_table
     assert cli(["train", "--help"]) == 0 and "torchrun --nproc-per-node N" in capsys.readouterr().out
     assert cli(["train", "--keys"]) == 0 and capsys.readouterr().out == keys_table()
+
+
+def _config(out: Path, *overrides: str):
+    from mixers.training.config import load_config
+    return load_config(None, [f'out_dir="{out}"', *(a[2:] for a in SMALL), *overrides])
+
+
+@pytest.mark.parametrize("warmup, steps", [pytest.param(2, 10, id="warmup2-steps10"),
+                                           pytest.param(3, 7, id="warmup3-steps7")])
+def test_the_learning_rate_warms_up_linearly_then_decays_by_a_cosine_to_a_tenth(tmp_path, warmup, steps):
+    import math
+
+    from mixers.training.train import schedule
+    factor = schedule(_config(tmp_path, f"train.warmup_steps={warmup}", f"train.steps={steps}"))
+    assert [factor(s) for s in range(warmup)] == pytest.approx([(s + 1) / warmup for s in range(warmup)])
+    assert factor(warmup) == pytest.approx(1.0), "the peak learning rate right after the warm-up"
+    middle = warmup + (steps - warmup) / 2
+    assert factor(middle) == pytest.approx(0.55), "half way down the cosine: (1 + 0.1) / 2"
+    assert factor(steps) == pytest.approx(0.1) and factor(steps + 5) == pytest.approx(0.1), "a tenth of lr at the end"
+    for s in range(warmup, steps + 1):
+        want = 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup)))
+        assert factor(s) == pytest.approx(want), s
+
+
+@pytest.mark.parametrize("spec, fires", [
+    pytest.param("sigterm@2", {(2, 0): signal.SIGTERM, (2, 1): signal.SIGTERM}, id="sigterm-every-rank"),
+    pytest.param("kill@3:rank1", {(3, 1): signal.SIGKILL}, id="kill-rank1"),
+])
+def test_the_fault_hook_fires_only_at_its_step_and_rank(monkeypatch, tmp_path, spec, fires):
+    from mixers.training import train as train_module
+    sent = {}
+    monkeypatch.setenv("SSM_PACK_TRAIN_FAULT", spec)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setattr(train_module.os, "kill", lambda pid, sig: sent.setdefault(key, sig))
+    for key in [(step, rank) for step in range(1, 5) for rank in range(2)]:
+        train_module._fault(key[0], key[1], str(tmp_path))
+    assert sent == fires, f"{spec} must fire at (step, rank) {sorted(fires)} only, fired at {sorted(sent)}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"fault-rank{r}.json" for _, r in fires)
+
+
+def test_a_resume_may_change_the_steps_the_out_dir_and_the_logging(tmp_path):
+    """Resumed from another run's checkpoint into a new out_dir, for more steps and another
+    log_every: allowed, and the run goes on from the checkpoint's step."""
+    import io
+    first = _in_process(tmp_path / "first", "data.carry=false", "train.steps=1")
+    stream = io.StringIO()
+    from mixers.training.train import train
+    config = _config(tmp_path / "second", "data.carry=false", "train.steps=2", "metrics.log_every=2",
+                     f'checkpoint.resume="{first["checkpoint"]}"')
+    done = train(config, stream=stream)
+    assert done["step"] == 2 and not done["stopped"], done
+    assert f"resumed from {first['checkpoint']} at step 1" in stream.getvalue(), stream.getvalue()
+    assert [r["step"] for r in _records(tmp_path / "second")] == [2]
+
+
+def test_the_logged_loss_is_the_mean_cross_entropy_over_every_target_of_the_batch(tmp_path):
+    """Step 1's loss against the model's own loss of each of the B packs (before any update),
+    weighted by each pack's targets."""
+    from mixers.model.hybrid import IGNORE_INDEX, next_token_targets
+    from mixers.training.train import Trainer
+    trainer = Trainer(_config(tmp_path / "run", "data.carry=false", "train.steps=1"))
+    reference = Trainer(_config(tmp_path / "reference", "data.carry=false", "train.steps=1"))
+    try:
+        total, targets, tokens = 0.0, 0, 0
+        with torch.no_grad():
+            for shard in reference.shards:
+                pack = shard.next()
+                params = pack["packed_seq_params"]
+                count = int((next_token_targets(pack["labels"], params) != IGNORE_INDEX).sum())
+                mean = reference.model(pack["input_ids"], params, labels=pack["labels"])["loss"]
+                total, targets = total + float(mean) * count, targets + count
+                tokens += int(params.cu_seqlens_q[-1])
+        assert targets < tokens, "each document's last token has no target"
+        record = trainer.train_step()
+        assert record["loss"] == pytest.approx(total / targets, rel=1e-5), (record["loss"], total / targets)
+    finally:
+        trainer.close()
+        reference.close()
+
+
+@pytest.mark.parametrize("cp_rank", [pytest.param(0, id="cp-rank0"), pytest.param(1, id="cp-rank1")])
+def test_a_cp_share_balances_the_models_linear_and_attention_work(cp_rank):
+    """With the model's (linear, attention) work per token the cut follows both: a long document
+    first (its late tokens read many keys) moves the cut left of the token-balanced one."""
+    from mixers.training.parallel import World
+    from mixers.training.train import cp_shard
+    from ssm_pack import PackedSeqParams, balanced_bounds
+    from ssm_pack.parallel.balance import mixer_weights
+    params = PackedSeqParams.from_lengths([300, 37, 80, 93], total_tokens=512)
+    pack = {"input_ids": torch.zeros(1, 512, dtype=torch.long), "packed_seq_params": params}
+    world = World(rank=cp_rank, world=2, local_rank=cp_rank, cp=2, device=torch.device("cpu"))
+    linear, attention = weights = mixer_weights("MGKPA", 32)
+    want = balanced_bounds(params, 2, linear=linear, attention=attention)
+    assert want != balanced_bounds(params, 2) and want != balanced_bounds(params, 2, linear=attention,
+                                                                          attention=attention)
+    start, end, _ = cp_shard(pack, world, weights)["cp_shard"]
+    assert (start, end) == (want[cp_rank], want[cp_rank + 1]), f"cp rank {cp_rank}: {(start, end)} not of {want}"
