@@ -29,6 +29,8 @@ SMALL = {"M": {"head_dim": 4, "state_size": 4, "chunk_size": 8, "expand": 1},
          "L": {"head_dim": 4, "chunk_size": 8}}
 OPS = ("conv", "ssd", "selective_scan", "gdn", "kda", "gdp", "rg_lru", "attention", "attention_window",
        "attention_varlen_attn", "attention_flash_window")
+# ops run on one layout only: selective_scan_fn with its default arguments (no D, z, delta_bias, states)
+PLAIN_OPS = ("selective_scan_plain",)
 # attention under the CUDA device policy on fakes (tests/support/fakes.py), fp16: (the installed kernel, window)
 KERNEL_ATTENTION = {"attention_varlen_attn": ("torch_varlen", None), "attention_flash_window": ("flash_attn", (5, 0))}
 MIXERS = ("M", "G", "K", "P", "A", "C", "S", "R", "L")
@@ -60,7 +62,9 @@ def layout(kind: str, world: int, seed: int = 0) -> Layout:
     shard, at a boundary, after a crossing document, at T, owned by a rank holding only a
     continuation),
     documents shorter than the conv window crossing a boundary, a padding tail crossing a
-    boundary, uneven shards with a one-token shard, per-document padding."""
+    boundary, uneven shards with a one-token shard, per-document padding, middle ranks holding
+    fewer tokens of a document than the conv window, a rank's continuing segment longer than
+    one 256-query block of CP attention."""
     rng = random.Random(seed * 7919 + world)
     if kind == "spanning":       # one document from rank 0 into the last rank; the middle ranks start nothing
         total = 12 * world
@@ -92,6 +96,14 @@ def layout(kind: str, world: int, seed: int = 0) -> Layout:
         for i in range(1, world):
             cuts += [10 * i + 2] * 2 if i % 2 else [10 * i] * 2
         return _from_cuts(cuts + [total, total], total)
+    if kind == "thin":           # one document from rank 0 into the last rank; the middle ranks hold 2 of its
+        bounds = [0, 7] + [7 + 2 * i for i in range(1, world - 1)]     # tokens each (fewer than WIDTH - 1)
+        total = bounds[-1] + 8
+        return _from_cuts([3, total - 2], total, tuple(bounds + [total]))
+    if kind == "long":           # one document over every rank, 260 of its tokens on the last one (more than the
+        bounds = [0] + [3 + 2 * i for i in range(world - 1)]           # 256 queries of one block of CP attention)
+        total = bounds[-1] + 262
+        return _from_cuts([1, total - 2], total, tuple(bounds + [total]))
     if kind == "padded":         # per-document padding to a multiple of 4 (the physical layout is padded)
         lengths = [rng.randint(0, 9) for _ in range(2 * world)]
         physical = sum(-(-n // 4) * 4 for n in lengths)
@@ -146,6 +158,11 @@ def op_inputs(subject: str, total: int, docs: int, seed: int) -> dict:
         shared.update(A=-torch.rand(h, generator=g, dtype=torch.float64) - 0.2, D=_rand(g, h),
                       dt_bias=_rand(g, h) * 0.3, h0=_rand(g, docs, h, p, n), w_final=_rand(g, docs, h, p, n),
                       w_row=_rand(g, 1, h, p, n))
+    elif subject == "selective_scan_plain":
+        e, n = 3, 4
+        row.update(u=_rand(g, 1, e, total), delta=F.softplus(_rand(g, 1, e, total)), B=_rand(g, 1, n, total),
+                   C=_rand(g, 1, n, total), w_out=_rand(g, 1, e, total))
+        shared["A"] = -torch.rand(e, n, generator=g, dtype=torch.float64) - 0.2
     elif subject == "selective_scan":
         e, n = 3, 4
         row.update(u=_rand(g, 1, e, total), delta=_rand(g, 1, e, total), B=_rand(g, 1, n, total),
@@ -200,7 +217,7 @@ def cuda_policy(subject: str, varlen):
 
 def _slice(subject, name, t, lo, hi):
     """Tokens ``lo:hi`` of a row tensor (Gated DeltaProduct's k, v, beta hold 2 steps per token)."""
-    dim = 2 if subject in ("conv", "selective_scan") else (0 if subject.startswith("attention") else 1)
+    dim = 2 if subject.startswith(("conv", "selective_scan")) else (0 if subject.startswith("attention") else 1)
     per = 2 if subject == "gdp" and name in ("k", "v", "beta") else 1
     return t.narrow(dim, lo * per, (hi - lo) * per)
 
@@ -238,6 +255,8 @@ def run_op(subject, inputs, varlen, lo, hi) -> dict:
         out, row_state, states = selective_scan_fn(
             row["u"], row["delta"], shared["A"], row["B"], row["C"], shared["D"], row["z"], shared["delta_bias"],
             True, True, initial_states=shared["h0"], cu_seqlens=varlen, return_varlen_states=True, chunk_size=4)
+    elif subject == "selective_scan_plain":
+        out = selective_scan_fn(row["u"], row["delta"], shared["A"], row["B"], row["C"], cu_seqlens=varlen)
     elif subject in ("gdn", "kda", "gdp"):
         args = (row["q"], row["k"], row["v"], row.get("g"), row["beta"])
         kw = dict(initial_state=shared["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True,
@@ -338,7 +357,7 @@ def run_subject(subject, lay: Layout, params, lo, hi, seed, nan_at: int | None =
     """Run a case's subject on tokens ``lo:hi`` of the row with metadata ``params`` (an op with a
     NaN at global token ``nan_at``, if given)."""
     docs = len(lay.lengths)
-    if subject in OPS:
+    if subject in OPS + PLAIN_OPS:
         varlen = VarlenBatch.build(params, hi - lo)
         inputs = op_inputs(subject, lay.total, docs, seed)
         return run_op(subject, inputs if nan_at is None else poison(subject, inputs, nan_at), varlen, lo, hi)
@@ -357,4 +376,7 @@ def cases(world: int) -> list[tuple[str, str, str, int]]:
             out.append((f"{subject}-{kind}-p{world}", subject, kind, 13 * world))
     out.append((f"model-boundary-p{world}", "model", "boundary", 13 * world))   # a target must not cross there
     out.append((f"model32-spanning-p{world}", "model32", "spanning", 13 * world))
+    out.append((f"conv-thin-p{world}", "conv", "thin", 11 * world))
+    out.append((f"attention-long-p{world}", "attention", "long", 11 * world))
+    out.append((f"selective_scan_plain-spanning-p{world}", "selective_scan_plain", "spanning", 11 * world))
     return out

@@ -1,6 +1,7 @@
 """Context parallelism equals the single-process run on the same packed row (gloo, spawned ranks).
 
-For world sizes 2 and 4, every op (with per-document initial and final states), every mixer and
+For world sizes 2 and 4, every op (with per-document initial and final states; the selective scan
+also with its default arguments), every mixer and
 ``HybridLM("MGKPA")`` run on each rank's shard with CP; the parent process runs the whole row
 alone and compares, fp64 within 1e-9 (``model32``: the model in fp32 against the fp64 row, relative
 RMS within 1e-5, the decay parameters' cancelling sums within 2e-4):
@@ -67,7 +68,7 @@ def _load(directory, case_id, world):
 def _row_dim(subject, key):
     if subject == "conv" and key in ("out", "grad_x"):
         return 2
-    if subject == "selective_scan" and key in ("out", "grad_u", "grad_delta", "grad_B", "grad_C", "grad_z"):
+    if subject.startswith("selective_scan") and key in ("out", "grad_u", "grad_delta", "grad_B", "grad_C", "grad_z"):
         return 2
     return 0 if subject.startswith("attention") else 1
 

@@ -128,3 +128,36 @@ def test_context_parallel_call_goes_to_the_cp_path_with_the_op(monkeypatch):
     assert varlen_attention(q, q, q, varlen) == "cp"
     (call, local_op), = seen
     assert call.varlen.cp is run and call.q is q and local_op is varlen_attention
+
+
+@pytest.mark.parametrize("lengths", [pytest.param([7, 200, 0, 41], id="longest-200"),
+                                     pytest.param([130, 3], id="longest-130")])
+def test_compiles_over_documents_longer_than_a_key_block(lengths):
+    """``torch.compile`` traces the op over a document longer than 129 tokens (the key reach, a
+    power-of-two multiple of 128 while compiling, grows past one block) within a time limit, and
+    the compiled call equals eager."""
+    import signal
+
+    import torch._dynamo as dynamo
+
+    from ssm_pack import PackedSeqParams, VarlenBatch
+    total = sum(lengths) + 3
+    varlen = VarlenBatch.build(PackedSeqParams.from_lengths(lengths, total_tokens=total), total).materialize()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(total, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    step = lambda q, k, v: varlen_attention(q, k, v, varlen)                                     # noqa: E731
+    eager = step(q, k, v)
+    dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+
+    def too_slow(signum, frame):
+        raise TimeoutError(f"compiling varlen_attention over documents {lengths} took over {limit} s")
+    limit = 60
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    signal.alarm(limit)
+    try:
+        got = compiled(q, k, v)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert (got - eager).abs().max() < 1e-12, "the compiled call differs from eager"
