@@ -227,6 +227,22 @@ def test_a_shard_is_refused_and_so_are_bad_kinds():
         work_imbalance(torch.ones(4), [0, 3, 2, 4])
 
 
+@pytest.mark.parametrize("bounds", [
+    pytest.param([0, 3, 2, 4], id="middle-pair-decreases"),
+    pytest.param([0, 1, 5, 4], id="last-pair-decreases"),
+])
+def test_work_imbalance_refuses_decreasing_bounds_anywhere(bounds):
+    with pytest.raises(ValueError, match=r"bounds must be non-decreasing offsets from 0 to len\(costs\)=4"):
+        work_imbalance(torch.ones(4), bounds)
+
+
+def test_mixer_weights_are_the_documented_per_token_costs():
+    """``12 * hidden**2`` per block, ``2 * hidden`` per key read per attention block (the docstring)."""
+    assert mixer_weights("MGA", 64) == (12.0 * 3 * 64 ** 2, 2.0 * 1 * 64)
+    assert mixer_weights("AMA", 10, attention_letters="A") == (12.0 * 3 * 100, 2.0 * 2 * 10)
+    assert mixer_weights("MG", 32) == (12.0 * 2 * 32 ** 2, 0.0)
+
+
 def test_work_imbalance_takes_an_empty_shard():
     """Non-decreasing bounds: a rank with no token does no work and still counts in the mean."""
     costs = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)

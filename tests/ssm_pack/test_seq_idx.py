@@ -4,6 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ssm_pack import PackedSeqParams, VarlenBatch, build_packed_seq_idx, get_cu_seqlens, seq_idx_from_cu_seqlens
+from ssm_pack.formats.seq_idx import renumber_seq_idx
 from tests.support.megatron_standin import megatron_copy
 
 
@@ -142,3 +143,12 @@ def test_layers_on_padded_boundaries_without_a_cached_seq_idx():
     x = torch.randn(1, 19, 16, dtype=torch.float64)
     assert_packed_equals_unpacked(mixer, x, megatron_copy(padded(), seq_idx=None, total_tokens=19))
     assert_packed_equals_unpacked(mixer, x, padded().replace(total_tokens=19))
+
+
+@pytest.mark.parametrize("given, want", [
+    pytest.param([[4, 4, 9, 9, 9, -1]], [[0, 0, 1, 1, 1, 2]], id="padding-run-gets-its-own-value"),
+    pytest.param([[2, 0, 2], [7, 7, 7]], [[0, 1, 2], [0, 0, 0]], id="value-used-again-and-rows"),
+])
+def test_renumber_seq_idx_counts_runs_per_row(given, want):
+    got = renumber_seq_idx(torch.tensor(given, dtype=torch.int64))
+    assert got.dtype == torch.int32 and got.is_contiguous() and got.tolist() == want
