@@ -162,13 +162,15 @@ def select_tests(by_line: dict, seconds: dict, line: int, limit: int, body_line:
 
 
 def _attempt(repo: Path, mutant: Generated, row: dict, batches, args, pytest_run, seconds: dict, start: float) -> None:
-    """Run ``mutant`` against each batch of tests in turn until one kills it (``row`` updated)."""
+    """Run ``mutant`` against each batch of tests in turn until one kills it (``row`` updated). A batch
+    the budget cuts leaves the mutant "budget" even when earlier batches passed: "survived" means
+    every covering test ran and passed."""
     for batch in batches:
         left = args.module_budget - (time.monotonic() - start)
         if not batch or row.get("status") in ("uncovered", "killed"):
             break
         if left <= 0:
-            row["status"] = row.get("status") or "budget"
+            row["status"] = "budget"
             break
         natural = min(args.timeout, 30 + 3 * sum(seconds.get(n, 1.0) for n in batch))
         limit = min(natural, left)
@@ -177,7 +179,7 @@ def _attempt(repo: Path, mutant: Generated, row: dict, batches, args, pytest_run
         row["seconds"] = round(row["seconds"] + spent, 1)
         row["tests"] += len(batch)
         if status == "timeout" and limit < natural:      # cut by the budget: no evidence either way
-            row["status"] = row.get("status") or "budget"
+            row["status"] = "budget"
             break
         failing = [line.split()[1] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
         row.update(status={"failed": "killed", "timeout": "killed", "error": "killed"}.get(status, "survived"),

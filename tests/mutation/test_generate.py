@@ -368,3 +368,22 @@ def test_a_line_a_cut_trace_left_unmapped_is_budget_not_uncovered(tmp_path, monk
                               max_test_files=1)
     result = lane.run_module(tmp_path, "m.py", args, pytest_run, {})
     assert result["mutants"] and {r["status"] for r in result["mutants"]} == {want}
+
+
+def test_a_survivor_whose_other_covering_tests_the_budget_cut_is_budget(tmp_path, monkeypatch):
+    """The 12 selected tests pass; the run of the 13th (a spawned-rank file, 50 s a test) reaches the
+    module budget's limit before its natural one: no evidence either way, so "budget", not "survived"."""
+    import argparse
+
+    from tests.mutation import lane
+    (tmp_path / "m.py").write_text("def f(x):\n    return x + 1\n")
+    covering = {f"t{i:02d}.py::test" for i in range(13)}
+    seconds = {name: 0.1 for name in covering} | {"t12.py::test": 50.0}
+    monkeypatch.setattr(lane, "trace", lambda *a, **k: ({2: covering}, seconds, ["t.py"], False))
+
+    def pytest_run(repo, tests, timeout, first_failure):
+        return ("timeout", "", timeout) if "t12.py::test" in tests else ("passed", "", 0.1)
+    args = argparse.Namespace(max_per_module=None, tests_per_mutant=12, module_budget=100.0, timeout=600.0,
+                              max_test_files=8)
+    rows = lane.run_module(tmp_path, "m.py", args, pytest_run, {})["mutants"]
+    assert rows and all(r["status"] == "budget" and r["tests"] == 13 for r in rows), rows
