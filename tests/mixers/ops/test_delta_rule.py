@@ -109,6 +109,7 @@ def test_design_grid_fp64(kind, chunk):
     pytest.param([0, 15, 100, 300], 0, 64, id="uneven"),
     pytest.param([1, 2, 3] * 700, 2, 32, id="thousands-of-tiny"),
     pytest.param([0, 0], 5, 16, id="only-empty-and-tail"),
+    pytest.param([5, 10], 0, 16, id="one-token-short-of-a-chunk"),     # one token of chunk padding
 ])
 def test_layouts_fp64(kind, lengths, tail, chunk):
     cu, leaves = make(kind, lengths, tail, torch.float64)

@@ -82,6 +82,7 @@ def test_design_grid_fp64(chunk, per_doc_init):
     pytest.param([1, 2, 3] * 700, 2, 64, id="thousands-of-tiny"),
     pytest.param([7, 9, 17, 33], 3, 8, id="straddling"),
     pytest.param([0, 0, 0], 6, 8, id="only-empty-and-tail"),
+    pytest.param([5, 10], 0, 16, id="one-token-short-of-a-chunk"),     # one token of chunk padding
 ])
 def test_layouts_fp64(lengths, tail, chunk):
     cu, leaves = make(lengths, tail, torch.float64, d_2d=True)
