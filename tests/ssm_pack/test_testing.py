@@ -274,6 +274,32 @@ def test_negative_control_requires_the_gradient_probes_to_be_able_to_fail():
     assert assert_no_cross_document_leakage(ForwardOnlyMixing(), x, params, negative_control=False) > 0
 
 
+class RecordingDocCumsum(DocCumsum):
+    """:class:`DocCumsum` keeping every input it is called with (the probes' perturbations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inputs = []
+
+    def forward(self, x, packed_seq_params=None):
+        self.inputs.append(x.detach().clone())
+        return super().forward(x, packed_seq_params=packed_seq_params)
+
+
+def test_the_leakage_check_perturbs_reproducibly_with_seed_0_by_default():
+    x, params = row()
+    seen = {}
+    for name, kwargs in [("default", {}), ("seed=0", dict(seed=0)), ("seed=1", dict(seed=1))]:
+        module = RecordingDocCumsum()
+        assert_no_cross_document_leakage(module, x, params, **kwargs)
+        seen[name] = module.inputs
+
+    def same(a, b):
+        return len(a) == len(b) and all(torch.equal(s, t) for s, t in zip(a, b))
+    assert same(seen["default"], seen["seed=0"]), "the default perturbations are not those of seed=0"
+    assert not same(seen["seed=0"], seen["seed=1"]), "the seed does not change the perturbations"
+
+
 def test_one_document_followed_by_padding_is_inconclusive():
     x, params = layout([5], hidden=D, dtype=torch.float64, pad_to_multiple_of=8, tail=3)
     with pytest.raises(LeakageCheckInconclusive):

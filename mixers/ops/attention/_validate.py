@@ -131,17 +131,6 @@ def _seqlens(cache_seqlens, rows, device) -> torch.Tensor:
     return cache_seqlens.to(device=device, dtype=torch.int64)
 
 
-def _seqlens(cache_seqlens, rows, device) -> torch.Tensor:
-    if cache_seqlens is None:
-        return torch.zeros(rows, dtype=torch.int64, device=device)
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        return torch.full((rows,), cache_seqlens, dtype=torch.int64, device=device)
-    check_tensor("cache_seqlens", cache_seqlens, ndim=1, integer=True)
-    if cache_seqlens.shape[0] != rows:
-        raise ValueError(f"cache_seqlens must be an int or [N] = [{rows}], got {describe(cache_seqlens)}")
-    return cache_seqlens.to(device=device, dtype=torch.int64)
-
-
 def checked_kvcache(q, k_cache, v_cache, k, v, *, cache_seqlens, cache_batch_idx, softmax_scale, causal, window_size,
                     backend) -> KVCacheCall:
     """Every argument of ``attention_with_kvcache`` checked, as one :class:`KVCacheCall`."""

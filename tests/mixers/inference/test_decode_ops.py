@@ -205,3 +205,31 @@ def test_attention_with_kvcache_edges_and_errors():
         attention_with_kvcache(q, cache, cache.clone(), k=q)
     with pytest.raises(ValueError, match=r"cache_batch_idx must be \[N\] = \[2\]"):
         attention_with_kvcache(q, cache, cache.clone(), cache_batch_idx=torch.tensor([0]))
+
+
+def test_attention_with_kvcache_without_cache_seqlens_starts_every_slot_empty():
+    """``cache_seqlens`` left out: every row's slot holds nothing yet (as ``cache_seqlens=0``), whatever
+    stale keys it has, and the new keys land at its start."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = rand(2, 3, 4, 8, g=g), rand(2, 3, 2, 8, g=g), rand(2, 3, 2, 8, g=g)
+    k_cache, v_cache = rand(2, 5, 2, 8, g=g), rand(2, 5, 2, 8, g=g)
+    k_zero, v_zero = k_cache.clone(), v_cache.clone()
+    out = attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, causal=True)
+    want = attention_with_kvcache(q, k_zero, v_zero, k=k, v=v, cache_seqlens=0, causal=True)
+    assert torch.equal(out, want), "no cache_seqlens is not the same as empty slots"
+    assert torch.equal(k_cache, k_zero) and torch.equal(k_cache[:, :3], k), "the new keys are not at the slots' start"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    pytest.param(dict(k="vector", v="vector"), r"^k must be 4-D, got shape \(4,\)", id="k-not-4d"),
+    pytest.param(dict(rows=3), r"^the cache has 2 slots for 3 rows; pass cache_batch_idx", id="more-rows-than-slots"),
+    pytest.param(dict(cache_seqlens=torch.tensor([[1], [2]])), r"^cache_seqlens must be 1-D", id="seqlens-2d"),
+    pytest.param(dict(cache_seqlens=torch.tensor([1, 2, 0])),
+                 r"^cache_seqlens must be an int or \[N\] = \[2\]", id="seqlens-per-row"),
+])
+def test_attention_with_kvcache_bad_input(kwargs, match):
+    g = torch.Generator().manual_seed(8)
+    q, cache = rand(kwargs.pop("rows", 2), 1, 2, 4, g=g), rand(2, 3, 2, 4, g=g)
+    kwargs = {name: rand(4, g=g) if isinstance(value, str) else value for name, value in kwargs.items()}
+    with pytest.raises(ValueError, match=match):
+        attention_with_kvcache(q, cache, cache.clone(), **kwargs)

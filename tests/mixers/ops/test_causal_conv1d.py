@@ -206,13 +206,22 @@ def test_no_metadata_is_one_plain_causal_conv():
                  id="init-shape"),
     pytest.param(dict(final_states_out=torch.zeros(1, 8, 3)), ValueError, "return_final_states=False",
                  id="out-without-return"),
+    pytest.param(dict(return_final_states=True, final_states_out=torch.zeros(2, 8, 3)), ValueError,
+                 r"final_states_out must be \[B, D, W-1\] = \[1, 8, 3\]", id="out-rows"),
+    pytest.param(dict(cu_seqlens=torch.tensor([0, 2, 5]), return_final_states=True,
+                      final_states_out=torch.zeros(1, 8, 3)), ValueError,
+                 r"final_states_out must be \[N, D, W-1\] = \[2, 8, 3\]", id="out-rows-per-document"),
+    pytest.param(dict(weight=torch.randn(DIM + 1, 4)), ValueError, r"weight must be \[D, W\] = \[8, W>=1\]",
+                 id="weight-dim"),
+    pytest.param(dict(weight=torch.randn(DIM, 0)), ValueError, r"weight must be \[D, W\] = \[8, W>=1\]",
+                 id="weight-width-0"),
     pytest.param(dict(backend="cuda"), ValueError, "backend must be one of", id="backend-name"),
     pytest.param(dict(backend="kernel"), ValueError, "needs CUDA tensors", id="kernel-on-cpu"),
     pytest.param(dict(cu_seqlens=torch.tensor([0, 2, 5]), seq_idx=torch.zeros(1, 5, dtype=torch.int32)),
                  ValueError, "describe different documents", id="inconsistent"),
 ])
 def test_bad_input(kwargs, exc, match):
-    x, w = torch.randn(1, DIM, 5), torch.randn(DIM, 4)
+    x, w = torch.randn(1, DIM, 5), kwargs.pop("weight", torch.randn(DIM, 4))
     with pytest.raises(exc, match=match):
         causal_conv1d_fn(x, w, **kwargs)
 

@@ -331,14 +331,30 @@ def test_kda_positive_gates_are_refused():
                  id="init-rows"),
     pytest.param(dict(cu_seqlens=torch.tensor([0, 9])), ValueError, r"cu_seqlens\[-1\]=9 is beyond the 6 tokens",
                  id="cu-beyond"),
+    pytest.param(dict(cu_seqlens=None, initial_state=torch.zeros(3, HV, K, V)), ValueError,
+                 r"initial_state must be \[B, HV, K, V\] = \[1, 4, 4, 3\]", id="init-rows-no-cu-seqlens"),
     pytest.param(dict(backend="kernel"), ValueError, "needs CUDA tensors", id="kernel-on-cpu"),
+    pytest.param(dict(q=torch.randn(1, 6, H * K)), ValueError, r"^q must be 4-D, got shape \(1, 6, 8\)",
+                 id="q-3d"),
 ])
 def test_bad_input(kwargs, exc, match):
-    q, k, v = torch.randn(1, 6, H, K), torch.randn(1, 6, H, K), torch.randn(1, 6, HV, V)
+    q, k, v = kwargs.pop("q", torch.randn(1, 6, H, K)), torch.randn(1, 6, H, K), torch.randn(1, 6, HV, V)
     g, beta = torch.randn(1, 6, HV).clamp(max=0), torch.rand(1, 6, HV)
     kwargs.setdefault("cu_seqlens", torch.tensor([0, 2, 6]))
     with pytest.raises(exc, match=match):
         chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
+
+
+@pytest.mark.parametrize("nh,steps,label", [
+    pytest.param(1, 5, "T", id="one-householder"),
+    pytest.param(2, 9, r"T\*num_householder", id="two-householders"),
+])
+def test_gated_delta_product_bad_key_steps(nh, steps, label):
+    """k, v and beta carry ``num_householder`` sub-steps per token; a wrong count is named as such."""
+    q, k, v = torch.randn(1, 4, H, K), torch.randn(1, steps, H, K), torch.randn(1, 4 * nh, H, V)
+    g, beta = torch.randn(1, 4, H).clamp(max=0), torch.rand(1, 4 * nh, H)
+    with pytest.raises(ValueError, match=rf"^k must be \[B, {label}, H, K\] = \[1, {4 * nh}, 2, 4\], got"):
+        chunk_gated_delta_product(q, k, v, g, beta, nh)
 
 
 def test_heads_must_group():
