@@ -107,11 +107,11 @@ def _importers(root: Path, module: str, graph: dict | None = None) -> list[str]:
     return [rel for rel, names in graph.items() if rel != module and target in names]
 
 
-def _with_support(root: Path, rel: str, text: str, imported: set[str]) -> tuple[str, set[str]]:
+def _with_support(root: Path, rel: str, text: str, imported: set[str], parsed: dict) -> tuple[str, set[str]]:
     """A test file's text and imports together with those of the test-support modules it imports
     (``tests/`` files not named ``test_*``, followed transitively): the context-parallel tests name
     the ops they run only through ``tests/context_parallel/cases.py``, and a spawned worker's
-    imports count as the test's own."""
+    imports count as the test's own. ``parsed`` caches each support module's ``(text, imports)``."""
     texts, names, seen = [text], set(imported), {rel}
     frontier = imported
     while frontier:
@@ -122,8 +122,10 @@ def _with_support(root: Path, rel: str, text: str, imported: set[str]) -> tuple[
             if (name.split(".")[0] == "tests" and support not in seen and not path.name.startswith("test_")
                     and (Path(root) / path).is_file()):
                 seen.add(support)
-                source = (Path(root) / path).read_text()
-                more = _imports(support, ast.parse(source))
+                if support not in parsed:
+                    source = (Path(root) / path).read_text()
+                    parsed[support] = (source, _imports(support, ast.parse(source)))
+                source, more = parsed[support]
                 texts.append(source)
                 found |= more - names
                 names |= more
@@ -163,17 +165,20 @@ def candidate_tests(root: Path, module: str, limit: int | None) -> list[str]:
     graph = _import_graph(root)
     tiers = [[module]] + _importer_tiers(root, module, graph)
     patterns = {m: _naming(root, m) for tier in tiers for m in tier}
-    scored = []
+    scored, parsed = [], {}
     for path in sorted((root / "tests").rglob("test_*.py")):
         rel = str(path.relative_to(root))
         if "/mutation/" in rel:
             continue
         own_text = path.read_text()
         own = (own_text, _imports(rel, ast.parse(own_text)))
-        both = _with_support(root, rel, *own)
+        views = {0: own}                     # 1: with its support modules, built when a tier needs it
         for tier, members in enumerate(tiers):
             best = None
-            for via_support, (text, imported) in enumerate((own, both)):
+            for via_support in (0, 1):
+                if via_support not in views:
+                    views[1] = _with_support(root, rel, *own, parsed)
+                text, imported = views[via_support]
                 named = [(_mirrors(m, rel), len(set(patterns[m].findall(text))) + (dotted(m) in imported))
                          for m in members]
                 best = max(((mirror, hits) for mirror, hits in named if hits or (tier == 0 and mirror)), default=None)
