@@ -98,6 +98,20 @@ def runs_per_world(tmp_path_factory, rank_main, prefix: str):
     return get
 
 
+def spawned_results(rank_main, folder, world: int = 2) -> list:
+    """Each rank's ``folder/rank{r}.pt`` after ``rank_main(rank, port, folder)`` ran on ``world`` spawned
+    gloo ranks; a rank that failed fails the caller with the first ``*.err`` traceback the ranks wrote
+    (``rank_main`` writes ``rank{r}.err``)."""
+    from pathlib import Path
+    folder = Path(folder)
+    try:
+        mp.start_processes(rank_main, args=(free_port(), str(folder)), nprocs=world, join=True, start_method="spawn")
+    finally:
+        errors = [p.read_text() for p in sorted(folder.glob("*.err"))]
+    assert not errors, errors[0]
+    return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
 def launch(world: int, out_dir: str, case_ids) -> float:
     """Run the cases on ``world`` spawned ranks; returns the wall time in seconds."""
     t0 = time.perf_counter()

@@ -17,7 +17,6 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mixers import HybridLM
 from mixers.training import checkpoint as ckpt
@@ -281,19 +280,14 @@ def _rank_main(rank: int, port: int, root: str) -> None:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    from tests.context_parallel.worker import free_port
+    from tests.context_parallel.worker import spawned_results
     root = tmp_path_factory.mktemp("ckpt")
     model = _model()
     opt = _optimizer(model)
     _train(model, opt, 2)
     Checkpointer(root / "world1", keep=1).save(2, model, opt, extra={"step": 2}, per_rank={"rank": 0})
     want1 = _full(model, opt)
-    try:
-        mp.start_processes(_rank_main, args=(free_port(), str(root)), nprocs=2, join=True, start_method="spawn")
-    finally:
-        errors = [p.read_text() for p in sorted(root.glob("*.err"))]
-    assert not errors, errors[0]
-    return root, want1, [torch.load(root / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return root, want1, spawned_results(_rank_main, root)
 
 
 def test_world2_fsdp_checkpoint_loads_at_world1(world2):
@@ -361,14 +355,7 @@ def _late_rank_main(rank: int, port: int, root: str) -> None:
 def test_world2_save_returns_once_every_rank_has_written(tmp_path):
     """A rank that writes its files late still lands in the checkpoint, and no rank returns from
     save before the checkpoint is complete."""
-    from tests.context_parallel.worker import free_port
-    try:
-        mp.start_processes(_late_rank_main, args=(free_port(), str(tmp_path)), nprocs=2, join=True,
-                           start_method="spawn")
-    finally:
-        errors = [p.read_text() for p in sorted(tmp_path.glob("*.err"))]
-    assert not errors, errors[0]
-    for rank in range(2):
-        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+    from tests.context_parallel.worker import spawned_results
+    for rank, result in enumerate(spawned_results(_late_rank_main, tmp_path)):
         assert result["latest"] == result["returned"], f"rank {rank} returned before its checkpoint was complete"
         assert {"rank-00000.pt", "rank-00001.pt"} <= set(result["files"]), f"rank {rank}: {result['files']}"

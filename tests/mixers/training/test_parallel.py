@@ -110,17 +110,8 @@ def _world2_main(rank: int, port: int, root: str) -> None:
 def test_a_world_of_2_computes_in_the_training_dtype_and_starts_no_cp_group_at_cp1(tmp_path):
     """FSDP2 casts the parameters to a bf16 run's dtype (fp32 stays fp32), and a world without
     context parallelism starts no cp process group."""
-    import torch.multiprocessing as mp
-
-    from tests.context_parallel.worker import free_port
-    try:
-        mp.start_processes(_world2_main, args=(free_port(), str(tmp_path)), nprocs=2, join=True,
-                           start_method="spawn")
-    finally:
-        errors = [p.read_text() for p in sorted(tmp_path.glob("*.err"))]
-    assert not errors, errors[0]
-    for rank in range(2):
-        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+    from tests.context_parallel.worker import spawned_results
+    for rank, result in enumerate(spawned_results(_world2_main, tmp_path)):
         assert result["bfloat16"] == torch.bfloat16, f"rank {rank}: a bf16 run computed in {result['bfloat16']}"
         assert result["float32"] == torch.float32, f"rank {rank}: an fp32 run computed in {result['float32']}"
         assert result["cp_group"] is None, f"rank {rank}: cp=1 started a cp group {result['cp_group']}"
