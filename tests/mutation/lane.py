@@ -6,7 +6,8 @@ to ``--max-per-module`` (a fixed sample per module name); its candidate tests tr
 planted in the scratch copy (the working tree is never edited; the copy's file is restored in
 ``finally``) and run with ``-x`` against ``--tests-per-mutant`` of the tests that passed and
 executed its line (:func:`select_tests`), then, if it survives them, against the other tests that
-executed it. Statuses: ``killed`` (a test failed, or the run exceeded its time: a hang counts as
+executed it; survivors and uncovered lines then trace the next candidate files, batch after batch within
+the module budget. Statuses: ``killed`` (a test failed, or the run exceeded its time: a hang counts as
 caught), ``survived`` (every covering test passed, or those the budget left time for),
 ``uncovered`` (no test runs the line), ``budget`` (the module's time ran out first, or cut the
 first run short: not counted). Score per module: killed /
@@ -210,11 +211,14 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
         _attempt(repo, mutant, row, (tests, rest), args, pytest_run, seconds, start)
         rows.append(row)
         print(f"  {row['status']:9} {mutant.id:48} {row['killed_by'][:60]}", flush=True)
-    # survivors and uncovered lines: the next candidate files are traced and their covering tests run
-    open_rows = [(m, r) for m, r in zip(chosen, rows) if r["status"] in ("survived", "uncovered")]
-    more = ranked[len(files):len(files) + args.max_test_files] if open_rows else []
-    left = args.module_budget - (time.monotonic() - start)
-    if more and left > 10:
+    # survivors and uncovered lines: the next candidate files are traced, batch after batch while
+    # one is left open and the budget lasts, and their covering tests run
+    while True:
+        open_rows = [(m, r) for m, r in zip(chosen, rows) if r["status"] in ("survived", "uncovered")]
+        more = ranked[len(files):len(files) + args.max_test_files] if open_rows else []
+        left = args.module_budget - (time.monotonic() - start)
+        if not more or left <= 10:
+            break
         extra, extra_seconds, _ = _trace_files(repo, module, more, left / 2, pytest_run)
         seconds.update(extra_seconds)
         files = files + more

@@ -294,6 +294,33 @@ def test_a_survivor_runs_the_tests_of_the_next_candidate_files(tmp_path, monkeyp
                                      for r in result["mutants"])
 
 
+def test_survivors_trace_batch_after_batch_until_one_kills_them(tmp_path, monkeypatch):
+    """Only the third batch of candidate files (``--max-test-files`` 1) runs a test that fails on the
+    mutants: the batches are traced in turn until it is reached, and none after the kill."""
+    import argparse
+
+    from tests.mutation import lane
+    (tmp_path / "m.py").write_text("def f(x):\n    return x + 1\n")
+    monkeypatch.setattr(lane, "trace", lambda *a, **k: ({2: {"a.py::t"}}, {}, ["a.py"], False))
+    monkeypatch.setattr(lane, "candidate_tests", lambda repo, module, limit: ["a.py", "b.py", "c.py", "far.py",
+                                                                               "late.py"])
+    traced = []
+
+    def trace_files(repo, module, files, timeout, run):
+        traced.append(list(files))
+        return {2: {f"{files[0]}::t"}}, {f"{files[0]}::t": 0.5}, False
+    monkeypatch.setattr(lane, "_trace_files", trace_files)
+
+    def pytest_run(repo, tests, timeout, first_failure):
+        return ("failed", "FAILED far.py::t - boom", 0.1) if "far.py::t" in tests else ("passed", "", 0.1)
+    args = argparse.Namespace(max_per_module=None, tests_per_mutant=12, module_budget=100.0, timeout=60.0,
+                              max_test_files=1)
+    result = lane.run_module(tmp_path, "m.py", args, pytest_run, {})
+    assert traced == [["b.py"], ["c.py"], ["far.py"]] and result["test_files"] == ["a.py", "b.py", "c.py", "far.py"]
+    assert result["mutants"] and all(r["status"] == "killed" and r["killed_by"] == "far.py::t" and r["tests"] == 4
+                                     for r in result["mutants"])
+
+
 def test_candidate_tests_reach_a_helper_two_imports_away(tmp_path):
     """``check`` is imported by ``_validate``, which ``op`` imports: a test naming only ``op``'s
     public function is a candidate, after one naming ``_validate``'s, and an unrelated test is not."""
