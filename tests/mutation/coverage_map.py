@@ -33,6 +33,11 @@ parent). Attribution, which may over-select but must not under-select:
 - each test of the group counts at least the starting test's seconds (run alone, it starts the
   ranks itself), so a mutant's time limit covers the spawn;
 - a child started outside any test (at collection) counts for every passing test.
+
+Lines that ``torch.compile`` traces (a branch under ``torch.compiler.is_compiling()``) raise no
+line event: dynamo's own interpreter reads them. The recorder wraps the call with which that
+interpreter reports each line it starts (``TracingContext.set_current_loc``), so a test that
+compiles a function counts the lines dynamo traced in it.
 """
 
 from __future__ import annotations
@@ -274,6 +279,7 @@ class LineRecorder:
         self.hits: set[tuple[str, int]] = set()
         self.failed = False
         self._environ: dict[str, str | None] = {}
+        self._restore_dynamo = lambda: None
 
     def _global(self, frame, event, arg):
         return self._local if frame.f_code.co_filename in self.files else None
@@ -283,7 +289,29 @@ class LineRecorder:
             self.hits.add((frame.f_code.co_filename, frame.f_lineno))
         return self._local
 
+    def _dynamo_lines(self):
+        """Wrap ``TracingContext.set_current_loc`` (dynamo's interpreter calls it at each line it
+        starts tracing) to record the target lines torch.compile traces; nothing without torch."""
+        guards = sys.modules.get("torch._guards")
+        if guards is None:
+            try:
+                import torch._guards as guards
+            except ImportError:
+                return
+        context = getattr(guards, "TracingContext", None)
+        original = getattr(context, "set_current_loc", None)
+        if original is None:
+            return
+
+        def set_current_loc(filename, lineno, *args, **kwargs):
+            if filename in self.files:
+                self.hits.add((filename, lineno))
+            return original(filename, lineno, *args, **kwargs)
+        context.set_current_loc = staticmethod(set_current_loc)
+        self._restore_dynamo = lambda: setattr(context, "set_current_loc", staticmethod(original))
+
     def start(self):
+        self._dynamo_lines()
         if self.children is not None:
             self.children.mkdir(parents=True, exist_ok=True)
             (self.children / "sitecustomize.py").write_text(HOOK)
@@ -295,6 +323,7 @@ class LineRecorder:
         threading.settrace(self._global)
 
     def pytest_unconfigure(self, config):
+        self._restore_dynamo()
         for key, value in self._environ.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -138,3 +138,64 @@ def test_case_labels_narrow_a_test_to_the_cases_its_id_names(tmp_path, test, wan
     by_line, seconds = read_map(tmp_path / "lines.jsonl", tmp_path, tmp_path / "children")
     assert {line for line, nodes in by_line.get("m.py", {}).items() if test in nodes} == want
     assert seconds[test] == (30.0 if want else 0.1)         # run alone, a test of the group starts the ranks
+
+
+COMPILED = '''\
+import torch
+
+
+def step(x):
+    if torch.compiler.is_compiling():
+        return x * 2
+    return x + x
+'''
+
+COMPILES = '''\
+import torch
+
+import compiled
+
+
+def test_compiles():
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(compiled.step, backend="eager")(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_eager():
+    assert torch.equal(compiled.step(torch.ones(3)), torch.full((3,), 2.0))
+'''
+
+COMPILE_RUNNER = '''\
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.mutation.coverage_map import LineRecorder
+
+tmp = Path(sys.argv[1])
+recorder = LineRecorder([tmp / "compiled.py"], tmp / "lines.jsonl")
+if sys.argv[2] == "plain":
+    recorder._dynamo_lines = lambda: None
+recorder.pytest_configure = lambda config: recorder.start()
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", str(tmp), str(tmp / "test_compiles.py")],
+                     plugins=[recorder]))
+'''
+
+
+@pytest.mark.parametrize("mode, want", [
+    pytest.param("dynamo", {"test_compiles.py::test_compiles"}, id="recorded"),
+    pytest.param("plain", None, id="without-the-wrapper-missing"),
+])
+def test_lines_only_torch_compile_traces_count_for_the_compiling_test(tmp_path, mode, want):
+    pytest.importorskip("torch")
+    (tmp_path / "compiled.py").write_text(COMPILED)
+    (tmp_path / "test_compiles.py").write_text(COMPILES)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]), OMP_NUM_THREADS="1")
+    env.pop("PYTEST_ADDOPTS", None)
+    run = subprocess.run([sys.executable, "-c", COMPILE_RUNNER, str(tmp_path), mode], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = read_map(tmp_path / "lines.jsonl", tmp_path)[0]["compiled.py"]
+    assert lines.get(6) == want                                              # `return x * 2`: compiled only
+    assert lines[7] == {"test_compiles.py::test_eager"}                     # the eager branch, as before
