@@ -10,7 +10,7 @@ Kinds (each a realistic one-token bug):
 - ``drop``: a statement with an effect (a call, an augmented or attribute / item assignment, a
   ``raise``, an early ``return`` inside an ``if``) replaced by ``pass``;
 - ``swap``: two neighbouring positional arguments of the same kind swapped (two names, two
-  attributes, two constants of one type);
+  attributes, two constants of one type), except in calls symmetric in them (``SYMMETRIC``);
 - ``detach``: ``x.detach()`` / ``x.clone()`` replaced by ``x``.
 
 Nothing inside an ``assert`` (internal invariants) or in the exception a ``raise`` builds (its
@@ -137,9 +137,17 @@ def _edits(node: ast.AST, line: str, parents: dict[int, ast.AST]):
         yield "drop", _splice(line, node.col_offset, node.end_col_offset, "pass")
 
 
+# Calls whose result does not depend on the order of their positional arguments: a swap there is
+# the same program (``x.transpose(1, 2)``, ``torch.equal(a, b)``, ``max(a, b)``; ``records_grad``
+# is an ``any()`` over its arguments).
+SYMMETRIC = frozenset({"transpose", "swapaxes", "swapdims", "equal", "maximum", "minimum", "max", "min",
+                       "records_grad"})
+
+
 def _call_edits(node: ast.Call, line: str):
     args = node.args
-    for a, b in zip(args, args[1:]):
+    name = getattr(node.func, "attr", getattr(node.func, "id", None))
+    for a, b in zip(args, args[1:]) if name not in SYMMETRIC else ():
         if _one_line(a) and _one_line(b) and _same_kind(a, b) and not isinstance(a, ast.Starred):
             left, right = _segment(line, a), _segment(line, b)
             if left != right:

@@ -50,6 +50,19 @@ def test_every_kind_is_generated_and_protected_text_is_not():
     assert len([m for m in mutants_of_source("m.py", SOURCE) if m.kind == "drop"]) == 3
 
 
+@pytest.mark.parametrize("call, swapped", [
+    pytest.param("x.transpose(1, 2)", False, id="transpose"),
+    pytest.param("torch.equal(a, b)", False, id="equal"),
+    pytest.param("max(a, b)", False, id="max"),
+    pytest.param("records_grad(a, b)", False, id="records-grad"),
+    pytest.param("x.permute(1, 2)", True, id="permute-is-not"),
+    pytest.param("torch.sub(a, b)", True, id="sub-is-not"),
+])
+def test_calls_symmetric_in_their_arguments_are_not_swapped(call, swapped):
+    kinds = [m.kind for m in mutants_of_source("m.py", f"def f(x, a, b):\n    return {call}\n")]
+    assert ("swap" in kinds) == swapped
+
+
 def test_ids_are_ordered_unique_and_every_mutant_compiles_to_a_different_tree():
     module = "ssm_pack/stream/assemble.py"
     source = (ROOT / module).read_text()
