@@ -9,7 +9,7 @@ from mixers.layers.registry import MIXERS
 from ssm_pack import PackedSeqParams
 
 CHUNK, WIDTH = 8, 4            # small chunks so short prompts cross several; conv width W = 4
-SMALL = {"M": {"head_dim": 8, "state_size": 4, "chunk_size": CHUNK},
+SMALL = {"M": {"head_dim": 16, "state_size": 4, "chunk_size": CHUNK},   # 4 heads of 16: a heads/head_dim mix-up shows
          "G": {"head_dim": 8, "chunk_size": CHUNK},
          "K": {"head_dim": 8, "chunk_size": CHUNK},
          "P": {"head_dim": 8, "chunk_size": CHUNK},

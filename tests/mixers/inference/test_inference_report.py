@@ -56,4 +56,4 @@ def test_kernel_backend_checks_the_decode_kernels_when_a_cache_is_allocated(prob
     with pytest.raises(RuntimeError, match="SSD decode cannot run on mamba_decode: .*mamba-ssm 2.2.2 is too old"):
         layer.allocate_inference_cache(2, 8)
     probe(ALL_GOOD)
-    assert layer.allocate_inference_cache(2, 8)["ssm"].shape == (2, 8, 8, 4)
+    assert layer.allocate_inference_cache(2, 8)["ssm"].shape == (2, 4, 16, 4)          # slots, heads, head_dim, state
