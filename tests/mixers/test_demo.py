@@ -16,6 +16,7 @@ from mixers.demo import build_parser, check_args, corpus, main
 from mixers.demo.corpus import load_documents
 from mixers.demo.plot import require_matplotlib, write_png
 from mixers.demo.train import Progress, make_batches
+from mixers.layers.registry import MIXERS
 
 README = Path(__file__).resolve().parents[2] / "docs" / "demo.md"      # its sample output
 
@@ -242,3 +243,22 @@ def test_help_shows_defaults_and_no_markup(capsys):
     with pytest.raises(SystemExit):
         cli_main(["--help"])
     assert "``" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("letter", sorted(MIXERS))
+def test_every_mixer_runs_in_the_demo_at_its_default_hidden_size(letter):
+    """``ssm-pack demo --pattern X`` for each registered letter: the flags pass their checks and the
+    demo's model (each mixer at its registry ``small=`` sizes) runs a packed forward and backward."""
+    import torch
+
+    from mixers import HybridLM
+    from mixers.demo import mixer_overrides
+    from ssm_pack import PackedSeqParams
+
+    args = check_args(build_parser().parse_args(["--pattern", letter.lower()]))
+    torch.manual_seed(0)
+    model = HybridLM(256, args.hidden, args.pattern, mixer_overrides=mixer_overrides())
+    ids = torch.randint(0, 256, (1, 24))
+    loss = model(ids, packed_seq_params=PackedSeqParams.from_lengths([9, 15]), labels=ids)["loss"]
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters() if p.requires_grad)
