@@ -124,6 +124,8 @@ def test_context_parallel_share_with_no_target_is_zero():
         assert float(share) == 0.0 and bool((logits.grad == 0).all())
         counted = mean_share(run, torch.tensor(6.0, dtype=torch.float64), torch.ones(3, dtype=torch.bool))
         assert float(counted) == 2.0                                    # negative control: the mean
+        one = mean_share(run, torch.tensor(5.0, dtype=torch.float64), torch.tensor([False, True, False]))
+        assert float(one) == 5.0                                        # one counted target: its loss, whole
     finally:
         dist.destroy_process_group()
 
