@@ -115,6 +115,15 @@ def test_hidden_size_without_a_head_split_says_which_block_and_what_works():
     HybridLM(hidden_size=100, mixer_overrides={"M": {"head_dim": 50}})
 
 
+def test_the_head_sizes_offered_reach_one_and_four_times_the_head_size():
+    """Head sizes from 1 to 4 x the given one are searched, nearest first: at hidden_size=11 a Mamba2
+    head of 3 (expand * hidden = 22) leaves 2, then 1, then 11 = the last size below 4 x 3."""
+    with pytest.raises(ValueError, match=r"mixer_overrides=\{'M': \{'head_dim': 2\}\} \(head_dim 2, 1, 11 fit\)$"):
+        HybridLM(64, 11, "M", mixer_overrides={"M": {"head_dim": 3}})
+    for head_dim in (2, 1, 11):                                              # every size offered builds
+        HybridLM(64, 11, "M", mixer_overrides={"M": {"head_dim": head_dim}})
+
+
 def test_token_arguments_that_are_not_tensors_are_refused_by_name():
     m = model()
     with pytest.raises(TypeError, match="input_ids must be a \\[B, T\\] integer tensor, got list"):
