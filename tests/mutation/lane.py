@@ -219,7 +219,7 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
         left = args.module_budget - (time.monotonic() - start)
         if not more or left <= 10:
             break
-        extra, extra_seconds, _ = _trace_files(repo, module, more, left / 2, pytest_run)
+        extra, extra_seconds, cut = _trace_files(repo, module, more, left / 2, pytest_run)
         seconds.update(extra_seconds)
         files = files + more
         for mutant, row in open_rows:
@@ -228,7 +228,12 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
             if new:
                 row["status"] = "survived" if row["status"] == "uncovered" else row["status"]
                 _attempt(repo, mutant, row, (new,), args, pytest_run, seconds, start)
+            if cut and row["status"] in ("survived", "uncovered"):
+                row["status"] = "budget"          # the batch's trace was cut: a test it did not reach may kill it
+            if new or row["status"] == "budget":
                 print(f"  {row['status']:9} {mutant.id:48} {row['killed_by'][:60]} (next files)", flush=True)
+        if cut:
+            break
     counted = [r for r in rows if r["status"] in ("killed", "survived", "uncovered")]
     killed = sum(r["status"] == "killed" for r in counted)
     return {"module": module, "generated": len(every), "equivalent": len(listed), "sampled": len(chosen),
@@ -248,12 +253,14 @@ def write_report(results: list[dict], args, started: str) -> Path:
         score = "-" if r["score"] is None else f"{r['score']:.0%}"
         lines.append(f"| {r['module']} | {score} | {r['killed']} / {r['counted']} | {r['generated']} | "
                      f"{r['equivalent']} | {r['sampled']} | {r['seconds']} |")
-    lines += ["", "## Survivors (and uncovered lines)", ""]
-    for r in results:
-        for m in r["mutants"]:
-            if m["status"] in ("survived", "uncovered"):
-                lines.append(f"- `{m['id']} {m['fingerprint']}` {m['status']} ({m['tests']} tests): "
-                             f"`{m['old']}` -> `{m['new']}`")
+    for title, statuses in (("Survivors (and uncovered lines)", ("survived", "uncovered")),
+                            ("Cut by the budget (not counted: rerun with a larger --module-budget)", ("budget",))):
+        lines += ["", f"## {title}", ""]
+        for r in results:
+            for m in r["mutants"]:
+                if m["status"] in statuses:
+                    lines.append(f"- `{m['id']} {m['fingerprint']}` {m['status']} ({m['tests']} tests): "
+                                 f"`{m['old']}` -> `{m['new']}`")
     Path(f"{base}.md").write_text("\n".join(lines) + "\n")
     return Path(f"{base}.md")
 

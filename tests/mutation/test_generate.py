@@ -334,6 +334,31 @@ def test_survivors_trace_batch_after_batch_until_one_kills_them(tmp_path, monkey
                                      for r in result["mutants"])
 
 
+def test_a_survivor_whose_next_files_trace_was_cut_is_budget(tmp_path, monkeypatch):
+    """The second batch's trace reaches its time limit: a test it did not reach may kill the mutants,
+    so they end "budget" (listed in the report's budget section), and no later batch is traced."""
+    import argparse
+
+    from tests.mutation import lane
+    (tmp_path / "m.py").write_text("def f(x):\n    return x + 1\n")
+    monkeypatch.setattr(lane, "trace", lambda *a, **k: ({2: {"a.py::t"}}, {}, ["a.py"], False))
+    monkeypatch.setattr(lane, "candidate_tests", lambda repo, module, limit: ["a.py", "b.py", "c.py"])
+    traced = []
+
+    def trace_files(repo, module, files, timeout, run):
+        traced.append(list(files))
+        return {2: {"b.py::t"}}, {"b.py::t": 0.5}, True
+    monkeypatch.setattr(lane, "_trace_files", trace_files)
+    args = argparse.Namespace(max_per_module=None, tests_per_mutant=12, module_budget=100.0, timeout=60.0,
+                              max_test_files=1)
+    result = lane.run_module(tmp_path, "m.py", args, lambda *a, **k: ("passed", "", 0.1), {})
+    assert traced == [["b.py"]]
+    assert result["mutants"] and all(r["status"] == "budget" for r in result["mutants"]) and result["counted"] == 0
+    monkeypatch.setattr(lane, "REPORTS", tmp_path / "reports")
+    text = lane.write_report([result], args, "2026-01-01-000000").read_text()
+    assert "## Cut by the budget" in text and result["mutants"][0]["id"] in text.split("## Cut by the budget")[1]
+
+
 def test_candidate_tests_reach_a_helper_two_imports_away(tmp_path):
     """``check`` is imported by ``_validate``, which ``op`` imports: a test naming only ``op``'s
     public function is a candidate, after one naming ``_validate``'s, and an unrelated test is not."""
