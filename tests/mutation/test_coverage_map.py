@@ -81,14 +81,19 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", str(tmp), str
 LOOP_BODY = 4           # `total += i`: only a child with n > 1 runs it; the parent's work(0) does not
 
 
+def _run(runner: str, tmp_path: Path, mode: str, timeout: float) -> None:
+    """``runner`` (a recorder around a pytest run of ``tmp_path``) in a fresh interpreter, which must pass."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]), OMP_NUM_THREADS="1")
+    env.pop("PYTEST_ADDOPTS", None)
+    run = subprocess.run([sys.executable, "-c", runner, str(tmp_path), mode], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
 def _traced(tmp_path: Path, mode: str) -> dict:
     (tmp_path / "tiny.py").write_text(TINY)
     (tmp_path / "test_inner.py").write_text(INNER)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]), OMP_NUM_THREADS="1")
-    env.pop("PYTEST_ADDOPTS", None)
-    run = subprocess.run([sys.executable, "-c", RUNNER, str(tmp_path), mode], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stdout + run.stderr
+    _run(RUNNER, tmp_path, mode, timeout=60)
     by_line, _ = read_map(tmp_path / "lines.jsonl", tmp_path, tmp_path / "children")
     return by_line.get("tiny.py", {})
 
@@ -191,11 +196,7 @@ def test_lines_only_torch_compile_traces_count_for_the_compiling_test(tmp_path, 
     pytest.importorskip("torch")
     (tmp_path / "compiled.py").write_text(COMPILED)
     (tmp_path / "test_compiles.py").write_text(COMPILES)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]), OMP_NUM_THREADS="1")
-    env.pop("PYTEST_ADDOPTS", None)
-    run = subprocess.run([sys.executable, "-c", COMPILE_RUNNER, str(tmp_path), mode], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
+    _run(COMPILE_RUNNER, tmp_path, mode, timeout=120)
     lines = read_map(tmp_path / "lines.jsonl", tmp_path)[0]["compiled.py"]
     assert lines.get(6) == want                                              # `return x * 2`: compiled only
     assert lines[7] == {"test_compiles.py::test_eager"}                     # the eager branch, as before

@@ -281,27 +281,38 @@ def test_combined_reports_keep_the_latest_result_of_each_mutant_still_generated(
     assert m["runs"] == ["2026-01-01-000000", "2026-01-02-000000"]
 
 
-def test_a_survivor_runs_the_tests_of_the_next_candidate_files(tmp_path, monkeypatch):
-    """Every mutant of line 2 survives the traced files' test; the next candidate file (beyond
-    ``--max-test-files``) has a test that runs line 2 and fails on every mutant: they end killed."""
+def _run_past_the_first_file(tmp_path, monkeypatch, candidates, next_map, pytest_run, cut=False):
+    """``run_module`` with ``--max-test-files`` 1 on a one-line module whose line 2 only ``a.py::t``
+    (passing) ran in the first traced file; ``candidates``: the ranked files; ``next_map(files)``: the
+    ``{line: tests}`` a trace of the next batch finds (``cut``: that trace hit its time limit).
+    Returns the result and the batches traced after the first file."""
     import argparse
 
     from tests.mutation import lane
     (tmp_path / "m.py").write_text("def f(x):\n    return x + 1\n")
     monkeypatch.setattr(lane, "trace", lambda *a, **k: ({2: {"a.py::t"}}, {}, ["a.py"], False))
-    monkeypatch.setattr(lane, "candidate_tests", lambda repo, module, limit: ["a.py", "far.py", "other.py"])
+    monkeypatch.setattr(lane, "candidate_tests", lambda repo, module, limit: list(candidates))
     traced = []
 
     def trace_files(repo, module, files, timeout, run):
         traced.append(list(files))
-        return {2: {"far.py::t"}}, {"far.py::t": 0.5}, False
+        found = next_map(files)
+        return found, {t: 0.5 for tests in found.values() for t in tests}, cut
     monkeypatch.setattr(lane, "_trace_files", trace_files)
-
-    def pytest_run(repo, tests, timeout, first_failure):
-        return ("failed", "FAILED far.py::t - boom", 0.1) if "far.py::t" in tests else ("passed", "", 0.1)
     args = argparse.Namespace(max_per_module=None, tests_per_mutant=12, module_budget=100.0, timeout=60.0,
                               max_test_files=1)
-    result = lane.run_module(tmp_path, "m.py", args, pytest_run, {})
+    return lane.run_module(tmp_path, "m.py", args, pytest_run, {}), traced
+
+
+def _far_kills(repo, tests, timeout, first_failure):
+    return ("failed", "FAILED far.py::t - boom", 0.1) if "far.py::t" in tests else ("passed", "", 0.1)
+
+
+def test_a_survivor_runs_the_tests_of_the_next_candidate_files(tmp_path, monkeypatch):
+    """Every mutant of line 2 survives the traced files' test; the next candidate file (beyond
+    ``--max-test-files``) has a test that runs line 2 and fails on every mutant: they end killed."""
+    result, traced = _run_past_the_first_file(tmp_path, monkeypatch, ["a.py", "far.py", "other.py"],
+                                              lambda files: {2: {"far.py::t"}}, _far_kills)
     assert traced == [["far.py"]] and result["test_files"] == ["a.py", "far.py"]
     assert result["mutants"] and all(r["status"] == "killed" and r["killed_by"] == "far.py::t" and r["tests"] == 2
                                      for r in result["mutants"])
@@ -310,25 +321,8 @@ def test_a_survivor_runs_the_tests_of_the_next_candidate_files(tmp_path, monkeyp
 def test_survivors_trace_batch_after_batch_until_one_kills_them(tmp_path, monkeypatch):
     """Only the third batch of candidate files (``--max-test-files`` 1) runs a test that fails on the
     mutants: the batches are traced in turn until it is reached, and none after the kill."""
-    import argparse
-
-    from tests.mutation import lane
-    (tmp_path / "m.py").write_text("def f(x):\n    return x + 1\n")
-    monkeypatch.setattr(lane, "trace", lambda *a, **k: ({2: {"a.py::t"}}, {}, ["a.py"], False))
-    monkeypatch.setattr(lane, "candidate_tests", lambda repo, module, limit: ["a.py", "b.py", "c.py", "far.py",
-                                                                               "late.py"])
-    traced = []
-
-    def trace_files(repo, module, files, timeout, run):
-        traced.append(list(files))
-        return {2: {f"{files[0]}::t"}}, {f"{files[0]}::t": 0.5}, False
-    monkeypatch.setattr(lane, "_trace_files", trace_files)
-
-    def pytest_run(repo, tests, timeout, first_failure):
-        return ("failed", "FAILED far.py::t - boom", 0.1) if "far.py::t" in tests else ("passed", "", 0.1)
-    args = argparse.Namespace(max_per_module=None, tests_per_mutant=12, module_budget=100.0, timeout=60.0,
-                              max_test_files=1)
-    result = lane.run_module(tmp_path, "m.py", args, pytest_run, {})
+    result, traced = _run_past_the_first_file(tmp_path, monkeypatch, ["a.py", "b.py", "c.py", "far.py", "late.py"],
+                                              lambda files: {2: {f"{files[0]}::t"}}, _far_kills)
     assert traced == [["b.py"], ["c.py"], ["far.py"]] and result["test_files"] == ["a.py", "b.py", "c.py", "far.py"]
     assert result["mutants"] and all(r["status"] == "killed" and r["killed_by"] == "far.py::t" and r["tests"] == 4
                                      for r in result["mutants"])
@@ -340,22 +334,13 @@ def test_a_survivor_whose_next_files_trace_was_cut_is_budget(tmp_path, monkeypat
     import argparse
 
     from tests.mutation import lane
-    (tmp_path / "m.py").write_text("def f(x):\n    return x + 1\n")
-    monkeypatch.setattr(lane, "trace", lambda *a, **k: ({2: {"a.py::t"}}, {}, ["a.py"], False))
-    monkeypatch.setattr(lane, "candidate_tests", lambda repo, module, limit: ["a.py", "b.py", "c.py"])
-    traced = []
-
-    def trace_files(repo, module, files, timeout, run):
-        traced.append(list(files))
-        return {2: {"b.py::t"}}, {"b.py::t": 0.5}, True
-    monkeypatch.setattr(lane, "_trace_files", trace_files)
-    args = argparse.Namespace(max_per_module=None, tests_per_mutant=12, module_budget=100.0, timeout=60.0,
-                              max_test_files=1)
-    result = lane.run_module(tmp_path, "m.py", args, lambda *a, **k: ("passed", "", 0.1), {})
+    result, traced = _run_past_the_first_file(tmp_path, monkeypatch, ["a.py", "b.py", "c.py"],
+                                              lambda files: {2: {"b.py::t"}}, lambda *a, **k: ("passed", "", 0.1),
+                                              cut=True)
     assert traced == [["b.py"]]
     assert result["mutants"] and all(r["status"] == "budget" for r in result["mutants"]) and result["counted"] == 0
     monkeypatch.setattr(lane, "REPORTS", tmp_path / "reports")
-    text = lane.write_report([result], args, "2026-01-01-000000").read_text()
+    text = lane.write_report([result], argparse.Namespace(), "2026-01-01-000000").read_text()
     assert "## Cut by the budget" in text and result["mutants"][0]["id"] in text.split("## Cut by the budget")[1]
 
 
