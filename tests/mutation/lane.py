@@ -234,11 +234,15 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
                 print(f"  {row['status']:9} {mutant.id:48} {row['killed_by'][:60]} (next files)", flush=True)
         if cut:
             break
+    for row in rows:                # a survivor with candidate files left untraced may yet be killed by one
+        if row["status"] in ("survived", "uncovered"):
+            row["untraced_files"] = max(len(ranked) - len(files), 0)
     counted = [r for r in rows if r["status"] in ("killed", "survived", "uncovered")]
     killed = sum(r["status"] == "killed" for r in counted)
     return {"module": module, "generated": len(every), "equivalent": len(listed), "sampled": len(chosen),
             "killed": killed, "counted": len(counted), "score": round(killed / len(counted), 3) if counted else None,
-            "test_files": files, "seconds": round(time.monotonic() - start), "mutants": rows}
+            "test_files": files, "candidate_files": len(ranked), "seconds": round(time.monotonic() - start),
+            "mutants": rows}
 
 
 def write_report(results: list[dict], args, started: str) -> Path:
@@ -247,22 +251,31 @@ def write_report(results: list[dict], args, started: str) -> Path:
     Path(f"{base}.json").write_text(json.dumps({"args": vars(args), "commit": _commit(), "modules": results},
                                                indent=1, default=str))
     lines = [f"# Generated mutants, {started}", "", f"command: python -m tests.mutation.run {' '.join(sys.argv[1:])}",
-             "", "| module | score | killed / counted | generated | equivalent | sampled | seconds |",
-             "|---|---|---|---|---|---|---|"]
+             "", "| module | score | killed / counted | generated | equivalent | sampled | files traced | seconds |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         score = "-" if r["score"] is None else f"{r['score']:.0%}"
         lines.append(f"| {r['module']} | {score} | {r['killed']} / {r['counted']} | {r['generated']} | "
-                     f"{r['equivalent']} | {r['sampled']} | {r['seconds']} |")
+                     f"{r['equivalent']} | {r['sampled']} | {len(r['test_files'])} / {r['candidate_files']} | "
+                     f"{r['seconds']} |")
     for title, statuses in (("Survivors (and uncovered lines)", ("survived", "uncovered")),
                             ("Cut by the budget (not counted: rerun with a larger --module-budget)", ("budget",))):
         lines += ["", f"## {title}", ""]
         for r in results:
             for m in r["mutants"]:
                 if m["status"] in statuses:
-                    lines.append(f"- `{m['id']} {m['fingerprint']}` {m['status']} ({m['tests']} tests): "
-                                 f"`{m['old']}` -> `{m['new']}`")
+                    lines.append(f"- `{m['id']} {m['fingerprint']}` {m['status']} ({m['tests']} tests"
+                                 f"{untraced(m)}): `{m['old']}` -> `{m['new']}`")
     Path(f"{base}.md").write_text("\n".join(lines) + "\n")
     return Path(f"{base}.md")
+
+
+def untraced(row: dict) -> str:
+    """``"; N candidate files untraced"`` for a survivor the budget left candidate test files for
+    (one of them may kill it: rerun with a larger ``--module-budget``), else ``""`` (every candidate
+    file traced: a gap in the tests, or an equivalent mutant)."""
+    n = row.get("untraced_files", 0)
+    return f"; {n} candidate file{'s' * (n != 1)} untraced" if n else ""
 
 
 def _commit(root: Path = ROOT) -> str:
@@ -299,10 +312,12 @@ def combine(reports: list[Path], root: Path = ROOT, equivalent=None) -> list[dic
         listed = {f for f in now if (module, f) in equivalent}
         kept = {f: v for f, v in latest.get(module, {}).items() if f in now and f not in listed}
         killed = sum(row["status"] == "killed" for row, _ in kept.values())
-        survivors = sorted(f"{now[f].id} {f}" for f, (row, _) in kept.items() if row["status"] != "killed")
+        open_rows = {f"{now[f].id} {f}": row for f, (row, _) in kept.items() if row["status"] != "killed"}
+        survivors = sorted(open_rows)
         out.append({"module": module, "generated": len(now), "equivalent": len(listed), "killed": killed,
                     "counted": len(kept), "score": round(killed / len(kept), 3) if kept else None,
-                    "runs": sorted({run for _, run in kept.values()}), "survivors": survivors})
+                    "runs": sorted({run for _, run in kept.values()}), "survivors": survivors,
+                    "untraced": {name: untraced(row) for name, row in open_rows.items() if untraced(row)}})
     return out
 
 
@@ -316,6 +331,8 @@ def write_combined(rows: list[dict], started: str) -> Path:
              f"{sum(r['score'] == 1 for r in scored)} at 100%; "
              f"{sum(r['killed'] for r in scored)} killed of {sum(r['counted'] for r in scored)} mutants run "
              f"({sum(r['generated'] for r in rows)} generated, {sum(r['equivalent'] for r in rows)} allow-listed).",
+             f"{sum(len(r['survivors']) for r in rows)} survivors, "
+             f"{sum(len(r['untraced']) for r in rows)} of them with candidate test files the budget left untraced.",
              "", "| module | score | killed / run | generated | allow-listed | from runs |",
              "|---|---|---|---|---|---|"]
     order = sorted(rows, key=lambda r: (r["score"] is None, r["score"] if r["score"] is not None else 0, r["module"]))
@@ -324,7 +341,7 @@ def write_combined(rows: list[dict], started: str) -> Path:
         lines.append(f"| {r['module']} | {score} | {r['killed']} / {r['counted']} | {r['generated']} | "
                      f"{r['equivalent']} | {', '.join(r['runs'])} |")
     lines += ["", "## Survivors (and uncovered lines)", ""]
-    lines += [f"- `{s}`" for r in order for s in r["survivors"]]
+    lines += [f"- `{s}`{r['untraced'].get(s, '')}" for r in order for s in r["survivors"]]
     path = REPORTS / f"product-{started}.md"
     path.write_text("\n".join(lines) + "\n")
     return path

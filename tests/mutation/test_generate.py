@@ -281,7 +281,7 @@ def test_combined_reports_keep_the_latest_result_of_each_mutant_still_generated(
     assert m["runs"] == ["2026-01-01-000000", "2026-01-02-000000"]
 
 
-def _run_past_the_first_file(tmp_path, monkeypatch, candidates, next_map, pytest_run, cut=False):
+def _run_past_the_first_file(tmp_path, monkeypatch, candidates, next_map, pytest_run, cut=False, budget=100.0):
     """``run_module`` with ``--max-test-files`` 1 on a one-line module whose line 2 only ``a.py::t``
     (passing) ran in the first traced file; ``candidates``: the ranked files; ``next_map(files)``: the
     ``{line: tests}`` a trace of the next batch finds (``cut``: that trace hit its time limit).
@@ -299,7 +299,7 @@ def _run_past_the_first_file(tmp_path, monkeypatch, candidates, next_map, pytest
         found = next_map(files)
         return found, {t: 0.5 for tests in found.values() for t in tests}, cut
     monkeypatch.setattr(lane, "_trace_files", trace_files)
-    args = argparse.Namespace(max_per_module=None, tests_per_mutant=12, module_budget=100.0, timeout=60.0,
+    args = argparse.Namespace(max_per_module=None, tests_per_mutant=12, module_budget=budget, timeout=60.0,
                               max_test_files=1)
     return lane.run_module(tmp_path, "m.py", args, pytest_run, {}), traced
 
@@ -437,3 +437,37 @@ def test_a_survivor_whose_other_covering_tests_the_budget_cut_is_budget(tmp_path
                               max_test_files=8)
     rows = lane.run_module(tmp_path, "m.py", args, pytest_run, {})["mutants"]
     assert rows and all(r["status"] == "budget" and r["tests"] == 13 for r in rows), rows
+
+
+@pytest.mark.parametrize("budget, traced, untraced", [
+    pytest.param(100.0, [["b.py"], ["c.py"]], 0, id="every-candidate-traced"),
+    pytest.param(10.0, [], 2, id="budget-ended-first"),       # 10 s: no time left for a next batch
+])
+def test_a_survivor_says_how_many_candidate_files_were_left_untraced(tmp_path, monkeypatch, budget, traced,
+                                                                      untraced):
+    """A survivor of every traced file is a gap in the tests only when no candidate file is left: the
+    report, and the combined table read from it, say how many the budget left untraced."""
+    import argparse
+    import json
+
+    from tests.mutation import lane
+    result, got = _run_past_the_first_file(tmp_path, monkeypatch, ["a.py", "b.py", "c.py"], lambda files: {},
+                                           lambda *a, **k: ("passed", "", 0.1), budget=budget)
+    assert got == traced and result["candidate_files"] == 3
+    rows = result["mutants"]
+    assert rows and all(r["status"] == "survived" and r["untraced_files"] == untraced for r in rows)
+    monkeypatch.setattr(lane, "REPORTS", tmp_path / "reports")
+    text = lane.write_report([result], argparse.Namespace(), "2026-01-01-000000").read_text()
+    assert f"| {1 + len(traced)} / 3 |" in text
+    assert ("2 candidate files untraced" in text) == bool(untraced) and "untraced" not in lane.untraced({})
+    (tmp_path / "mixers").mkdir()
+    (tmp_path / "mixers" / "m.py").write_text((tmp_path / "m.py").read_text())
+    result["module"] = "mixers/m.py"
+    report = tmp_path / "mutants-2026-01-01-000000.json"
+    report.write_text(json.dumps({"modules": [result]}, default=str))
+    row, = lane.combine([report], tmp_path, {})
+    assert row["survivors"] and len(row["untraced"]) == (len(row["survivors"]) if untraced else 0)
+    text = lane.write_combined([row], "2026-01-01-000000").read_text()
+    assert text.count("; 2 candidate files untraced") == (len(row["survivors"]) if untraced else 0)
+    n = len(row["survivors"])
+    assert f"{n} survivors, {n if untraced else 0} of them with candidate test files" in text
