@@ -187,11 +187,14 @@ def _attempt(repo: Path, mutant: Generated, row: dict, batches, args, pytest_run
                    killed_by="(time limit)" if status == "timeout" else (failing or [""])[0])
 
 
-def run_module(repo: Path, module: str, args, pytest_run, equivalent) -> dict:
+def run_module(repo: Path, module: str, args, pytest_run, equivalent, only: set[str] | None = None) -> dict:
+    """The lane's result for ``module``: its sample of mutants (``only``: the mutants with these
+    fingerprints instead, as ``--rerun-survivors`` passes) run against their covering tests."""
     start = time.monotonic()
     every = mutants_of(repo, module)
     listed = [m for m in every if (module, m.fingerprint) in equivalent]
-    chosen = sample([m for m in every if (module, m.fingerprint) not in equivalent], args.max_per_module, module)
+    kept = [m for m in every if (module, m.fingerprint) not in equivalent]
+    chosen = sample(kept, args.max_per_module, module) if only is None else [m for m in kept if m.fingerprint in only]
     signatures = signature_body_lines((repo / module).read_text())
     wanted = {signatures.get(m.line, m.line) for m in chosen}
     ranked = candidate_tests(repo, module, None)            # parses the product's imports: once per module
@@ -347,6 +350,15 @@ def write_combined(rows: list[dict], started: str) -> Path:
     return path
 
 
+def survivors_to_rerun(reports=None, root: Path | None = None) -> dict[str, set[str]]:
+    """``{module: {fingerprint, ...}}`` of every survivor and uncovered line the combined dated reports
+    (:func:`combine`) still list: after a test is written for them, one run of just these shows the
+    kills (``--rerun-survivors``), without sampling the modules again."""
+    reports = sorted(REPORTS.glob("mutants-*.json")) if reports is None else reports
+    return {r["module"]: {s.split()[1] for s in r["survivors"]}
+            for r in combine(reports, ROOT if root is None else root) if r["survivors"]}
+
+
 def choose_modules(args) -> list[str]:
     if args.module:
         missing = [m for m in args.module if not (ROOT / m).is_file()]
@@ -360,7 +372,15 @@ def choose_modules(args) -> list[str]:
 
 def main(args, *, scratch_copy, check_imports, preload, pytest_run) -> int:
     """Run the lane for ``args`` (parsed by ``run.py``); exits 0 (it reports, it does not gate)."""
-    modules = choose_modules(args)
+    only = survivors_to_rerun() if getattr(args, "rerun_survivors", False) else None
+    if only is not None:
+        modules = [m for m in (choose_modules(args) if args.module else sorted(only)) if m in only]
+        if not modules:
+            print("no survivor listed by the dated reports" + (" in those modules" if args.module else "")
+                  + ": no mutant to rerun")
+            return 0
+    else:
+        modules = choose_modules(args)
     if not modules:
         print(f"no product module (ssm_pack/, mixers/) changed since {args.changed_since}: no mutant to run")
         return 0
@@ -377,7 +397,8 @@ def main(args, *, scratch_copy, check_imports, preload, pytest_run) -> int:
                 print(f"total budget ({args.budget:g} s) spent: {module} and later modules not run")
                 break
             print(f"{module}", flush=True)
-            results.append(run_module(repo, module, args, pytest_run, equivalent))
+            results.append(run_module(repo, module, args, pytest_run, equivalent,
+                                      None if only is None else only[module]))
     finally:
         import shutil
         shutil.rmtree(repo.parent, ignore_errors=True)

@@ -471,3 +471,54 @@ def test_a_survivor_says_how_many_candidate_files_were_left_untraced(tmp_path, m
     assert text.count("; 2 candidate files untraced") == (len(row["survivors"]) if untraced else 0)
     n = len(row["survivors"])
     assert f"{n} survivors, {n if untraced else 0} of them with candidate test files" in text
+
+
+@pytest.mark.parametrize("modules, want", [
+    pytest.param(None, {"mixers/m.py"}, id="every-module-with-a-survivor"),
+    pytest.param(["mixers/m.py", "mixers/other.py"], {"mixers/m.py"}, id="of-the-named-modules"),
+    pytest.param(["mixers/other.py"], set(), id="named-module-without-survivors"),
+])
+def test_rerun_survivors_runs_just_the_listed_survivors(tmp_path, monkeypatch, capsys, modules, want):
+    """``--rerun-survivors``: the dated reports list one survivor of ``mixers/m.py`` (the other
+    mutant there was killed, ``mixers/other.py`` had only kills); the lane runs that mutant alone,
+    and the new report's kill makes the combined table drop it."""
+    import argparse
+    import json
+
+    from tests.mutation import lane
+    for name in ("m.py", "other.py"):
+        (tmp_path / "mixers").mkdir(exist_ok=True)
+        (tmp_path / "mixers" / name).write_text(SOURCE)
+    first, second = mutants_of(tmp_path, "mixers/m.py")[:2]
+    other = mutants_of(tmp_path, "mixers/other.py")[0]
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    (reports / "mutants-2026-01-01-000000.json").write_text(json.dumps({"modules": [
+        {"module": "mixers/m.py", "mutants": [{"fingerprint": first.fingerprint, "status": "survived"},
+                                              {"fingerprint": second.fingerprint, "status": "killed"}]},
+        {"module": "mixers/other.py", "mutants": [{"fingerprint": other.fingerprint, "status": "killed"}]}]}))
+    monkeypatch.setattr(lane, "ROOT", tmp_path)
+    monkeypatch.setattr(lane, "REPORTS", reports)
+    monkeypatch.setattr(lane, "candidate_tests", lambda repo, module, limit: ["t.py"])
+    monkeypatch.setattr(lane, "trace", lambda repo, module, *a, **k: (
+        {line: {"t.py::t"} for line in range(1, 40)}, {}, ["t.py"], False))
+    ran = []
+
+    def pytest_run(repo, tests, timeout, first_failure):
+        ran.append((repo / "mixers" / "m.py").read_text())
+        return "failed", "FAILED t.py::t - boom", 0.1
+    args = argparse.Namespace(rerun_survivors=True, module=modules, all=False, changed_since=None,
+                              max_per_module=40, tests_per_mutant=12, module_budget=100.0, budget=100.0,
+                              timeout=60.0, max_test_files=8)
+    import shutil
+
+    def scratch_copy():              # the lane removes the copy's parent when it ends
+        shutil.copytree(tmp_path / "mixers", tmp_path / "scratch" / "repo" / "mixers")
+        return tmp_path / "scratch" / "repo"
+    assert lane.main(args, scratch_copy=scratch_copy, check_imports=lambda repo: None, preload=lambda: None,
+                     pytest_run=pytest_run) == 0
+    if not want:
+        assert ran == [] and "no survivor listed" in capsys.readouterr().out
+        return
+    assert ran == [first.apply(SOURCE)]
+    assert lane.survivors_to_rerun() == {}
