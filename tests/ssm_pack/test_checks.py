@@ -21,6 +21,8 @@ def test_boundaries_from_0_that_never_decrease_pass(cu):
     pytest.param([2, 4, 8], r"^cu must start at 0, got 2$", id="not-at-0"),
     pytest.param([-1, 4], r"^cu must start at 0, got -1$", id="negative-start"),
     pytest.param([0, 4, 3], r"^cu must be non-decreasing, got 4 then 3 at positions 1 and 2$", id="decrease"),
+    pytest.param([0, -3], r"^cu must be non-decreasing, got 0 then -3 at positions 0 and 1$",
+                 id="one-document-of-negative-length"),
 ])
 def test_boundaries_not_from_0_or_decreasing_are_refused(cu, match):
     with pytest.raises(ValueError, match=match):
