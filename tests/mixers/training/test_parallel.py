@@ -115,3 +115,28 @@ def test_a_world_of_2_computes_in_the_training_dtype_and_starts_no_cp_group_at_c
         assert result["bfloat16"] == torch.bfloat16, f"rank {rank}: a bf16 run computed in {result['bfloat16']}"
         assert result["float32"] == torch.float32, f"rank {rank}: an fp32 run computed in {result['float32']}"
         assert result["cp_group"] is None, f"rank {rank}: cp=1 started a cp group {result['cp_group']}"
+
+
+def test_a_cuda_rank_binds_its_local_device_before_nccl_starts(monkeypatch):
+    """On GPUs each torchrun rank takes ``cuda:LOCAL_RANK`` and binds it before the NCCL group and
+    the meshes are made (unbound, every rank's NCCL communicator would sit on GPU 0). The CUDA calls
+    are recorded, not run: no GPU is needed."""
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+
+    from mixers.training.parallel import World
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", str(device))))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("group", backend)))
+    monkeypatch.setattr(device_mesh, "init_device_mesh",
+                        lambda kind, shape, mesh_dim_names: calls.append(("mesh", kind, shape)) or {})
+    world = World.from_environment(cp=1)
+    assert world.device == torch.device("cuda", 1) and (world.dp, world.dp_rank) == (4, 3)
+    world.start()
+    assert calls == [("set_device", "cuda:1"), ("group", "nccl"), ("mesh", "cuda", (4,))]
