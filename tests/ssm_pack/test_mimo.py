@@ -74,6 +74,14 @@ def test_pack_language_shard_without_lengths_is_a_no_op():
     assert out is batch and kwargs is None
 
 
+@pytest.mark.parametrize("lengths", [pytest.param(None, id="without-lengths"), pytest.param([3], id="with-lengths")])
+def test_pack_language_shard_refuses_a_batch_that_is_not_a_dict(lengths):
+    """A batch given as a tensor (not Megatron-Bridge's dict of tensors) is refused by name, also
+    when ``lengths`` is ``None`` (the call that otherwise returns the batch untouched)."""
+    with pytest.raises(TypeError, match=r"^data_batch must be a dict, got "):
+        sp.pack_language_shard(torch.ones(1, 3, dtype=torch.long), lengths=lengths)
+
+
 def test_pack_language_shard_refuses_mis_shaped_lengths():
     with pytest.raises(ValueError, match=r"lengths must be \[B\] = \[2\]"):
         sp.pack_language_shard({"input_ids": torch.ones(2, 3, dtype=torch.long)}, lengths=[1, 2, 3])
