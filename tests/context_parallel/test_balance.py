@@ -9,11 +9,9 @@ Arithmetic tests run in one process. The exactness test spawns one gloo group pe
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import os
 import random
-import traceback
 from fractions import Fraction
 
 import pytest
@@ -266,10 +264,8 @@ def _layout(name, world):
 
 def _rank_main(rank, world, port, out_dir):
     from tests.context_parallel.cases import run_subject
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
+    from tests.context_parallel.worker import gloo_rank
+    with gloo_rank(rank, world, port, os.path.join(out_dir, f"{rank}.err")):
         for name in EXACT:
             lay = _layout(name, world)           # every rank computes the same bounds from the same row
             start, end, local = shard_for_context_parallel(lay.params(), rank, world, total_tokens=lay.total,
@@ -279,12 +275,6 @@ def _rank_main(rank, world, port, out_dir):
             result["control"] = run_subject("model", lay, alone, start, end, SEED)["out"]
             result["span"] = (start, end)
             torch.save(result, os.path.join(out_dir, f"{name}.{rank}.pt"))
-    except Exception:
-        with open(os.path.join(out_dir, f"{rank}.err"), "w") as fh:
-            fh.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,7 @@ which must leave a different cache.
 
 from __future__ import annotations
 
-import datetime
 import os
-import traceback
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -205,10 +203,8 @@ def _generate(m, rank: int, world: int) -> dict:
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     from mixers.ops.common.cp_exchange import record_traffic
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
+    from tests.context_parallel.worker import gloo_rank
+    with gloo_rank(rank, world, port, os.path.join(out_dir, f"{rank}.err")):
         m = model()
         with torch.no_grad():
             for name, case in CASES.items():
@@ -234,12 +230,6 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
             if world == 2:
                 torch.save(_refusals(m, rank, world), os.path.join(out_dir, f"refusals.{rank}.pt"))
             torch.save(_mixers(rank, world), os.path.join(out_dir, f"mixers.{rank}.pt"))
-    except Exception:
-        with open(os.path.join(out_dir, f"{rank}.err"), "w") as fh:
-            fh.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ NaN inside the spanning document; saving ``{case}.{rank}.pt``. A failure writes
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -43,38 +44,58 @@ def _trace_case(case_id: str | None) -> None:
         tracer.enter(case_id)
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str, wanted: tuple) -> None:
+@contextlib.contextmanager
+def errors_to(path):
+    """Run the ``with`` body; an exception writes its traceback to ``path`` (the launcher fails the test
+    with it: a spawned rank's own traceback is otherwise lost) and propagates."""
+    try:
+        yield
+    except Exception:
+        with open(path, "w") as fh:
+            fh.write(traceback.format_exc())
+        raise
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int, error_file=None):
+    """This spawned process as ``rank`` of a ``world``-rank gloo group on localhost (one thread) for
+    the ``with`` body, then the group destroyed; with ``error_file``, a failure writes its traceback
+    there (:func:`errors_to`)."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:
-        for case_id, subject, kind, seed in cases(world):
-            if case_id not in wanted:
-                continue
-            _trace_case(case_id)
-            try:
-                lay = layout(kind, world, seed)
-                start, end, local = shard_for_context_parallel(lay.params(), rank, world, total_tokens=lay.total,
-                                                               bounds=lay.shard_bounds(world))
-                local.cp_group = dist.group.WORLD
-                t0 = time.perf_counter()
-                with record_traffic() as traffic:
-                    result = run_subject(subject, lay, local, start, end, seed)
-                result["seconds"] = time.perf_counter() - t0
-                result["traffic"] = (traffic.total("forward"), traffic.total("backward"))
-                alone = local.replace(cp_layout=None, cp_group=None)    # the same shard, no exchange
-                result["control"] = run_subject(subject, lay, alone, start, end, seed)["out"]
-                result["span"] = (start, end)
-                if subject in OPS and kind == "spanning" and world == 4:    # a NaN inside the spanning document
-                    result["poisoned"] = run_subject(subject, lay, local, start, end, seed, nan_at=NAN_AT)
-                torch.save(result, os.path.join(out_dir, f"{case_id}.{rank}.pt"))
-            except Exception:
-                with open(os.path.join(out_dir, f"{case_id}.{rank}.err"), "w") as fh:
-                    fh.write(traceback.format_exc())
-                raise
+        with errors_to(error_file) if error_file is not None else contextlib.nullcontext():
+            yield
     finally:
-        _trace_case(None)
         dist.destroy_process_group()
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str, wanted: tuple) -> None:
+    with gloo_rank(rank, world, port):
+        try:
+            for case_id, subject, kind, seed in cases(world):
+                if case_id not in wanted:
+                    continue
+                _trace_case(case_id)
+                with errors_to(os.path.join(out_dir, f"{case_id}.{rank}.err")):
+                    lay = layout(kind, world, seed)
+                    start, end, local = shard_for_context_parallel(lay.params(), rank, world, total_tokens=lay.total,
+                                                                   bounds=lay.shard_bounds(world))
+                    local.cp_group = dist.group.WORLD
+                    t0 = time.perf_counter()
+                    with record_traffic() as traffic:
+                        result = run_subject(subject, lay, local, start, end, seed)
+                    result["seconds"] = time.perf_counter() - t0
+                    result["traffic"] = (traffic.total("forward"), traffic.total("backward"))
+                    alone = local.replace(cp_layout=None, cp_group=None)    # the same shard, no exchange
+                    result["control"] = run_subject(subject, lay, alone, start, end, seed)["out"]
+                    result["span"] = (start, end)
+                    if subject in OPS and kind == "spanning" and world == 4:    # a NaN inside the spanning document
+                        result["poisoned"] = run_subject(subject, lay, local, start, end, seed, nan_at=NAN_AT)
+                    torch.save(result, os.path.join(out_dir, f"{case_id}.{rank}.pt"))
+        finally:
+            _trace_case(None)
 
 
 def runs_per_world(tmp_path_factory, rank_main, prefix: str):

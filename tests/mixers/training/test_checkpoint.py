@@ -9,14 +9,11 @@ plain model and a world-1 checkpoint loads at world 2, every full tensor bitwise
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from mixers import HybridLM
 from mixers.training import checkpoint as ckpt
@@ -244,10 +241,9 @@ def test_bad_arguments_are_refused(tmp_path, kwargs, message):
 def _rank_main(rank: int, port: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
-    try:
+
+    from tests.context_parallel.worker import gloo_rank
+    with gloo_rank(rank, 2, port, os.path.join(root, f"rank{rank}.err")):
         mesh = init_device_mesh("cpu", (2,))
         model = _model()
         fully_shard(model, mesh=mesh)
@@ -270,12 +266,6 @@ def _rank_main(rank: int, port: int, root: str) -> None:
         _, result["same_world_per_rank"] = saver.load(saver.latest(), again, again_opt)
         result["same_world"] = _full(again, again_opt)
         torch.save(result, os.path.join(root, f"rank{rank}.pt"))
-    except Exception:
-        with open(os.path.join(root, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -323,10 +313,9 @@ def test_world1_checkpoint_loads_at_world2_under_fsdp(world2):
 def _late_rank_main(rank: int, port: int, root: str) -> None:
     """Rank 1 writes its per-rank file a second late; every rank then reads the checkpoint it saved."""
     import time
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
-    try:
+
+    from tests.context_parallel.worker import gloo_rank
+    with gloo_rank(rank, 2, port, os.path.join(root, f"rank{rank}.err")):
         if rank == 1:
             save = torch.save
 
@@ -344,12 +333,6 @@ def _late_rank_main(rank: int, port: int, root: str) -> None:
         result = {"returned": str(returned), "latest": str(latest),
                   "files": json.loads((latest / "COMPLETE").read_text())["files"] if latest else []}
         torch.save(result, os.path.join(root, f"rank{rank}.pt"))
-    except Exception:
-        with open(os.path.join(root, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_world2_save_returns_once_every_rank_has_written(tmp_path):

@@ -81,28 +81,25 @@ def test_each_torchrun_attempt_keeps_its_keys_apart(monkeypatch):
 def _world2_main(rank: int, port: int, root: str) -> None:
     """One rank of a cp=1 world of 2: its process groups, and a bf16 / fp32 model under FSDP2."""
     import os
-    import traceback
 
     from mixers.training.parallel import World, shard_model
+    from tests.context_parallel.worker import errors_to
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     world = World(rank=rank, world=2, local_rank=rank, cp=1, device=torch.device("cpu"))
     try:
-        world.start(timeout_s=120)
-        result = {"cp_group": None if world.cp_group is None else repr(world.cp_group)}
-        ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(rank))
-        params = PackedSeqParams.from_lengths([17, 9, 14], total_tokens=40)
-        for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
-            torch.manual_seed(0)
-            model = HybridLM(64, 32, "MGA")
-            shard_model(model, world, dtype)
-            result[name] = model(ids, params)["logits"].dtype
-        torch.save(result, os.path.join(root, f"rank{rank}.pt"))
-    except Exception:
-        with open(os.path.join(root, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+        with errors_to(os.path.join(root, f"rank{rank}.err")):
+            world.start(timeout_s=120)
+            result = {"cp_group": None if world.cp_group is None else repr(world.cp_group)}
+            ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(rank))
+            params = PackedSeqParams.from_lengths([17, 9, 14], total_tokens=40)
+            for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+                torch.manual_seed(0)
+                model = HybridLM(64, 32, "MGA")
+                shard_model(model, world, dtype)
+                result[name] = model(ids, params)["logits"].dtype
+            torch.save(result, os.path.join(root, f"rank{rank}.pt"))
     finally:
         world.stop()
 
