@@ -94,6 +94,17 @@ def test_spec_matches_oracle(lengths, tail, chunk):
     check_close(states, want_states, torch.float64, what="states")
 
 
+def test_spec_leaves_step_sizes_unclamped_under_the_default_limit():
+    """``dt_limit=(0, inf)`` (the default) is no clamp: raw step sizes, negative ones included
+    (``dt_softplus=False``), reach the recurrence as given, as in the oracle and upstream's kernels."""
+    cu, (x, dt, A, B, C, D, z, _, init) = _inputs([4, 6], 1, seed=4)
+    assert bool((dt < 0).any())
+    want_y, _ = ssm_oracle(x, dt, A, B, C, cu, D=D, z=z, initial_states=init)
+    for run in (mamba_chunk_scan_naive, lambda *a, **k: mamba_chunk_scan_combined(*a, **k, backend="reference")):
+        y = run(x, dt, A, B, C, 4, D=D, z=z, initial_states=init, cu_seqlens=cu)
+        check_close(y, want_y, torch.float64, what="out")
+
+
 def test_spec_resets_at_boundaries():
     """Negative control: joining two documents into one changes the second one's output."""
     cu, (x, dt, A, B, C, *_rest) = _inputs([3, 4], 0)
