@@ -189,7 +189,7 @@ def _attempt(repo: Path, mutant: Generated, row: dict, batches, args, pytest_run
 
 def run_module(repo: Path, module: str, args, pytest_run, equivalent, only: set[str] | None = None) -> dict:
     """The lane's result for ``module``: its sample of mutants (``only``: the mutants with these
-    fingerprints instead, as ``--rerun-survivors`` passes) run against their covering tests."""
+    fingerprints instead, as ``--rerun-open`` passes) run against their covering tests."""
     start = time.monotonic()
     every = mutants_of(repo, module)
     listed = [m for m in every if (module, m.fingerprint) in equivalent]
@@ -302,6 +302,7 @@ def combine(reports: list[Path], root: Path = ROOT, equivalent=None) -> list[dic
     names; a survivor a newer test kills stays one until its module runs again."""
     equivalent = read_equivalent() if equivalent is None else equivalent
     latest: dict[str, dict[str, tuple[dict, str]]] = {}
+    cut: dict[str, set[str]] = {}                     # mutants some run's budget cut
     for path in sorted(reports, key=lambda p: Path(p).name):
         data = json.loads(Path(path).read_text())
         for module in data.get("modules", []):
@@ -309,6 +310,8 @@ def combine(reports: list[Path], root: Path = ROOT, equivalent=None) -> list[dic
             for row in module["mutants"]:
                 if row["status"] in FINAL:
                     rows[row["fingerprint"]] = (row, Path(path).stem.removeprefix("mutants-"))
+                elif row["status"] == "budget":
+                    cut.setdefault(module["module"], set()).add(row["fingerprint"])
     out = []
     for module in product_modules(root):
         now = {m.fingerprint: m for m in mutants_of(root, module)}
@@ -317,10 +320,13 @@ def combine(reports: list[Path], root: Path = ROOT, equivalent=None) -> list[dic
         killed = sum(row["status"] == "killed" for row, _ in kept.values())
         open_rows = {f"{now[f].id} {f}": row for f, (row, _) in kept.items() if row["status"] != "killed"}
         survivors = sorted(open_rows)
+        never = sorted(f"{now[f].id} {f}" for f in cut.get(module, ()) if f in now and f not in listed
+                       and f not in kept)
         out.append({"module": module, "generated": len(now), "equivalent": len(listed), "killed": killed,
                     "counted": len(kept), "score": round(killed / len(kept), 3) if kept else None,
                     "runs": sorted({run for _, run in kept.values()}), "survivors": survivors,
-                    "untraced": {name: untraced(row) for name, row in open_rows.items() if untraced(row)}})
+                    "untraced": {name: untraced(row) for name, row in open_rows.items() if untraced(row)},
+                    "cut": never})
     return out
 
 
@@ -335,7 +341,8 @@ def write_combined(rows: list[dict], started: str) -> Path:
              f"{sum(r['killed'] for r in scored)} killed of {sum(r['counted'] for r in scored)} mutants run "
              f"({sum(r['generated'] for r in rows)} generated, {sum(r['equivalent'] for r in rows)} allow-listed).",
              f"{sum(len(r['survivors']) for r in rows)} survivors, "
-             f"{sum(len(r['untraced']) for r in rows)} of them with candidate test files the budget left untraced.",
+             f"{sum(len(r['untraced']) for r in rows)} of them with candidate test files the budget left untraced; "
+             f"{sum(len(r['cut']) for r in rows)} mutants the budget cut and no run measured.",
              "", "| module | score | killed / run | generated | allow-listed | from runs |",
              "|---|---|---|---|---|---|"]
     order = sorted(rows, key=lambda r: (r["score"] is None, r["score"] if r["score"] is not None else 0, r["module"]))
@@ -345,18 +352,21 @@ def write_combined(rows: list[dict], started: str) -> Path:
                      f"{r['equivalent']} | {', '.join(r['runs'])} |")
     lines += ["", "## Survivors (and uncovered lines)", ""]
     lines += [f"- `{s}`{r['untraced'].get(s, '')}" for r in order for s in r["survivors"]]
+    lines += ["", "## Cut by the budget, never measured (`--rerun-open` runs them)", ""]
+    lines += [f"- `{s}`" for r in order for s in r["cut"]]
     path = REPORTS / f"product-{started}.md"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def survivors_to_rerun(reports=None, root: Path | None = None) -> dict[str, set[str]]:
-    """``{module: {fingerprint, ...}}`` of every survivor and uncovered line the combined dated reports
-    (:func:`combine`) still list: after a test is written for them, one run of just these shows the
-    kills (``--rerun-survivors``), without sampling the modules again."""
+def open_mutants(reports=None, root: Path | None = None) -> dict[str, set[str]]:
+    """``{module: {fingerprint, ...}}`` of the mutants the combined dated reports (:func:`combine`) leave
+    open: survivors, uncovered lines, and mutants the budget cut that no run measured. After tests
+    are written for them, one run of just these shows the kills (``--rerun-open``, with a larger
+    ``--module-budget`` for the cut ones), without sampling the modules again."""
     reports = sorted(REPORTS.glob("mutants-*.json")) if reports is None else reports
-    return {r["module"]: {s.split()[1] for s in r["survivors"]}
-            for r in combine(reports, ROOT if root is None else root) if r["survivors"]}
+    return {r["module"]: {s.split()[1] for s in r["survivors"] + r["cut"]}
+            for r in combine(reports, ROOT if root is None else root) if r["survivors"] or r["cut"]}
 
 
 def choose_modules(args) -> list[str]:
@@ -372,12 +382,12 @@ def choose_modules(args) -> list[str]:
 
 def main(args, *, scratch_copy, check_imports, preload, pytest_run) -> int:
     """Run the lane for ``args`` (parsed by ``run.py``); exits 0 (it reports, it does not gate)."""
-    only = survivors_to_rerun() if getattr(args, "rerun_survivors", False) else None
+    only = open_mutants() if getattr(args, "rerun_open", False) else None
     if only is not None:
         modules = [m for m in (choose_modules(args) if args.module else sorted(only)) if m in only]
         if not modules:
-            print("no survivor listed by the dated reports" + (" in those modules" if args.module else "")
-                  + ": no mutant to rerun")
+            print("no open mutant (survivor, uncovered line or budget cut) in the dated reports"
+                  + (" of those modules" if args.module else "") + ": no mutant to rerun")
             return 0
     else:
         modules = choose_modules(args)

@@ -228,8 +228,9 @@ def main(argv=None) -> int:
     which.add_argument("--module", action="append", metavar="PATH", help="this module (repeatable; any .py file)")
     which.add_argument("--combine", action="store_true",
                        help="no run: one product-wide table from the dated lane reports, re-checked against the tree")
-    lane.add_argument("--rerun-survivors", action="store_true",
-                      help="run just the survivors the dated reports list (of the --module files, else all)")
+    lane.add_argument("--rerun-open", action="store_true",
+                      help="run just the survivors, uncovered lines and budget-cut mutants the dated reports "
+                           "leave open (of the --module files, else all)")
     lane.add_argument("--max-per-module", type=int, default=40, help="mutants sampled per module")
     lane.add_argument("--module-budget", type=float, default=300.0, help="seconds per module (tracing included)")
     lane.add_argument("--budget", type=float, default=3600.0, help="seconds for the whole lane")
@@ -245,9 +246,9 @@ def main(argv=None) -> int:
         path = lane_mod.write_combined(lane_mod.combine(reports), time.strftime("%Y-%m-%d-%H%M%S"))
         print(f"{len(reports)} lane reports combined: {path}")
         return 0
-    if args.rerun_survivors and (args.changed_since or args.all or args.combine):
-        parser.error("--rerun-survivors runs the listed survivors: combine it with --module or nothing else")
-    if args.changed_since or args.all or args.module or args.rerun_survivors:
+    if args.rerun_open and (args.changed_since or args.all or args.combine):
+        parser.error("--rerun-open runs the mutants the reports leave open: combine it with --module or nothing else")
+    if args.changed_since or args.all or args.module or args.rerun_open:
         from tests.mutation import lane as lane_mod
         try:
             return lane_mod.main(args, scratch_copy=scratch_copy, check_imports=check_imports, preload=preload,

@@ -277,7 +277,7 @@ def test_combined_reports_keep_the_latest_result_of_each_mutant_still_generated(
     assert rows["ssm_pack/other.py"]["score"] is None and rows["ssm_pack/other.py"]["counted"] == 0
     m = rows["ssm_pack/m.py"]
     assert (m["killed"], m["counted"], m["score"], m["equivalent"]) == (2, 3, 0.667, 1)
-    assert m["survivors"] == [f"{c.id} {c.fingerprint}"]
+    assert m["survivors"] == [f"{c.id} {c.fingerprint}"] and m["cut"] == []     # b's later cut erases nothing
     assert m["runs"] == ["2026-01-01-000000", "2026-01-02-000000"]
 
 
@@ -474,31 +474,42 @@ def test_a_survivor_says_how_many_candidate_files_were_left_untraced(tmp_path, m
 
 
 @pytest.mark.parametrize("modules, want", [
-    pytest.param(None, {"mixers/m.py"}, id="every-module-with-a-survivor"),
+    pytest.param(None, {"mixers/m.py"}, id="every-module-with-an-open-mutant"),
     pytest.param(["mixers/m.py", "mixers/other.py"], {"mixers/m.py"}, id="of-the-named-modules"),
-    pytest.param(["mixers/other.py"], set(), id="named-module-without-survivors"),
+    pytest.param(["mixers/other.py"], set(), id="named-module-without-open-mutants"),
 ])
-def test_rerun_survivors_runs_just_the_listed_survivors(tmp_path, monkeypatch, capsys, modules, want):
-    """``--rerun-survivors``: the dated reports list one survivor of ``mixers/m.py`` (the other
-    mutant there was killed, ``mixers/other.py`` had only kills); the lane runs that mutant alone,
-    and the new report's kill makes the combined table drop it."""
+def test_rerun_open_runs_just_the_survivors_and_the_never_measured(tmp_path, monkeypatch, capsys, modules, want):
+    """``--rerun-open``: the dated reports leave two mutants of ``mixers/m.py`` open, a survivor and one
+    the budget cut in every run (a third was killed); ``mixers/other.py``'s one mutant was killed
+    and later cut, which leaves it measured. The lane runs the two open ones alone, and the new
+    report's kills close them."""
     import argparse
     import json
+    import shutil
 
     from tests.mutation import lane
+    (tmp_path / "mixers").mkdir()
     for name in ("m.py", "other.py"):
-        (tmp_path / "mixers").mkdir(exist_ok=True)
         (tmp_path / "mixers" / name).write_text(SOURCE)
-    first, second = mutants_of(tmp_path, "mixers/m.py")[:2]
+    first, second, third = mutants_of(tmp_path, "mixers/m.py")[:3]
     other = mutants_of(tmp_path, "mixers/other.py")[0]
     reports = tmp_path / "reports"
     reports.mkdir()
-    (reports / "mutants-2026-01-01-000000.json").write_text(json.dumps({"modules": [
-        {"module": "mixers/m.py", "mutants": [{"fingerprint": first.fingerprint, "status": "survived"},
-                                              {"fingerprint": second.fingerprint, "status": "killed"}]},
-        {"module": "mixers/other.py", "mutants": [{"fingerprint": other.fingerprint, "status": "killed"}]}]}))
+    runs = {"2026-01-01-000000": {"mixers/m.py": [(first, "survived"), (second, "killed"), (third, "budget")],
+                                  "mixers/other.py": [(other, "killed")]},
+            "2026-01-02-000000": {"mixers/m.py": [(third, "budget")], "mixers/other.py": [(other, "budget")]}}
+    for name, rows in runs.items():
+        (reports / f"mutants-{name}.json").write_text(json.dumps({"modules": [
+            {"module": module, "mutants": [{"fingerprint": m.fingerprint, "status": status} for m, status in got]}
+            for module, got in rows.items()]}))
     monkeypatch.setattr(lane, "ROOT", tmp_path)
     monkeypatch.setattr(lane, "REPORTS", reports)
+    assert lane.open_mutants() == {"mixers/m.py": {first.fingerprint, third.fingerprint}}
+    text = lane.write_combined(lane.combine(sorted(reports.glob("mutants-*.json")), tmp_path),
+                               "2026-01-03-000000").read_text()
+    assert "1 mutants the budget cut and no run measured" in text
+    assert text.split("## Cut by the budget, never measured")[1].strip().splitlines()[1:] == ["",
+        f"- `{third.id} {third.fingerprint}`"]
     monkeypatch.setattr(lane, "candidate_tests", lambda repo, module, limit: ["t.py"])
     monkeypatch.setattr(lane, "trace", lambda repo, module, *a, **k: (
         {line: {"t.py::t"} for line in range(1, 40)}, {}, ["t.py"], False))
@@ -507,18 +518,17 @@ def test_rerun_survivors_runs_just_the_listed_survivors(tmp_path, monkeypatch, c
     def pytest_run(repo, tests, timeout, first_failure):
         ran.append((repo / "mixers" / "m.py").read_text())
         return "failed", "FAILED t.py::t - boom", 0.1
-    args = argparse.Namespace(rerun_survivors=True, module=modules, all=False, changed_since=None,
-                              max_per_module=40, tests_per_mutant=12, module_budget=100.0, budget=100.0,
-                              timeout=60.0, max_test_files=8)
-    import shutil
 
     def scratch_copy():              # the lane removes the copy's parent when it ends
         shutil.copytree(tmp_path / "mixers", tmp_path / "scratch" / "repo" / "mixers")
         return tmp_path / "scratch" / "repo"
+    args = argparse.Namespace(rerun_open=True, module=modules, all=False, changed_since=None,
+                              max_per_module=40, tests_per_mutant=12, module_budget=100.0, budget=100.0,
+                              timeout=60.0, max_test_files=8)
     assert lane.main(args, scratch_copy=scratch_copy, check_imports=lambda repo: None, preload=lambda: None,
                      pytest_run=pytest_run) == 0
     if not want:
-        assert ran == [] and "no survivor listed" in capsys.readouterr().out
+        assert ran == [] and "no open mutant" in capsys.readouterr().out
         return
-    assert ran == [first.apply(SOURCE)]
-    assert lane.survivors_to_rerun() == {}
+    assert ran == [first.apply(SOURCE), third.apply(SOURCE)]
+    assert lane.open_mutants() == {}
