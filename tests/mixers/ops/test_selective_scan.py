@@ -129,6 +129,35 @@ def test_backend_equals_the_spec(lengths, chunk, tail):
         assert float((a - b).abs().max()) <= 1e-12, name
 
 
+@pytest.mark.parametrize("run", [pytest.param(selective_scan_fn, id="backend"),
+                                 pytest.param(selective_scan_naive, id="spec")])
+def test_without_softplus_delta_is_the_step_as_given(run):
+    """``delta_softplus=False``: ``delta + delta_bias`` is the step size itself (the caller applied
+    any softplus), as in the token-by-token oracle."""
+    inp = _inputs(9, 1, seed=3)
+    delta = inp["delta"].abs()                       # positive steps, as a caller's own softplus leaves them
+    out, last = run(inp["u"], delta, inp["A"], inp["B"], inp["C"], inp["D"], inp["z"], inp["delta_bias"].abs(),
+                    False, True)
+    want, want_last = step_oracle(inp["u"][0], delta[0] + inp["delta_bias"].abs()[:, None], inp["A"], inp["B"][0],
+                                  inp["C"][0], inp["D"], inp["z"][0], torch.zeros(E, NS, dtype=F64))
+    assert _err(out[0], want) <= 1e-12 and _err(last[0], want_last) <= 1e-12
+
+
+@pytest.mark.parametrize("run", [pytest.param(selective_scan_fn, id="backend"),
+                                 pytest.param(selective_scan_naive, id="spec")])
+def test_tokens_but_no_document_give_no_document_state(run):
+    """``cu_seqlens = [0]``: every token is the tail after the last (absent) document, run from zeros;
+    the document states are ``[0, E, Ns]``."""
+    inp = _inputs(6, 0, seed=4)
+    cu = torch.tensor([0], dtype=torch.int32)
+    out, states = run(inp["u"], inp["delta"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"], inp["delta_bias"],
+                      True, cu_seqlens=cu, return_varlen_states=True)
+    dt = F.softplus(inp["delta"][0] + inp["delta_bias"][:, None])
+    want, _ = step_oracle(inp["u"][0], dt, inp["A"], inp["B"][0], inp["C"][0], inp["D"], inp["z"][0],
+                          torch.zeros(E, NS, dtype=F64))
+    assert states.shape == (0, E, NS) and _err(out[0], want) <= 1e-12
+
+
 def test_rows_without_cu_seqlens_are_each_one_document():
     inp = _inputs(11, 1)
     u, d, B, C, z = (torch.cat([inp[k], inp[k].flip(-1)]) for k in ("u", "delta", "B", "C", "z"))
