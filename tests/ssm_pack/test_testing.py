@@ -10,6 +10,7 @@ fails if the helper's corresponding check is removed or weakened.
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -347,14 +348,37 @@ class PackedOffset(DocCumsum):
 @pytest.mark.parametrize("dtype,offset", [
     pytest.param(torch.float64, 1e-8, id="fp64-1e-8"),
     pytest.param(torch.float32, 1e-3, id="fp32-1e-3"),
+    # relative RMS errors of 6e-3 to 9e-3: over bf16's output limit (5e-3), under its gradient limit (1e-2)
+    pytest.param(torch.bfloat16, 2e-3, id="bf16-2e-3-between-the-output-and-gradient-limits"),
 ])
 def test_packed_equals_unpacked_holds_its_tolerance(dtype, offset):
-    """An error 100x the fp64 limit of 1e-10 (fp32: 1e-5 relative) fails; a loosened table would pass it."""
+    """An error 100x the fp64 limit of 1e-10 (fp32: 1e-5 relative) fails, and so does a bf16 output error
+    that only the looser gradient limit would allow; a loosened table would pass them."""
     x, params = row(dtype)
     module = PackedOffset(offset).to(dtype)
     with pytest.raises(AssertionError, match="document 0 output"):
         assert_packed_equals_unpacked(module, x, params)
     assert_packed_equals_unpacked(PackedOffset(0.0).to(dtype), x, params)
+
+
+class WithEmptyParameter(DocCumsum):
+    """:class:`DocCumsum` holding a zero-size parameter (a bias of no channel), which gets an empty gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(0))
+
+    def forward(self, hidden_states, packed_seq_params=None):
+        return super().forward(hidden_states, packed_seq_params) + self.empty.sum()
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float64, id="fp64")])
+def test_an_empty_gradient_has_no_error(dtype):
+    """A zero-size parameter's gradient compares as equal (no NaN from an empty mean): the check
+    passes, and the worst parameter-gradient error it returns is finite."""
+    x, params = row(dtype)
+    errors = assert_packed_equals_unpacked(WithEmptyParameter().to(dtype), x, params)
+    assert math.isfinite(errors["param grad"])
 
 
 @pytest.mark.parametrize("defect,what", [
