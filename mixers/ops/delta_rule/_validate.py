@@ -61,6 +61,7 @@ def check_delta_inputs(kind, q, k, v, g, beta, initial_state, cu_seqlens, chunk_
     of ``cu_seqlens`` (``None`` without)."""
     check_tensor("q", q, ndim=4)
     for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        check_tensor(name, t)
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     b, t, h, kd = q.shape

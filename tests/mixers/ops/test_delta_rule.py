@@ -336,10 +336,13 @@ def test_kda_positive_gates_are_refused():
     pytest.param(dict(backend="kernel"), ValueError, "needs CUDA tensors", id="kernel-on-cpu"),
     pytest.param(dict(q=torch.randn(1, 6, H * K)), ValueError, r"^q must be 4-D, got shape \(1, 6, 8\)",
                  id="q-3d"),
+    *[pytest.param({name: [0.5] * 6}, TypeError, rf"^{name} must be a torch.Tensor, got list \[0.5, ",
+                   id=f"{name}-list") for name in ("k", "v", "g", "beta")],
 ])
 def test_bad_input(kwargs, exc, match):
-    q, k, v = kwargs.pop("q", torch.randn(1, 6, H, K)), torch.randn(1, 6, H, K), torch.randn(1, 6, HV, V)
-    g, beta = torch.randn(1, 6, HV).clamp(max=0), torch.rand(1, 6, HV)
+    q, k, v = (kwargs.pop(name, torch.randn(1, 6, heads, dim))
+               for name, heads, dim in (("q", H, K), ("k", H, K), ("v", HV, V)))
+    g, beta = kwargs.pop("g", torch.randn(1, 6, HV).clamp(max=0)), kwargs.pop("beta", torch.rand(1, 6, HV))
     kwargs.setdefault("cu_seqlens", torch.tensor([0, 2, 6]))
     with pytest.raises(exc, match=match):
         chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
