@@ -161,3 +161,21 @@ def test_compiles_over_documents_longer_than_a_key_block(lengths):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert (got - eager).abs().max() < 1e-12, "the compiled call differs from eager"
+
+
+@pytest.mark.parametrize("left", [pytest.param(-1, id="causal"), pytest.param(5, id="window-5")])
+def test_a_continuing_document_is_attended_block_by_block_as_a_whole(monkeypatch, left):
+    """The context-parallel reference path for a document that began on earlier ranks: its ``T1``
+    queries sit at key positions ``offset ..`` and run in blocks of ``BLOCK`` queries. With blocks of
+    4 and 11 queries (three blocks, the last short), it equals the spec on the whole document."""
+    from mixers.ops.attention import cp
+    from mixers.ops.attention.naive import varlen_attention_naive
+    monkeypatch.setattr(cp, "BLOCK", 4)
+    g = torch.Generator().manual_seed(0)
+    offset, t1, hq, hk, d = 6, 11, 4, 2, 8
+    q = torch.randn(offset + t1, hq, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(offset + t1, hk, d, generator=g, dtype=torch.float64) for _ in range(2))
+    got = cp._continuing(q[offset:], k, v, offset, left, d ** -0.5)
+    want = varlen_attention_naive(q, k, v, torch.tensor([0, offset + t1], dtype=torch.int32), causal=True,
+                                  window_size=None if left < 0 else (left, 0), softmax_scale=d ** -0.5)[offset:]
+    check_close(got, want, torch.float64, what="continuing document")
