@@ -117,3 +117,21 @@ def test_final_states_without_initial_states(fla_calls, lengths, tail):
             assert not final[i].any(), f"empty document {i} must keep a zero state"
         else:
             assert torch.allclose(final[i], ref_final[i], rtol=1e-4, atol=1e-4), f"document {i}"
+
+
+@pytest.mark.parametrize("kind,dtype", KINDS)
+@pytest.mark.parametrize("final", [pytest.param(False, id="output-only"), pytest.param(True, id="final-state")])
+def test_rows_without_cu_seqlens(fla_calls, kind, dtype, final):
+    """Each row one sequence (no ``cu_seqlens``), with a bf16 initial state: fla gets it in fp32 (its
+    KDA kernel refuses anything else), and returns no final state unless asked; outputs and final
+    states equal the reference's."""
+    args, h0 = inputs(kind, [7], 0, dtype)
+    h0 = h0.to(torch.bfloat16)
+    out, got = run(kind, args, "kernel", initial_state=h0, output_final_state=final)
+    ref, want = run(kind, args, "reference", initial_state=h0, output_final_state=final)
+    (given_cu, given_init), = fla_calls
+    assert given_cu is None and given_init.dtype == torch.float32
+    assert torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    assert (got is None) == (want is None) == (not final)
+    if final:
+        assert got.dtype == want.dtype and torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
