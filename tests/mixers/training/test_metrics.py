@@ -52,3 +52,22 @@ def test_a_resumed_run_replaces_the_tensorboard_steps_after_its_checkpoint(tmp_p
     events.Reload()
     got = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert got == [(1, 5.0), (2, 4.0), (3, 3.5), (4, 2.5), (5, 1.5)], f"the loss read back: {got}"
+
+
+def test_a_resumed_run_keeps_the_records_up_to_its_checkpoint_step(tmp_path):
+    """``metrics.jsonl`` of a run resumed from its step-2 checkpoint: steps 1 and 2 of the first run
+    (step 2 included: the checkpoint holds its update), then the resumed steps, once each."""
+    import json
+    _run(tmp_path, {1: 5.0, 2: 4.0, 3: 3.0, 4: 2.0}, tensorboard=False, plot=False).close()
+    _run(tmp_path, {3: 3.5, 4: 2.5}, resume_step=2, tensorboard=False, plot=False).close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [(r["step"], r["loss"]) for r in map(json.loads, lines)] == [(1, 5.0), (2, 4.0), (3, 3.5), (4, 2.5)]
+
+
+def test_a_rank_that_does_not_write_writes_nothing(tmp_path):
+    """Every rank logs each step; only the active one (rank 0) writes: another rank creates no file
+    and keeps no record, even when it logs and closes."""
+    out = tmp_path / "run"
+    metrics = _run(out, {1: 5.0, 2: 4.0}, active=False)
+    assert metrics.records == [] and metrics.close() is None
+    assert not out.exists()
