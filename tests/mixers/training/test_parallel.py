@@ -137,3 +137,28 @@ def test_a_cuda_rank_binds_its_local_device_before_nccl_starts(monkeypatch):
     assert world.device == torch.device("cuda", 1) and (world.dp, world.dp_rank) == (4, 3)
     world.start()
     assert calls == [("set_device", "cuda:1"), ("group", "nccl"), ("mesh", "cuda", (4,))]
+
+
+@pytest.mark.parametrize("env, want", [
+    pytest.param({}, (0, 1, 0), id="one-process-without-torchrun"),
+    pytest.param({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, (0, 2, 0), id="rank-0-of-2"),
+    pytest.param({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}, (3, 4, 1), id="rank-3-of-4"),
+    pytest.param({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2 is outside WORLD_SIZE=2", id="rank-past-the-world"),
+    pytest.param({"WORLD_SIZE": "2", "RANK": "-1"}, "RANK=-1 is outside WORLD_SIZE=2", id="negative-rank"),
+])
+def test_the_world_read_from_torchruns_environment(monkeypatch, env, want):
+    """``World.from_environment`` on a machine without CUDA: rank, world and local rank from torchrun's
+    variables (one process of rank 0 without them), the CPU as the device; a rank outside the world
+    is refused."""
+    from mixers.training.parallel import World
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=f"^{want}; launch with torchrun$"):
+            World.from_environment(cp=1)
+        return
+    world = World.from_environment(cp=1)
+    assert (world.rank, world.world, world.local_rank) == want and world.device == torch.device("cpu")
