@@ -139,8 +139,14 @@ def _with_support(root: Path, rel: str, text: str, imported: set[str], parsed: d
 
 
 def _naming(root: Path, module: str) -> re.Pattern:
+    """What names ``module`` in a test's text: its dotted path or a public name; for a package's
+    ``__main__.py``, also running the package (``python -m pkg``, ``[sys.executable, "-m", "pkg"]``)."""
     names = public_names(Path(root) / module)
-    return re.compile(r"\b(" + "|".join(map(re.escape, [dotted(module)] + names)) + r")\b")
+    ways = [r"\b(?:" + "|".join(map(re.escape, [dotted(module)] + names)) + r")\b"]
+    if Path(module).name == "__main__.py":
+        package = re.escape(dotted(module).removesuffix(".__main__"))
+        ways.append(r"-m[\"',\s]+" + package + r"(?![\w.])")
+    return re.compile("(" + "|".join(ways) + ")")
 
 
 def _importer_tiers(root: Path, module: str, graph: dict) -> list[list[str]]:

@@ -362,6 +362,25 @@ def test_candidate_tests_reach_a_helper_two_imports_away(tmp_path):
     assert candidate_tests(tmp_path, "ssm_pack/check.py", 8) == ["tests/test_calls.py", "tests/test_op.py"]
 
 
+def test_a_packages_main_is_named_by_the_tests_that_run_the_package(tmp_path):
+    """``pkg/__main__.py`` runs as ``python -m pkg``: a test starting that process names it (as an
+    argument list or a command line); one running ``pkg.sub`` or ``pkgx``, or importing ``pkg`` only,
+    does not."""
+    pkg = tmp_path / "mixers"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cli.py").write_text("def run_cli():\n    return 0\n")
+    (pkg / "__main__.py").write_text("import sys\n\nfrom .cli import run_cli\n\nsys.exit(run_cli())\n")
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_list.py").write_text('import subprocess, sys\nsubprocess.run([sys.executable, "-m", "mixers"])\n')
+    (tests / "test_line.py").write_text('import os\nos.system("python -m mixers report")\n')
+    (tests / "test_sub.py").write_text('import subprocess, sys\nsubprocess.run([sys.executable, "-m", "mixers.sub"])\n')
+    (tests / "test_prefix.py").write_text('import os\nos.system("python -m mixersx")\n')
+    (tests / "test_import.py").write_text("import mixers\n")
+    assert candidate_tests(tmp_path, "mixers/__main__.py", 8) == ["tests/test_line.py", "tests/test_list.py"]
+
+
 def test_candidate_tests_follow_imports_to_the_package_and_resolve_from_package_import_module(tmp_path):
     """``grouped`` -> ``states`` -> ``reference`` -> the package ``__init__`` that re-exports the op: a
     test calling the op through the package is a candidate, three imports away; so is a test that
