@@ -344,21 +344,26 @@ def test_a_survivor_whose_next_files_trace_was_cut_is_budget(tmp_path, monkeypat
     assert "## Cut by the budget" in text and result["mutants"][0]["id"] in text.split("## Cut by the budget")[1]
 
 
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    """``files`` (``{relative path: text}``) written under ``root``, folders made as needed."""
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
 def test_candidate_tests_reach_a_helper_two_imports_away(tmp_path):
     """``check`` is imported by ``_validate``, which ``op`` imports: a test naming only ``op``'s
     public function is a candidate, after one naming ``_validate``'s, and an unrelated test is not."""
-    pkg = tmp_path / "ssm_pack"
-    pkg.mkdir()
-    (pkg / "check.py").write_text("def check_thing(x):\n    return x\n")
-    (pkg / "_validate.py").write_text("from .check import check_thing\n\n\ndef validate_call(x):\n"
-                                      "    return check_thing(x)\n")
-    (pkg / "op.py").write_text("from ._validate import validate_call\n\n\ndef public_op(x):\n"
-                               "    return validate_call(x)\n")
-    tests = tmp_path / "tests"
-    tests.mkdir()
-    (tests / "test_op.py").write_text("from ssm_pack.op import public_op\n")
-    (tests / "test_calls.py").write_text("from ssm_pack._validate import validate_call\n")
-    (tests / "test_other.py").write_text("import torch\n")
+    _tree(tmp_path, {
+        "ssm_pack/check.py": "def check_thing(x):\n    return x\n",
+        "ssm_pack/_validate.py": "from .check import check_thing\n\n\n"
+                                 "def validate_call(x):\n    return check_thing(x)\n",
+        "ssm_pack/op.py": "from ._validate import validate_call\n\n\ndef public_op(x):\n    return validate_call(x)\n",
+        "tests/test_op.py": "from ssm_pack.op import public_op\n",
+        "tests/test_calls.py": "from ssm_pack._validate import validate_call\n",
+        "tests/test_other.py": "import torch\n",
+    })
     assert candidate_tests(tmp_path, "ssm_pack/check.py", 8) == ["tests/test_calls.py", "tests/test_op.py"]
 
 
@@ -366,18 +371,16 @@ def test_a_packages_main_is_named_by_the_tests_that_run_the_package(tmp_path):
     """``pkg/__main__.py`` runs as ``python -m pkg``: a test starting that process names it (as an
     argument list or a command line); one running ``pkg.sub`` or ``pkgx``, or importing ``pkg`` only,
     does not."""
-    pkg = tmp_path / "mixers"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "cli.py").write_text("def run_cli():\n    return 0\n")
-    (pkg / "__main__.py").write_text("import sys\n\nfrom .cli import run_cli\n\nsys.exit(run_cli())\n")
-    tests = tmp_path / "tests"
-    tests.mkdir()
-    (tests / "test_list.py").write_text('import subprocess, sys\nsubprocess.run([sys.executable, "-m", "mixers"])\n')
-    (tests / "test_line.py").write_text('import os\nos.system("python -m mixers report")\n')
-    (tests / "test_sub.py").write_text('import subprocess, sys\nsubprocess.run([sys.executable, "-m", "mixers.sub"])\n')
-    (tests / "test_prefix.py").write_text('import os\nos.system("python -m mixersx")\n')
-    (tests / "test_import.py").write_text("import mixers\n")
+    _tree(tmp_path, {
+        "mixers/__init__.py": "",
+        "mixers/cli.py": "def run_cli():\n    return 0\n",
+        "mixers/__main__.py": "import sys\n\nfrom .cli import run_cli\n\nsys.exit(run_cli())\n",
+        "tests/test_list.py": 'import subprocess, sys\nsubprocess.run([sys.executable, "-m", "mixers"])\n',
+        "tests/test_line.py": 'import os\nos.system("python -m mixers report")\n',
+        "tests/test_sub.py": 'import subprocess, sys\nsubprocess.run([sys.executable, "-m", "mixers.sub"])\n',
+        "tests/test_prefix.py": 'import os\nos.system("python -m mixersx")\n',
+        "tests/test_import.py": "import mixers\n",
+    })
     assert candidate_tests(tmp_path, "mixers/__main__.py", 8) == ["tests/test_line.py", "tests/test_list.py"]
 
 
@@ -385,17 +388,15 @@ def test_candidate_tests_follow_imports_to_the_package_and_resolve_from_package_
     """``grouped`` -> ``states`` -> ``reference`` -> the package ``__init__`` that re-exports the op: a
     test calling the op through the package is a candidate, three imports away; so is a test that
     names the module only as ``from package import module``, one import away; an unrelated test is not."""
-    pkg = tmp_path / "mixers" / "ops"
-    pkg.mkdir(parents=True)
-    (pkg / "grouped.py").write_text("def _bucket(x):\n    return x\n")
-    (pkg / "states.py").write_text("from .grouped import _bucket\n\n\ndef _doc_states(x):\n    return _bucket(x)\n")
-    (pkg / "reference.py").write_text("from .states import _doc_states\n\n\ndef _ref(x):\n    return _doc_states(x)\n")
-    (pkg / "__init__.py").write_text("from .reference import _ref as chunk_scan_op\n")
-    tests = tmp_path / "tests"
-    tests.mkdir()
-    (tests / "test_public.py").write_text("from mixers.ops import chunk_scan_op\n")
-    (tests / "test_module.py").write_text("from mixers.ops import states\n\nstates._doc_states(1)\n")
-    (tests / "test_other.py").write_text("import torch\n")
+    _tree(tmp_path, {
+        "mixers/ops/grouped.py": "def _bucket(x):\n    return x\n",
+        "mixers/ops/states.py": "from .grouped import _bucket\n\n\ndef _doc_states(x):\n    return _bucket(x)\n",
+        "mixers/ops/reference.py": "from .states import _doc_states\n\n\ndef _ref(x):\n    return _doc_states(x)\n",
+        "mixers/ops/__init__.py": "from .reference import _ref as chunk_scan_op\n",
+        "tests/test_public.py": "from mixers.ops import chunk_scan_op\n",
+        "tests/test_module.py": "from mixers.ops import states\n\nstates._doc_states(1)\n",
+        "tests/test_other.py": "import torch\n",
+    })
     assert candidate_tests(tmp_path, "mixers/ops/grouped.py", None) == ["tests/test_module.py", "tests/test_public.py"]
 
 
