@@ -8,9 +8,10 @@ planted in the scratch copy (the working tree is never edited; the copy's file i
 executed its line (:func:`select_tests`), then, if it survives them, against the other tests that
 executed it; survivors and uncovered lines then trace the next candidate files, batch after batch within
 the module budget. Statuses: ``killed`` (a test failed, or the run exceeded its time: a hang counts as
-caught), ``survived`` (every covering test passed, or those the budget left time for),
-``uncovered`` (no test runs the line), ``budget`` (the module's time ran out first, or cut the
-first run short: not counted). Score per module: killed /
+caught), ``survived`` (every test of the traced files that executed its line ran and passed),
+``uncovered`` (no test runs the line), ``budget`` (the module's time ran out first, cut a run short,
+or cut the trace of the first candidate files, so a test it never reached may kill the mutant: not
+counted). Score per module: killed /
 (killed + survived + uncovered). The report (markdown and JSON) goes to a dated file under
 ``mutation-reports/`` (ignored by git).
 """
@@ -199,6 +200,7 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent, only: set[
     wanted = {signatures.get(m.line, m.line) for m in chosen}
     ranked = candidate_tests(repo, module, None)            # parses the product's imports: once per module
     by_line, seconds, files, cut = trace(repo, module, args, pytest_run, wanted, ranked)
+    first_cut = cut
     rows = []
     for mutant in chosen:
         body_line = signatures.get(mutant.line)
@@ -240,6 +242,8 @@ def run_module(repo: Path, module: str, args, pytest_run, equivalent, only: set[
     for row in rows:                # a survivor with candidate files left untraced may yet be killed by one
         if row["status"] in ("survived", "uncovered"):
             row["untraced_files"] = max(len(ranked) - len(files), 0)
+            if first_cut:           # the first files' trace was cut: a test it did not reach may kill it
+                row["status"] = "budget"
     counted = [r for r in rows if r["status"] in ("killed", "survived", "uncovered")]
     killed = sum(r["status"] == "killed" for r in counted)
     return {"module": module, "generated": len(every), "equivalent": len(listed), "sampled": len(chosen),

@@ -459,6 +459,29 @@ def test_a_survivor_whose_other_covering_tests_the_budget_cut_is_budget(tmp_path
     assert rows and all(r["status"] == "budget" and r["tests"] == 13 for r in rows), rows
 
 
+@pytest.mark.parametrize("first_cut, want", [
+    pytest.param(False, "survived", id="first-trace-complete"),
+    pytest.param(True, "budget", id="first-trace-cut"),
+])
+def test_a_survivor_of_a_cut_first_trace_is_budget(tmp_path, monkeypatch, first_cut, want):
+    """The trace of the first candidate files reaches its time limit after a passing test ran line 2,
+    and the next files' trace finds no other: a test of the first files the trace never reached
+    may kill the mutants, so they end "budget" and are not counted; with a complete trace they
+    survive."""
+    import argparse
+
+    from tests.mutation import lane
+    (tmp_path / "m.py").write_text("def f(x):\n    return x + 1\n")
+    monkeypatch.setattr(lane, "trace", lambda *a, **k: ({2: {"a.py::t"}}, {}, ["a.py"], first_cut))
+    monkeypatch.setattr(lane, "candidate_tests", lambda repo, module, limit: ["a.py", "b.py"])
+    monkeypatch.setattr(lane, "_trace_files", lambda repo, module, files, timeout, run: ({}, {}, False))
+    args = argparse.Namespace(max_per_module=None, tests_per_mutant=12, module_budget=100.0, timeout=60.0,
+                              max_test_files=1)
+    result = lane.run_module(tmp_path, "m.py", args, lambda *a, **k: ("passed", "", 0.1), {})
+    assert result["mutants"] and {r["status"] for r in result["mutants"]} == {want}
+    assert result["counted"] == (0 if first_cut else len(result["mutants"]))
+
+
 @pytest.mark.parametrize("budget, traced, untraced", [
     pytest.param(100.0, [["b.py"], ["c.py"]], 0, id="every-candidate-traced"),
     pytest.param(10.0, [], 2, id="budget-ended-first"),       # 10 s: no time left for a next batch
