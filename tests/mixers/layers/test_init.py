@@ -1,6 +1,7 @@
 """The ``dt_bias`` initialisation (``mixers.layers.blocks.init``): ``softplus(dt_bias)`` is
 log-uniform in ``[dt_min, dt_max]`` as mamba and fla draw it, both from the function and from the
-layers users build with their default or configured ranges."""
+layers users build with their default or configured ranges; and the scalar gate's decay rate
+``exp(A_log)`` of GDN and Gated DeltaProduct."""
 
 import math
 
@@ -46,3 +47,17 @@ def test_the_layers_users_build_draw_their_steps_in_range():
     _assert_log_uniform(F.softplus(Mamba1Mixer(config=config).dt_proj.bias.detach()), 0.01, 0.2)
     dt = F.softplus(Mamba2Mixer(64).dt_bias.detach())
     assert dt.min() >= 0.001 * (1 - 1e-5) and dt.max() <= 0.1 * (1 + 1e-5)
+
+
+def test_the_scalar_gate_decay_rate_is_uniform_up_to_16():
+    """GDN's (and Gated DeltaProduct's) ``A = exp(A_log)`` is drawn uniform in ``[1e-3, 16]`` per value
+    head (fla's GatedDeltaNet draws it in ``(0, 16)``; the floor keeps ``log`` finite): over 4096
+    heads every draw lies in the range, both ends are reached within 0.1 (a gap that wide has
+    probability ~exp(-4096 * 0.1 / 16)) and the mean is near 8."""
+    from mixers import GatedDeltaNetMixer
+    torch.manual_seed(0)
+    mixer = GatedDeltaNetMixer(64, head_dim=16, num_heads=4, num_v_heads=4096, expand_v=0.125)
+    a = mixer.A_log.detach().double().exp()
+    assert a.shape == (4096,)
+    assert a.min() >= 1e-3 * (1 - 1e-5) and a.max() <= 16 * (1 + 1e-6), (a.min(), a.max())
+    assert a.min() < 0.1 and a.max() > 15.9 and abs(a.mean().item() - 8.0) < 0.3
